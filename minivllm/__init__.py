@@ -1,0 +1,17 @@
+"""minivllm: a small, readable LLM inference engine that teaches how vLLM-class engines work.
+
+    from minivllm import LLM, SamplingParams
+    llm = LLM("path/to/checkpoint")
+    print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
+"""
+
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.stats import EngineStats
+from minivllm.llm import LLM
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "EngineStats"]
+__version__ = "0.1.0"

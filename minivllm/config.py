@@ -1,0 +1,76 @@
+"""`EngineConfig`: every engine option in one frozen, validated dataclass.
+
+`LLM(...)` keyword arguments become an `EngineConfig`; the engine never reads an option from anywhere
+else. Validation happens in `__post_init__` and every message says what to change. Values that depend
+on the checkpoint (the model's maximum length, its dtype) are resolved by `resolve(...)`, which returns
+a new frozen config rather than mutating this one.
+
+KV-pool sizing when `num_kv_blocks` is None:
+  * CUDA: `gpu_memory_utilization` (default 0.9) of the GPU's *free* memory after the weights are
+    loaded, minus a reserve for activations, is given to the KV cache.
+  * CPU: a fixed byte budget, `cpu_kv_cache_bytes` (default 1 GiB); CPU memory is committed lazily,
+    so an unused pool costs address space, not RAM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 1 << 30
+    # A waiting request passed over this many times for lack of blocks stops admission behind it
+    # until it fits (see Scheduler): the anti-starvation rule.
+    max_admission_skips: int = 8
+    # Tokenizer folder if not beside the weights (e.g. for a GGUF file); None = the model folder.
+    tokenizer: str | None = None
+    # Run one tiny forward at start-up, then gc.freeze() the heap (as ATOM measured).
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} is invalid: it must be a positive integer")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a path to a Hugging Face checkpoint folder")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is invalid: choose one of {_DTYPES}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device={self.device!r} is invalid: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is invalid: choose one of {_BACKENDS}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes",
+                     "max_admission_skips"):
+            positive(name)
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if self.num_kv_blocks is not None:
+            positive("num_kv_blocks")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an integer")
+
+    def replace(self, **changes: object) -> "EngineConfig":
+        """A validated copy with some fields changed (the config itself is never mutated)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,244 @@
+"""`LLMEngine`: the loop that ties the four core classes together.
+
+    add_request ──> Sequence ──> Scheduler.waiting
+    step():  plan     Scheduler.schedule()          which requests, how many tokens each
+             run      ModelRunner.execute_model()   one forward over the flat batch, then sample
+             commit   Scheduler.postprocess()       append tokens, publish cached blocks, stop rules
+                      detokenize + stop strings     -> RequestOutput for what changed
+
+The step is a transaction. `schedule()` reserves blocks (and may preempt), but nothing is final
+until the commit: if the forward pass or the sampler raises, the scheduler and the block manager
+are rolled back to the checkpoint taken before planning, `step()` re-raises, and the next call
+proceeds as if the failed step had never happened (seeded sampling makes the outputs identical).
+A free cached block that the failed step overwrote loses its hash, so a half-written block can
+never be served from the prefix cache.
+
+Requests that can never run (longer than max_model_len, or needing more KV blocks than the whole
+pool) finish at once with finish_reason "error" and a message saying which limit to change.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import time
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from minivllm.config import EngineConfig
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from minivllm.engine.kv_cache import num_kv_blocks_for
+from minivllm.engine.loading import build_model, resolve_device, resolve_dtype
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.scheduler import Scheduler, SchedulerOutput
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.stats import EngineStats
+from minivllm.layers.attention import get_attention_backend
+from minivllm.layers.sampler import noise_seed
+from minivllm.models.hf_config import load_model_spec
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        model_dir = Path(config.model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model folder {config.model!r} does not exist; pass a local Hugging Face "
+                                    "checkpoint folder (config.json + *.safetensors + tokenizer files)")
+        self.spec = spec = load_model_spec(model_dir)
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, spec, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        eos = set(spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.config = config = self._resolve_limits(config)
+        self.model = build_model(spec, model_dir, self.device, self.dtype, config.max_model_len)
+        num_blocks = num_kv_blocks_for(config, spec, self.device, self.dtype)
+        backend = get_attention_backend(config.attention_backend, self.device, spec.num_attention_heads,
+                                        spec.num_key_value_heads, spec.head_dim)
+        self.model_runner = ModelRunner(self.model, spec, backend, num_blocks=num_blocks,
+                                        block_size=config.block_size, dtype=self.dtype, device=self.device,
+                                        eos_token_ids=self.eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+            eos_token_ids=self.eos_token_ids, enable_chunked_prefill=config.enable_chunked_prefill,
+            max_admission_skips=config.max_admission_skips)
+        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step
+        self._arrivals = itertools.count()
+        self._counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, step_time_s=0.0,
+                              forward_time_s=0.0)
+        self._gc_frozen = False
+        if config.warmup:
+            self.model_runner.warmup()
+            gc.collect()
+            gc.freeze()  # long-lived objects (model, tokenizer) leave the GC's scans: shorter pauses
+            self._gc_frozen = True
+            # Also undo it if the engine is simply dropped or the interpreter exits.
+            self._unfreeze = weakref.finalize(self, gc.unfreeze)
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs: Any) -> "LLMEngine":
+        return cls(EngineConfig(model=model, **kwargs))
+
+    def _resolve_limits(self, config: EngineConfig) -> EngineConfig:
+        limit = self.spec.max_position_embeddings
+        if not config.enable_chunked_prefill:
+            limit = min(limit, config.max_num_batched_tokens)
+        if config.max_model_len is None:
+            return config.replace(max_model_len=limit)
+        if config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds {limit} (the model's max_position_embeddings"
+                f"{', or max_num_batched_tokens with chunked prefill off' if not config.enable_chunked_prefill else ''})"
+                "; lower max_model_len")
+        return config
+
+    # --- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return self.tokenize(prompt["prompt"])
+        raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def make_sequence(self, request_id: str, prompt: PromptType,
+                      sampling_params: SamplingParams | None = None) -> Sequence:
+        """Validate a request and build its Sequence without touching engine state."""
+        sp = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
+        vocab = self.spec.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        arrival = next(self._arrivals)
+        seed = sp.seed if sp.seed is not None else noise_seed(self.config.seed, arrival)
+        return Sequence(request_id, ids, sp, prompt=text, arrival_index=arrival, seed=seed)
+
+    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None) -> None:
+        self.enqueue(self.make_sequence(request_id, prompt, sampling_params))
+
+    def enqueue(self, seq: Sequence) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
+        error = self._unservable(seq)
+        if error is not None:
+            seq.finish("error", error=error)
+            self._pending.append(self._output(seq, detok))
+            return
+        self.requests[seq.request_id] = (seq, detok)
+        self.scheduler.add_sequence(seq)
+
+    def _unservable(self, seq: Sequence) -> str | None:
+        cfg, n = self.config, seq.num_prompt_tokens
+        if n >= cfg.max_model_len:
+            return (f"the prompt has {n} tokens but max_model_len={cfg.max_model_len} leaves no room to "
+                    "generate; shorten the prompt or raise max_model_len")
+        max_tokens = seq.sampling_params.max_tokens
+        final_len = cfg.max_model_len if max_tokens is None else min(n + max_tokens, cfg.max_model_len)
+        needed = self.block_manager.blocks_needed(final_len - 1)  # the last token is never computed
+        if needed > self.block_manager.num_blocks:
+            return (f"the request needs {needed} KV blocks ({final_len} tokens) but the pool has only "
+                    f"{self.block_manager.num_blocks}; raise num_kv_blocks (or the KV memory budget), "
+                    "or lower max_tokens")
+        return None
+
+    def abort_request(self, request_id: str | Iterable[str], *, report: bool = True) -> None:
+        """Finish requests with finish_reason "abort" and free their blocks; unless `report` is
+        False, the next `step()` returns their final outputs. Unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            entry = self.requests.pop(rid, None)
+            if entry is None:
+                continue
+            seq, detok = entry
+            self.scheduler.finish(seq, "abort")
+            if report:
+                self._pending.append(self._output(seq, detok))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # --- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if self.scheduler.is_finished():
+            return outputs
+        t0 = time.perf_counter()
+        checkpoint = self.scheduler.checkpoint()
+        plan = self.scheduler.schedule()
+        try:
+            sampled = self.model_runner.execute_model(plan)
+        except BaseException:
+            self.scheduler.rollback(checkpoint, self.model_runner.written_blocks(plan))
+            self._pending = outputs + self._pending
+            raise
+        outputs.extend(self._commit(plan, sampled))
+        c = self._counters
+        c["num_steps"] += 1
+        c["num_prefill_tokens"] += plan.num_prefill_tokens
+        c["num_decode_tokens"] += plan.num_decode_tokens
+        c["forward_time_s"] += self.model_runner.last_forward_s
+        c["step_time_s"] += time.perf_counter() - t0
+        return outputs
+
+    def _commit(self, plan: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
+        outputs = []
+        for seq in self.scheduler.postprocess(plan, sampled):
+            _, detok = self.requests[seq.request_id]
+            sp = seq.sampling_params
+            delta = detok.update(seq.last_token_id)
+            if delta and sp.stop_strings and not seq.is_finished and seq.num_output_tokens > sp.min_tokens:
+                match = find_stop_string(detok.text, len(delta), sp.stop_strings, sp.include_stop_str_in_output)
+                if match is not None:
+                    detok.text = detok.text[:match.truncate_at]
+                    self.scheduler.finish(seq, "stop", match.stop)
+            outputs.append(self._output(seq, detok))
+            if seq.is_finished:
+                del self.requests[seq.request_id]
+        return outputs
+
+    def _output(self, seq: Sequence, detok: IncrementalDetokenizer) -> RequestOutput:
+        completion = CompletionOutput(0, detok.text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
+                             seq.num_cached_tokens, seq.error)
+
+    # --- introspection and shutdown ----------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        bm, c = self.block_manager, self._counters
+        return EngineStats(
+            num_steps=c["num_steps"], num_prefill_tokens=c["num_prefill_tokens"],
+            num_decode_tokens=c["num_decode_tokens"], num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens,
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            step_time_s=c["step_time_s"], forward_time_s=c["forward_time_s"])
+
+    def shutdown(self) -> None:
+        """Abort what is left and undo gc.freeze() (which moved the heap out of the collector's sight)."""
+        self.abort_request(list(self.requests), report=False)
+        self._pending.clear()
+        if self._gc_frozen:
+            self._unfreeze()
+            self._gc_frozen = False

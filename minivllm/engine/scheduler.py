@@ -1,0 +1,245 @@
+"""`Scheduler`: who runs in this step, and how many tokens each.
+
+One step = one forward pass over a flat batch of up to `max_num_batched_tokens` tokens from at most
+`max_num_seqs` requests. Prefill and decode share the batch ("mixed batches"):
+
+  1. RUNNING requests first, oldest first. Each gets the tokens it has not computed yet, capped by
+     the budget: one token for a decode, the next chunk for a request still in (chunked) prefill.
+     If the pool has no block for it, the NEWEST running request is preempted by recompute: its
+     blocks are freed and it goes back to the front of WAITING (its finished blocks stay in the
+     prefix cache, so the recompute is often cheap). The oldest request therefore always progresses.
+  2. WAITING requests are then admitted in order with what is left of the budget, skipping any that
+     does not fit now and carrying on (no head-of-line blocking). With chunked prefill any admitted
+     request may receive a partial chunk, not only the first. Nothing is admitted in a step that
+     preempted (the pool is under pressure).
+
+Starvation: skipping lets small requests overtake a large one. Each time a request is passed over for
+lack of blocks its `num_admission_skips` grows; past `max_admission_skips`, admission stops at that
+request until the running requests free enough blocks for it. The token budget never starves anyone:
+with chunked prefill every request can start with a chunk of whatever budget is left.
+
+Requests that can never run are refused at `add_sequence` by the engine (see `LLMEngine`), so every
+request admitted here fits in the pool on its own and the loop cannot hang.
+
+Mapping onto the small teaching API of MinivLLM's docs (same method names):
+  add_sequence(seq)             -> same
+  schedule() -> (seqs, is_prefill)
+                                -> schedule() -> SchedulerOutput; `is_prefill` is per request
+                                   (`ScheduledSequence.is_prefill`), because one batch mixes both
+  postprocess(seqs, token_ids)  -> postprocess(scheduler_output, token_ids) (None for rows that
+                                   sampled nothing: a prefill chunk that has not reached the end)
+  preempt(seq), is_finished()   -> same
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sequence import Sequence, SequenceStatus
+
+
+class ScheduledSequence(NamedTuple):
+    """One row group of the step: `seq` computes tokens [start, start + num_new_tokens)."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Does this chunk reach the end of the sequence (so its last row's logits are sampled)?"""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return not (self.num_new_tokens == 1 and self.start >= self.seq.num_prompt_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class StopReason(NamedTuple):
+    finish_reason: str  # "stop" | "length"
+    stop_reason: int | str | None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        enable_chunked_prefill: bool = True,
+        max_admission_skips: int = 8,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_admission_skips = max_admission_skips
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
+        self.num_preemptions = 0
+
+    # --- queues --------------------------------------------------------------------------------
+    def add_sequence(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    @property
+    def live_sequences(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    # --- the plan --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. running requests, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_append(seq, n):
+                victim = self.running[-1]  # newest; never one already scheduled (those are older)
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                start = seq.num_computed_tokens
+                bm.append_slots(seq, n)
+                out.scheduled.append(ScheduledSequence(seq, start, n))
+                budget -= n
+                i += 1
+
+        # 2. admit waiting requests with what is left (not under memory pressure).
+        if out.preempted:
+            return out
+        still_waiting: deque[Sequence] = deque()
+        hold = False  # set once a starving request must be served before anyone behind it
+        while self.waiting:
+            seq = self.waiting.popleft()
+            if hold or budget == 0 or len(self.running) >= self.max_num_seqs:
+                still_waiting.append(seq)
+                continue
+            prefix = bm.get_computed_blocks(seq)
+            n = seq.num_tokens - prefix.num_tokens
+            fits_budget = n <= budget or self.enable_chunked_prefill
+            n = min(n, budget)
+            if not fits_budget or not bm.can_allocate(seq, n, prefix):
+                seq.num_admission_skips += 1
+                hold = seq.num_admission_skips > self.max_admission_skips
+                still_waiting.append(seq)
+                continue
+            bm.allocate(seq, n, prefix)
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = prefix.num_tokens
+            seq.status = SequenceStatus.RUNNING
+            seq.num_admission_skips = 0
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, prefix.num_tokens, n))
+            budget -= n
+        self.waiting = still_waiting
+        return out
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the blocks, forget the K/V, back to the front of WAITING."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # --- the commit ------------------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
+        """Commit a successful step: advance computed counts, publish full blocks to the prefix
+        cache, append sampled tokens and apply the token-level stop rules. Returns the sequences
+        that received a token."""
+        assert len(sampled_token_ids) == len(out.scheduled)
+        updated = []
+        for sched, token_id in zip(out.scheduled, sampled_token_ids):
+            seq = sched.seq
+            seq.num_computed_tokens = sched.start + sched.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            updated.append(seq)
+            stop = self.check_stop(seq, token_id)
+            if stop is not None:
+                self.finish(seq, stop.finish_reason, stop.stop_reason)
+        return updated
+
+    def check_stop(self, seq: Sequence, token_id: int) -> StopReason | None:
+        """The token-level stop rules (stop strings need text, so the engine checks those)."""
+        sp = seq.sampling_params
+        if seq.num_output_tokens > sp.min_tokens:  # the sampler masked these ids before that
+            if not sp.ignore_eos and token_id in self.eos_token_ids:
+                return StopReason("stop", None)
+            if token_id in sp.all_stop_token_ids:
+                return StopReason("stop", token_id)
+        if sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens:
+            return StopReason("length", None)
+        if seq.num_tokens >= self.max_model_len:
+            return StopReason("length", None)
+        return None
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: Any = None, error: str | None = None) -> None:
+        """Finish a request (any state) and give its blocks back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason, stop_reason, error)
+
+    # --- transactions ----------------------------------------------------------------------------
+    def checkpoint(self) -> Any:
+        """Everything `schedule()` may change, to undo a step whose forward pass failed."""
+        seqs = self.live_sequences
+        return (
+            list(self.running), deque(self.waiting), self.num_preemptions, self.block_manager.snapshot(),
+            [(s, s.status, s.num_computed_tokens, list(s.block_table), s.num_cached_tokens,
+              s.num_admission_skips) for s in seqs],
+        )
+
+    def rollback(self, checkpoint: Any, written_blocks: set[int] = frozenset()) -> None:
+        running, waiting, self.num_preemptions, bm_snapshot, seq_states = checkpoint
+        self.running, self.waiting = list(running), deque(waiting)
+        self.block_manager.restore(bm_snapshot, written_blocks)
+        for s, status, computed, table, cached, skips in seq_states:
+            s.status, s.num_computed_tokens, s.block_table = status, computed, list(table)
+            s.num_cached_tokens, s.num_admission_skips = cached, skips

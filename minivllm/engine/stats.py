@@ -1,0 +1,34 @@
+"""`EngineStats`: the counters `LLM.get_stats()` returns (a snapshot, not a live view)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_steps: int
+    num_prefill_tokens: int  # tokens computed in prefill chunks (prompts and recomputes)
+    num_decode_tokens: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int  # of which found cached
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    step_time_s: float  # wall time inside step()
+    forward_time_s: float  # of which in the model forward (incl. LM head)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Share of step time spent outside the model forward (scheduling, packing, sampling...)."""
+        return 1.0 - self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+                "overhead_fraction": self.overhead_fraction}

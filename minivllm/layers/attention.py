@@ -1,0 +1,77 @@
+"""Paged attention: the per-step metadata and the small backend interface.
+
+Every step is one flat "varlen" batch: the new tokens of all scheduled requests, back to back.
+
+    tokens       [ a0 a1 a2 a3 | b0 | c0 c1 ]          T = 7 rows, B = 3 requests
+    cu_seqlens_q [0,            4,   5,     7]          request i owns rows cu[i]:cu[i+1]
+    context_lens [4,            9,   6]                 K/V length after this step (cached + new)
+    block_tables [[3, 8, -], [1, 5, 6], [2, 4, -]]      physical blocks, padded with 0 (masked)
+    slot_mapping [48 49 50 51 | 104 | 69 70]             where each row's new K/V is stored
+
+A request's query rows are the *last* `query_len` positions of its context: rows that are decode
+(query_len 1), a prefill chunk, or a chunk after a cached prefix all look the same. Row r of
+request i sits at position `context_len - query_len + r` and may attend to keys 0..that position.
+
+A backend receives q/k/v for the flat batch and the layer's slice of the paged cache, stores the
+new k/v at `slot_mapping`, and returns attention over each request's whole context.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64, flat slot = block * block_size + offset
+    cu_seqlens_q: torch.Tensor  # (B + 1,) int32
+    context_lens: torch.Tensor  # (B,) int32
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
+    query_lens: list[int]  # host copies of the shapes, so backends need not sync with the device
+    context_lens_host: list[int]
+    block_size: int
+    plan: Any = field(default=None)  # backend-specific per-step precomputation (built once a step)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(abc.ABC):
+    """What the model needs from attention. One instance serves every layer."""
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads (GQA)"
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Per-step work shared by all layers (index tensors, masks); stored in `meta.plan`."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, num_heads, head_dim)
+        k: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, num_heads * head_dim)
+        ...
+
+
+def get_attention_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> AttentionBackend:
+    """"auto" is the PyTorch backend on CPU (Triton there runs only in its slow interpreter)."""
+    from minivllm.layers.torch_attention import TorchAttentionBackend
+
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"attention_backend={name!r} is not available in this build; use 'torch' or 'auto'")

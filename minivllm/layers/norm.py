@@ -1,0 +1,22 @@
+"""RMSNorm exactly as HF transformers computes it: normalise in float32, cast back, then scale.
+
+The order matters in fp16/bf16 (scaling before the cast would round differently), and matching it
+is what lets the fp32 and half-precision tests agree with HF.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)

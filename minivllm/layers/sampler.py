@@ -1,0 +1,107 @@
+"""The sampler: every row of a step sampled with its own parameters in one batched call.
+
+    logits (S, V) ──> /temperature ──> top-k ──> top-p ──> min-p ──> argmax(logits + Gumbel noise)
+                   └─ greedy rows (temperature 0) take argmax(logits) directly
+
+Gumbel-max: argmax_i(l_i + g_i) with g_i = -log(E_i), E_i ~ Exp(1), is an exact draw from
+softmax(l); filtered entries are -inf and can never win. Each row's noise comes from its own
+generator seeded by (request seed, token position), so a seeded request draws the same tokens
+whatever else is in the batch, and a recomputed (preempted) request redraws the same ones.
+
+top-p needs a sort of the row; it runs only when some row asks for top-p < 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """Mix (seed, position) into one 64-bit generator seed (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row parameters of the rows sampled in one step."""
+
+    temperatures: torch.Tensor  # (S,) float32; 0 = greedy
+    top_ks: torch.Tensor  # (S,) int64; V = off
+    top_ps: torch.Tensor  # (S,) float32; 1 = off
+    min_ps: torch.Tensor  # (S,) float32; 0 = off
+    seeds: list[int]  # per-row request seed
+    positions: list[int]  # per-row position of the token being drawn
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_params(cls, rows: list[tuple[float, int, float, float, int, int]], vocab_size: int,
+                    device: torch.device) -> "SamplingTensors":
+        """rows: (temperature, top_k, top_p, min_p, seed, position) per sampled row."""
+        temps = [r[0] for r in rows]
+        top_ks = [r[1] if 0 < r[1] < vocab_size else vocab_size for r in rows]
+        top_ps = [r[2] for r in rows]
+        min_ps = [r[3] for r in rows]
+        return cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            seeds=[r[4] for r in rows], positions=[r[5] for r in rows],
+            all_greedy=all(t == 0.0 for t in temps),
+            any_top_k=any(k < vocab_size for k in top_ks),
+            any_top_p=any(p < 1.0 for p in top_ps),
+            any_min_p=any(p > 0.0 for p in min_ps),
+        )
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Filter (S, V) temperature-scaled logits: removed entries become -inf."""
+    if t.any_top_k:
+        max_k = int(t.top_ks.max())
+        top_vals = logits.topk(max_k, dim=-1).values  # (S, max_k), descending
+        kth = top_vals.gather(1, (t.top_ks - 1).clamp(max=max_k - 1)[:, None])  # (S, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if t.any_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
+        drop_sorted = mass_before >= t.top_ps[:, None]  # the first token is never dropped
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if t.any_min_p:
+        probs = logits.softmax(-1)
+        threshold = t.min_ps[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # (S, V) -> (S,)
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if t.all_greedy:
+            return greedy
+        temps = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
+        scaled = apply_top_k_top_p_min_p(logits / temps[:, None], t)
+        gumbel = self.gumbel_noise(t.seeds, t.positions, logits.shape[1], logits.device)  # (S, V)
+        drawn = (scaled + gumbel).argmax(dim=-1)
+        return torch.where(t.temperatures > 0, drawn, greedy)
+
+    @staticmethod
+    def gumbel_noise(seeds: list[int], positions: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+        noise = torch.empty(len(seeds), vocab_size, device=device)
+        gen = torch.Generator(device=device)
+        for row, (seed, pos) in enumerate(zip(seeds, positions)):
+            gen.manual_seed(noise_seed(seed, pos))
+            noise[row].exponential_(generator=gen)
+        return -noise.log()

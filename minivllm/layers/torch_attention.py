@@ -1,0 +1,104 @@
+"""The PyTorch attention backend: paged attention from plain tensor ops + SDPA.
+
+Per layer:
+  1. store the step's new k/v:  k_cache.view(-1, Hkv, D)[slot_mapping] = k
+  2. decode rows (query_len == 1), all at once: gather each request's blocks into a padded
+     (Bd, Hkv, K, D) tensor and run one SDPA with a key-length mask;
+  3. prefill chunks, one request at a time: gather its context from the cache (this is what makes
+     cached prefixes and later chunks correct) and run SDPA with a causal mask shifted by the
+     number of earlier tokens.
+
+GQA without copying K/V: the G = Hq / Hkv query heads sharing a KV head are folded into the query
+length, (T, Hq, D) -> (Hkv, G*T, D), so SDPA sees Hkv heads and K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+
+
+class _Prefill(NamedTuple):
+    row_start: int
+    row_end: int
+    blocks: torch.Tensor  # (num_blocks_used,) physical blocks of this request
+    context_len: int
+    mask: torch.Tensor  # (G * q_len, context_len) bool, True = may attend
+
+
+class _Plan(NamedTuple):
+    all_decode: bool
+    decode_rows: torch.Tensor | None  # (Bd,) token rows that are decodes
+    decode_block_tables: torch.Tensor | None  # (Bd, max_blocks)
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, K) bool
+    prefills: list[_Prefill]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        device = meta.slot_mapping.device
+        G = self.num_heads // self.num_kv_heads
+        bs = meta.block_size
+        cu = [0]
+        for q in meta.query_lens:
+            cu.append(cu[-1] + q)
+        dec = [i for i, q in enumerate(meta.query_lens) if q == 1]
+        decode_rows = decode_tables = decode_mask = None
+        if dec:
+            dec_t = torch.tensor(dec, device=device)
+            max_blocks = -(-max(meta.context_lens_host[i] for i in dec) // bs)
+            decode_tables = meta.block_tables[dec_t, :max_blocks].long()  # (Bd, nb)
+            lens = meta.context_lens[dec_t]  # (Bd,)
+            keys = torch.arange(max_blocks * bs, device=device)
+            decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # (Bd, 1, 1, K)
+            decode_rows = torch.tensor([cu[i] for i in dec], device=device)
+        prefills = []
+        for i, q in enumerate(meta.query_lens):
+            if q == 1:
+                continue
+            ctx = meta.context_lens_host[i]
+            blocks = meta.block_tables[i, : -(-ctx // bs)].long()
+            pos = torch.arange(ctx - q, ctx, device=device)  # absolute positions of the queries
+            causal = torch.arange(ctx, device=device)[None, :] <= pos[:, None]  # (q, ctx)
+            prefills.append(_Prefill(cu[i], cu[i + 1], blocks, ctx, causal.repeat(G, 1)))
+        meta.plan = _Plan(len(dec) == len(meta.query_lens), decode_rows, decode_tables, decode_mask, prefills)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        T = q.shape[0]
+        Hkv, D = self.num_kv_heads, self.head_dim
+        G = self.num_heads // Hkv
+        plan: _Plan = meta.plan
+
+        # --- store new K/V into their slots ---
+        k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
+
+        out = q.new_empty(T, self.num_heads * D)
+        # --- decode rows: one padded SDPA call ---
+        if plan.decode_rows is not None:
+            Bd, nb = plan.decode_block_tables.shape
+            kd = k_cache[plan.decode_block_tables].view(Bd, nb * k_cache.shape[1], Hkv, D).transpose(1, 2)
+            vd = v_cache[plan.decode_block_tables].view(Bd, nb * k_cache.shape[1], Hkv, D).transpose(1, 2)
+            qd = q if plan.all_decode else q[plan.decode_rows]
+            qd = qd.view(Bd, Hkv, G, D)  # the G query heads of a KV head become G "query rows"
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=self.scale)
+            od = od.reshape(Bd, self.num_heads * D)  # (Bd, Hkv, G, D) -> (Bd, Hq*D)
+            if plan.all_decode:
+                return od
+            out.index_copy_(0, plan.decode_rows, od)
+
+        # --- prefill chunks: one SDPA per request, causal mask shifted by the cached prefix ---
+        for p in plan.prefills:
+            n = p.row_end - p.row_start
+            kp = k_cache[p.blocks].view(-1, Hkv, D)[: p.context_len].transpose(0, 1)  # (Hkv, ctx, D)
+            vp = v_cache[p.blocks].view(-1, Hkv, D)[: p.context_len].transpose(0, 1)
+            qp = q[p.row_start:p.row_end].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale)
+            out[p.row_start:p.row_end] = op.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, -1)
+        return out

@@ -1,0 +1,112 @@
+"""`LLM`: the offline API, shaped like vLLM's.
+
+    llm = LLM("path/to/checkpoint")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    print(outs[0].outputs[0].text)
+
+`generate` adds every prompt to the engine, then steps until all are done and returns the outputs in
+input order. All prompts are validated before any is added, so a bad one leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.engine.stats import EngineStats
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
+                                 "pass one SamplingParams or one per prompt")
+            params = sampling_params
+        else:
+            params = [sampling_params] * len(prompts)
+        engine = self.llm_engine
+        seqs = [engine.make_sequence(f"llm-{next(self._ids)}", p, sp) for p, sp in zip(prompts, params)]
+        for seq in seqs:
+            engine.enqueue(seq)
+        order = {seq.request_id: i for i, seq in enumerate(seqs)}
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError("this tokenizer has no chat template; use generate() with a plain prompt")
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, first = time.perf_counter(), engine.get_stats()
+        try:
+            while any(r is None for r in results):
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+                if use_tqdm:
+                    now, elapsed = engine.get_stats(), max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(
+                        f"prefill {(now.num_prefill_tokens - first.num_prefill_tokens) / elapsed:.0f} tok/s, "
+                        f"decode {(now.num_decode_tokens - first.num_decode_tokens) / elapsed:.0f} tok/s",
+                        refresh=False)
+        except BaseException:
+            engine.abort_request([rid for rid in order if rid in engine.requests], report=False)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def get_stats(self) -> EngineStats:
+        return self.llm_engine.get_stats()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,112 @@
+"""The decoder shared by Llama, Qwen2 and Qwen3, written for a flat varlen batch.
+
+    input_ids (T,) -> embed -> [ RMSNorm -> attention -> +residual -> RMSNorm -> MLP -> +residual ] x L
+                   -> RMSNorm -> hidden (T, H);   logits only for the rows that are sampled
+
+The three families differ in two switches read from config.json (see `ModelSpec`):
+  * Qwen2: bias on the q/k/v projections (`attention_bias`);
+  * Qwen3: RMSNorm over each head of q and k before RoPE (`qk_norm`).
+Weights are packed as vLLM packs them: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj`
+(one matmul instead of three or two); the loader slices the checkpoint's tensors into them.
+There is no batch dimension and no padding: tokens of all requests are rows of one matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.norm import RMSNorm
+from minivllm.layers.rotary import RotaryEmbedding
+from minivllm.models.hf_config import ModelSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+
+    def forward(self, positions, x, kv_cache, meta, rotary: RotaryEmbedding, backend: AttentionBackend):
+        s = self.spec
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = q.view(T, s.num_attention_heads, s.head_dim)  # (T, Hq, D)
+        k = k.view(T, s.num_key_value_heads, s.head_dim)  # (T, Hkv, D)
+        v = v.view(T, s.num_key_value_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # (T, Hq*D)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, positions, h, kv_cache, meta, rotary, backend):
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, rotary, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Qwen2 and Qwen3 (their switches live in `spec`)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
+
+    def init_rotary(self, max_position: int, device: torch.device) -> None:
+        self.rotary = RotaryEmbedding(self.spec.head_dim, max_position, self.spec.rope, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer: (2, num_blocks, block_size, Hkv, D)
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # (T, hidden)
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(positions, h, kv_cache, meta, self.rotary, backend)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, V)
+        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        return hidden @ weight.t()

@@ -1,0 +1,87 @@
+"""Load a Hugging Face safetensors checkpoint (single file or sharded) into a minivllm model.
+
+The checkpoint stores q/k/v and gate/up separately; our model packs them. `PACKED_MODULES` says
+which checkpoint tensor goes to which slice of which packed parameter:
+
+    q_proj  -> qkv_proj rows [0, q_size)                 gate_proj -> gate_up_proj rows [0, I)
+    k_proj  -> qkv_proj rows [q_size, q_size + kv_size)  up_proj   -> gate_up_proj rows [I, 2I)
+    v_proj  -> qkv_proj rows [q_size + kv_size, end)
+
+Every parameter must be filled completely, or loading fails naming what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from minivllm.models.hf_config import ModelSpec
+
+PACKED_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _shard_bounds(spec: ModelSpec, packed: str, index: int, out_rows: int) -> tuple[int, int]:
+    if packed == "qkv_proj":
+        sizes = [spec.q_size, spec.kv_size, spec.kv_size]
+    else:
+        sizes = [out_rows // 2, out_rows // 2]
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir}: shards listed in the index are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no *.safetensors weights")
+    return files
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path) -> None:
+    model_dir = Path(model_dir)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}  # rows written, per parameter
+    for path in safetensors_files(model_dir):
+        try:
+            f = safe_open(str(path), framework="pt")
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"cannot read {path}: {e} (the checkpoint is corrupt or incomplete)") from e
+        for name in f.keys():
+            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and spec.tie_word_embeddings):
+                continue
+            target, rows = name, None
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in PACKED_MODULES:
+                packed, index = PACKED_MODULES[parts[-2]]
+                target = ".".join(parts[:-2] + [packed, parts[-1]])
+            if target not in params:
+                raise ValueError(f"{path.name}: unexpected tensor {name!r} for {spec.architecture}; "
+                                 "is config.json from the same checkpoint?")
+            param = params[target]
+            tensor = f.get_tensor(name)
+            if rows is None and target != name:
+                rows = _shard_bounds(spec, packed, index, param.shape[0])
+            dest = param.data if rows is None else param.data[rows[0]:rows[1]]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"{path.name}: {name} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(dest.shape)}; config.json and the weights disagree")
+            dest.copy_(tensor)
+            filled[target] += dest.shape[0] if dest.dim() else 1
+    missing = [n for n, p in params.items() if filled[n] < (p.shape[0] if p.dim() else 1)]
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint lacks weights for {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''} (corrupt or truncated checkpoint)")

@@ -1,0 +1,76 @@
+"""Tiny random HF checkpoints for tests and benchmarks, built offline in a temp folder.
+
+A seeded `Qwen3Config` / `Qwen2Config` / `LlamaConfig` model is saved with `save_pretrained`, next to
+a small byte-level BPE tokenizer trained with `tokenizers` on a few sentences, and a chat template.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3Config)
+
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "A scheduler decides which requests run in each step of the engine.",
+    "Continuous batching lets new requests join while others decode.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "def add(a, b):\n    return a + b\n",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+] * 4
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+FAMILIES = {
+    "qwen3": (Qwen3Config, dict(head_dim=16)),
+    "qwen2": (Qwen2Config, dict()),
+    "llama": (LlamaConfig, dict()),
+}
+
+
+def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(path: str | Path, family: str = "qwen3", *, vocab_size: int = 384, hidden_size: int = 64,
+                    num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                    tie_word_embeddings: bool = False, seed: int = 0, rope_scaling: dict | None = None,
+                    max_position_embeddings: int = 512, **extra) -> Path:
+    path = Path(path)
+    config_cls, defaults = FAMILIES[family]
+    tokenizer = make_tokenizer(vocab_size)
+    kwargs = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
+                  max_position_embeddings=max_position_embeddings, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=None, pad_token_id=tokenizer.pad_token_id, **defaults, **extra)
+    if rope_scaling is not None:
+        kwargs["rope_parameters"] = rope_scaling
+    config = config_cls(**kwargs)
+    config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; widen it so logits are not all near-ties
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
