@@ -45,6 +45,15 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def flush(self) -> str:
+        """At the end of a request: release text held back waiting for more bytes (as U+FFFD)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
 
 def find_stop_string(text: str, new_chars: int, stops: tuple[str, ...], include: bool) -> StopMatch | None:
     """The earliest stop string that the last `new_chars` characters of `text` completed."""

@@ -78,7 +78,8 @@ class LLMEngine:
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
         self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step
         self._arrivals = itertools.count()
-        self._counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, step_time_s=0.0,
+        self._counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, num_mixed_steps=0,
+                              step_time_s=0.0,
                               forward_time_s=0.0)
         self._gc_frozen = False
         if config.warmup:
@@ -199,6 +200,7 @@ class LLMEngine:
         c["num_steps"] += 1
         c["num_prefill_tokens"] += plan.num_prefill_tokens
         c["num_decode_tokens"] += plan.num_decode_tokens
+        c["num_mixed_steps"] += bool(plan.num_prefill_tokens and plan.num_decode_tokens)
         c["forward_time_s"] += self.model_runner.last_forward_s
         c["step_time_s"] += time.perf_counter() - t0
         return outputs
@@ -214,6 +216,8 @@ class LLMEngine:
                 if match is not None:
                     detok.text = detok.text[:match.truncate_at]
                     self.scheduler.finish(seq, "stop", match.stop)
+            elif seq.is_finished:
+                detok.flush()
             outputs.append(self._output(seq, detok))
             if seq.is_finished:
                 del self.requests[seq.request_id]
@@ -229,7 +233,8 @@ class LLMEngine:
         bm, c = self.block_manager, self._counters
         return EngineStats(
             num_steps=c["num_steps"], num_prefill_tokens=c["num_prefill_tokens"],
-            num_decode_tokens=c["num_decode_tokens"], num_preemptions=self.scheduler.num_preemptions,
+            num_decode_tokens=c["num_decode_tokens"], num_mixed_steps=c["num_mixed_steps"],
+            num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens,
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

@@ -10,6 +10,7 @@ class EngineStats:
     num_steps: int
     num_prefill_tokens: int  # tokens computed in prefill chunks (prompts and recomputes)
     num_decode_tokens: int
+    num_mixed_steps: int  # steps whose batch held both prefill chunks and decodes
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int  # of which found cached

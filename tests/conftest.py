@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random checkpoints of each family, built once per session, offline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import functools  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import make_tiny_model  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# name -> make_tiny_model kwargs: every family, GQA and MHA, tied and untied, llama3 RoPE scaling.
+MODEL_VARIANTS = {
+    "qwen3": dict(family="qwen3"),
+    "qwen2": dict(family="qwen2"),
+    "llama": dict(family="llama"),
+    "llama_mha_tied_llama3": dict(family="llama", num_kv_heads=4, tie_word_embeddings=True,
+                                  rope_scaling={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 64}),
+}
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    @functools.cache
+    def make(name: str) -> str:
+        return str(make_tiny_model(tmp_path_factory.mktemp(name), **MODEL_VARIANTS[name]))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(model_factory) -> str:
+    return model_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def hf_factory(model_factory):
+    """The HF transformers model for a variant, fp32, eval mode (cached)."""
+    from transformers import AutoModelForCausalLM
+
+    @functools.cache
+    def load(name: str):
+        return AutoModelForCausalLM.from_pretrained(model_factory(name), dtype=torch.float32).eval()
+
+    return load

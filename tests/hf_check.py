@@ -1,0 +1,26 @@
+"""Teacher-forced comparison against HF transformers.
+
+Greedy text of a random model repeats itself, so comparing strings proves little. Instead we feed
+prompt + generated tokens to the HF model once and require every generated token to be an argmax of
+HF's logits at its position, within `tol` (near-ties may legitimately flip).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def assert_hf_greedy(hf_model, prompt_ids: list[int], output_ids: list[int], tol: float = 1e-3) -> None:
+    assert output_ids, "nothing was generated"
+    ids = torch.tensor([list(prompt_ids) + list(output_ids)])
+    logits = hf_model(ids).logits[0].float()  # (L, V)
+    for j, tok in enumerate(output_ids):
+        row = logits[len(prompt_ids) - 1 + j]
+        gap = float(row.max() - row[tok])
+        assert gap <= tol, f"output token {j} ({tok}) is {gap:.2e} below HF's argmax {int(row.argmax())}"
+
+
+@torch.no_grad()
+def hf_next_token_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([ids])).logits[0, -1].float()
