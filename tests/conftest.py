@@ -8,14 +8,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import functools  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import make_tiny_model  # noqa: E402
+from minivllm.testing import make_tiny_model  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

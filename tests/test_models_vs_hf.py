@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from hf_check import assert_hf_greedy
+from helpers import assert_hf_greedy, varied_prompts
 from minivllm import LLM, SamplingParams
 
 FAMILIES = ["qwen3", "qwen2", "llama", "llama_mha_tied_llama3"]
-
-
-def varied_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """Lengths 1, around block boundaries (block_size 4) and longer than the token budget."""
-    rng = random.Random(seed)
-    lengths = [1, 3, 4, 5, 8, 9, 17, 40, 70][:n]
-    return [[rng.randrange(3, vocab) for _ in range(L)] for L in lengths]
 
 
 def check_all(llm: LLM, hf, prompts, outputs) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.sampler import Sampler, SamplingTensors
-from test_models_vs_hf import varied_prompts
+from helpers import varied_prompts
 
 
 def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, SamplingParams
-from test_models_vs_hf import varied_prompts
+from helpers import varied_prompts
 
 
 class Boom(RuntimeError):

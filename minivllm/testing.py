@@ -1,7 +1,9 @@
-"""Tiny random HF checkpoints for tests and benchmarks, built offline in a temp folder.
+"""Random checkpoints for tests, benchmarks and notebooks, built offline in a folder.
 
 A seeded `Qwen3Config` / `Qwen2Config` / `LlamaConfig` model is saved with `save_pretrained`, next to
 a small byte-level BPE tokenizer trained with `tokenizers` on a few sentences, and a chat template.
+Random weights say nothing about language; they are for checking the engine against HF transformers
+and for timing it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""Teacher-forced comparison against HF transformers.
+"""Test helpers: prompts of awkward lengths, and the teacher-forced comparison against HF.
 
-Greedy text of a random model repeats itself, so comparing strings proves little. Instead we feed
+The comparison: greedy text of a random model repeats itself, so comparing strings proves little.
+Instead we feed
 prompt + generated tokens to the HF model once and require every generated token to be an argmax of
 HF's logits at its position, within `tol` (near-ties may legitimately flip).
 """
 
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -24,3 +27,10 @@ def assert_hf_greedy(hf_model, prompt_ids: list[int], output_ids: list[int], tol
 @torch.no_grad()
 def hf_next_token_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def varied_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Lengths 1, around block boundaries (block_size 4) and longer than the token budget."""
+    rng = random.Random(seed)
+    lengths = [1, 3, 4, 5, 8, 9, 17, 40, 70][:n]
+    return [[rng.randrange(3, vocab) for _ in range(L)] for L in lengths]
