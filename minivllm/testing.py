@@ -60,7 +60,7 @@ def make_tiny_model(path: str | Path, family: str = "qwen3", *, vocab_size: int 
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                   intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
                   max_position_embeddings=max_position_embeddings, eos_token_id=tokenizer.eos_token_id,
-                  bos_token_id=None, pad_token_id=tokenizer.pad_token_id, **defaults, **extra)
+                  bos_token_id=None, pad_token_id=tokenizer.pad_token_id, **{**defaults, **extra})
     if rope_scaling is not None:
         kwargs["rope_parameters"] = rope_scaling
     config = config_cls(**kwargs)

@@ -1,9 +1,8 @@
 """Test helpers: prompts of awkward lengths, and the teacher-forced comparison against HF.
 
 The comparison: greedy text of a random model repeats itself, so comparing strings proves little.
-Instead we feed
-prompt + generated tokens to the HF model once and require every generated token to be an argmax of
-HF's logits at its position, within `tol` (near-ties may legitimately flip).
+Instead we feed prompt + generated tokens to the HF model once and require every generated token to
+be an argmax of HF's logits at its position, within `tol` (near-ties may legitimately flip).
 """
 
 from __future__ import annotations

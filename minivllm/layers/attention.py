@@ -60,8 +60,7 @@ class AttentionBackend(abc.ABC):
         q: torch.Tensor,  # (T, num_heads, head_dim)
         k: torch.Tensor,  # (T, num_kv_heads, head_dim)
         v: torch.Tensor,  # (T, num_kv_heads, head_dim)
-        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-        v_cache: torch.Tensor,
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim): keys, values
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, num_heads * head_dim)
         ...

@@ -69,12 +69,14 @@ class TorchAttentionBackend(AttentionBackend):
             prefills.append(_Prefill(cu[i], cu[i + 1], blocks, ctx, causal.repeat(G, 1)))
         meta.plan = _Plan(len(dec) == len(meta.query_lens), decode_rows, decode_tables, decode_mask, prefills)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = q.shape[0]
         Hkv, D = self.num_kv_heads, self.head_dim
         G = self.num_heads // Hkv
         plan: _Plan = meta.plan
 
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, Hkv, D) each
+        bs = k_cache.shape[1]
         # --- store new K/V into their slots ---
         k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
@@ -83,8 +85,9 @@ class TorchAttentionBackend(AttentionBackend):
         # --- decode rows: one padded SDPA call ---
         if plan.decode_rows is not None:
             Bd, nb = plan.decode_block_tables.shape
-            kd = k_cache[plan.decode_block_tables].view(Bd, nb * k_cache.shape[1], Hkv, D).transpose(1, 2)
-            vd = v_cache[plan.decode_block_tables].view(Bd, nb * k_cache.shape[1], Hkv, D).transpose(1, 2)
+            # One gather for K and V: (2, Bd, nb, bs, Hkv, D) -> (2, Bd, Hkv, nb*bs, D)
+            kvd = kv_cache[:, plan.decode_block_tables].view(2, Bd, nb * bs, Hkv, D).transpose(2, 3)
+            kd, vd = kvd[0], kvd[1]
             qd = q if plan.all_decode else q[plan.decode_rows]
             qd = qd.view(Bd, Hkv, G, D)  # the G query heads of a KV head become G "query rows"
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=self.scale)
@@ -96,8 +99,8 @@ class TorchAttentionBackend(AttentionBackend):
         # --- prefill chunks: one SDPA per request, causal mask shifted by the cached prefix ---
         for p in plan.prefills:
             n = p.row_end - p.row_start
-            kp = k_cache[p.blocks].view(-1, Hkv, D)[: p.context_len].transpose(0, 1)  # (Hkv, ctx, D)
-            vp = v_cache[p.blocks].view(-1, Hkv, D)[: p.context_len].transpose(0, 1)
+            kvp = kv_cache[:, p.blocks].view(2, -1, Hkv, D)[:, : p.context_len].transpose(1, 2)
+            kp, vp = kvp[0], kvp[1]  # (Hkv, ctx, D) each
             qp = q[p.row_start:p.row_end].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale)
             out[p.row_start:p.row_end] = op.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, -1)

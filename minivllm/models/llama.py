@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.linear import Linear, linear
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.models.hf_config import ModelSpec
@@ -27,8 +28,8 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
+        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias)
+        self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=False)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -43,7 +44,7 @@ class Attention(nn.Module):
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # (T, Hq*D)
+        o = backend.forward(q, k, v, kv_cache, meta)  # (T, Hq*D)
         return self.o_proj(o)
 
 
@@ -51,8 +52,8 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
@@ -88,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.model = DecoderModel(spec)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
@@ -109,4 +110,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, V)
         weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        return hidden @ weight.t()
+        return linear(hidden, weight)
