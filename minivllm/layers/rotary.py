@@ -38,7 +38,8 @@ def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:  # (head_dim /
 
 
 class RotaryEmbedding:
-    """Holds the (max_position, head_dim) cos and sin tables; applies them by position."""
+    """Holds the (max_position, head_dim) cos and sin tables. A step looks up its positions once
+    (`lookup`) and every layer applies the result (`apply_rotary`)."""
 
     def __init__(self, head_dim: int, max_position: int, rope: RopeSpec, device: torch.device) -> None:
         inv_freq = rope_inv_freq(head_dim, rope).to(device)
@@ -47,11 +48,15 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_position, head_dim)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions (T,), q (T, Hq, D), k (T, Hkv, D)
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions (T,) -> cos, sin (T, 1, D), broadcast over heads
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin  # q (T, Hq, D), k (T, Hkv, D)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

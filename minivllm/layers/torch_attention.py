@@ -34,7 +34,7 @@ class _Plan(NamedTuple):
     all_decode: bool
     decode_rows: torch.Tensor | None  # (Bd,) token rows that are decodes
     decode_block_tables: torch.Tensor | None  # (Bd, max_blocks)
-    decode_mask: torch.Tensor | None  # (Bd, 1, 1, K) bool
+    decode_mask: torch.Tensor | int | None  # (Bd, 1, 1, K) bool, or the one shared context length
     prefills: list[_Prefill]
 
 
@@ -54,9 +54,13 @@ class TorchAttentionBackend(AttentionBackend):
             dec_t = torch.tensor(dec, device=device)
             max_blocks = -(-max(meta.context_lens_host[i] for i in dec) // bs)
             decode_tables = meta.block_tables[dec_t, :max_blocks].long()  # (Bd, nb)
-            lens = meta.context_lens[dec_t]  # (Bd,)
-            keys = torch.arange(max_blocks * bs, device=device)
-            decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # (Bd, 1, 1, K)
+            lens_host = [meta.context_lens_host[i] for i in dec]
+            if min(lens_host) == max(lens_host):  # e.g. a single stream: slice, no mask needed
+                decode_mask = lens_host[0]
+            else:
+                lens = meta.context_lens[dec_t]  # (Bd,)
+                keys = torch.arange(max_blocks * bs, device=device)
+                decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # (Bd, 1, 1, K)
             decode_rows = torch.tensor([cu[i] for i in dec], device=device)
         prefills = []
         for i, q in enumerate(meta.query_lens):
@@ -86,11 +90,15 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.decode_rows is not None:
             Bd, nb = plan.decode_block_tables.shape
             # One gather for K and V: (2, Bd, nb, bs, Hkv, D) -> (2, Bd, Hkv, nb*bs, D)
-            kvd = kv_cache[:, plan.decode_block_tables].view(2, Bd, nb * bs, Hkv, D).transpose(2, 3)
+            kvd = kv_cache.index_select(1, plan.decode_block_tables.view(-1))  # index_select: ~3x faster
+            kvd = kvd.view(2, Bd, nb * bs, Hkv, D).transpose(2, 3)  # than kv_cache[:, tables] on CPU
             kd, vd = kvd[0], kvd[1]
+            mask = plan.decode_mask
+            if isinstance(mask, int):  # every row has the same context: cut the padding instead
+                kd, vd, mask = kd[:, :, :mask], vd[:, :, :mask], None
             qd = q if plan.all_decode else q[plan.decode_rows]
             qd = qd.view(Bd, Hkv, G, D)  # the G query heads of a KV head become G "query rows"
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=self.scale)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
             od = od.reshape(Bd, self.num_heads * D)  # (Bd, Hkv, G, D) -> (Bd, Hq*D)
             if plan.all_decode:
                 return od
@@ -99,7 +107,7 @@ class TorchAttentionBackend(AttentionBackend):
         # --- prefill chunks: one SDPA per request, causal mask shifted by the cached prefix ---
         for p in plan.prefills:
             n = p.row_end - p.row_start
-            kvp = kv_cache[:, p.blocks].view(2, -1, Hkv, D)[:, : p.context_len].transpose(1, 2)
+            kvp = kv_cache.index_select(1, p.blocks).view(2, -1, Hkv, D)[:, : p.context_len].transpose(1, 2)
             kp, vp = kvp[0], kvp[1]  # (Hkv, ctx, D) each
             qp = q[p.row_start:p.row_end].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale)

@@ -20,7 +20,7 @@ from torch import nn
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear import Linear, linear
 from minivllm.layers.norm import RMSNorm
-from minivllm.layers.rotary import RotaryEmbedding
+from minivllm.layers.rotary import RotaryEmbedding, apply_rotary
 from minivllm.models.hf_config import ModelSpec
 
 
@@ -34,7 +34,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, meta, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def forward(self, cos_sin, x, kv_cache, meta, backend: AttentionBackend):
         s = self.spec
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
@@ -43,7 +43,7 @@ class Attention(nn.Module):
         v = v.view(T, s.num_key_value_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         o = backend.forward(q, k, v, kv_cache, meta)  # (T, Hq*D)
         return self.o_proj(o)
 
@@ -68,8 +68,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, positions, h, kv_cache, meta, rotary, backend):
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, rotary, backend)
+    def forward(self, cos_sin, h, kv_cache, meta, backend):
+        h = h + self.self_attn(cos_sin, self.input_layernorm(h), kv_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -104,8 +104,9 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # (T, hidden)
         h = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions, h.dtype)  # once per step, shared by all layers
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta, self.rotary, backend)
+            h = layer(cos_sin, h, kv_cache, meta, backend)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, V)
