@@ -1,6 +1,6 @@
 """`LLM`: the offline API, shaped like vLLM's.
 
-    llm = LLM("path/to/checkpoint")
+    llm = LLM()                      # the default model; or LLM("path/to/checkpoint")
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     print(outs[0].outputs[0].text)
 
@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.stats import EngineStats
+from minivllm.model_source import resolve_model
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -26,8 +27,10 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`model`: a checkpoint folder, a .gguf file, a hub id, or None for the default model
+        (see `model_source.resolve_model`); the keyword arguments are `EngineConfig`'s fields."""
+        self.llm_engine = LLMEngine(EngineConfig(model=resolve_model(model), **kwargs))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

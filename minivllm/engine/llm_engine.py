@@ -224,7 +224,12 @@ class LLMEngine:
         return outputs
 
     def _output(self, seq: Sequence, detok: IncrementalDetokenizer) -> RequestOutput:
-        completion = CompletionOutput(0, detok.text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
+        text = detok.text
+        stops = seq.sampling_params.stop_strings
+        if stops and not seq.is_finished:
+            # Hold back what could be the start of a stop string, so streamed text never shrinks.
+            text = text[:max(0, len(text) - max(map(len, stops)) + 1)]
+        completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
                              seq.num_cached_tokens, seq.error)
 

@@ -1,0 +1,151 @@
+"""Benchmarks: minivllm against HF transformers on the same model and workload, in one process.
+
+`throughput` (the core-engine workload): a random ~30M-parameter Qwen3 in fp32 (or --model), 32
+requests, prompts of 16-128 tokens and outputs of 8-128 tokens (uniform, seeded), greedy, EOS
+ignored so every system does the same work. tok/s count the generated tokens that were asked for.
+  * minivllm        LLM.generate over all requests (continuous batching, paged KV)
+  * HF generate     one static batch, left-padded; it runs until the longest output is done
+  * HF continuous   transformers' own continuous batching (`init_continuous_batching`), with each
+                    request's own max_new_tokens
+Each system first runs a warm-up workload of the same shape with other tokens. Also printed: the
+share of minivllm's step time spent outside the model forward.
+
+`single_stream`: one request, 64 new tokens, batch 1, on the default model (SmolLM2-135M) unless
+--model: local chat speed, minivllm against HF `generate`.
+
+    minivllm bench [--num-requests 32] [--no-hf-cb] [--model PATH]
+    minivllm bench --single-stream [--model PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from minivllm import LLM, SamplingParams
+from minivllm.testing import make_tiny_model
+
+BENCH_MODEL = dict(family="qwen3", vocab_size=32000, hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2,
+                   head_dim=64, intermediate_size=1536, tie_word_embeddings=True, max_position_embeddings=1024)
+
+
+def workload(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(16, 128))] for _ in range(n)]
+    outputs = [rng.randint(8, 128) for _ in range(n)]
+    return prompts, outputs
+
+
+def _greedy(outputs: list[int]) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+
+
+def run_minivllm(llm: LLM, prompts, outputs, warmup) -> tuple[float, dict]:
+    llm.generate([{"prompt_token_ids": p} for p in warmup[0]], _greedy(warmup[1]), use_tqdm=False)
+    before = llm.get_stats()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(outputs), use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    assert [len(o.outputs[0].token_ids) for o in outs] == outputs
+    after = llm.get_stats()
+    step = after.step_time_s - before.step_time_s
+    fwd = after.forward_time_s - before.forward_time_s
+    return elapsed, {"steps": after.num_steps - before.num_steps, "overhead": 1 - fwd / step,
+                     "outside_step": 1 - step / elapsed}
+
+
+@torch.inference_mode()
+def run_hf_generate(model, prompts, outputs, warmup=None) -> float:
+    if warmup is not None:
+        run_hf_generate(model, *warmup)
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    cfg = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=None, pad_token_id=0)
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=mask, generation_config=cfg)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def run_hf_continuous(model, prompts, outputs) -> float:
+    cfg = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    t0 = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=600) as manager:
+        ids = [manager.add_request(p, max_new_tokens=m) for p, m in zip(prompts, outputs)]
+        done = 0
+        while done < len(ids):
+            result = manager.get_result(timeout=600)
+            if result is not None and result.is_finished():
+                done += 1
+    return time.perf_counter() - t0
+
+
+def throughput(model: str | None = None, num_requests: int = 32, hf_cb: bool = True, hf: bool = True) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model or str(make_tiny_model(tmp, **BENCH_MODEL))
+        llm = LLM(path, dtype="float32", device="cpu")
+        spec = llm.llm_engine.spec
+        prompts, outputs = workload(num_requests, spec.vocab_size)
+        warmup = workload(num_requests, spec.vocab_size, seed=1)  # same shape, other tokens: no cache hits
+        tokens = sum(outputs)
+        params = sum(p.numel() for p in llm.llm_engine.model.parameters()) / 1e6
+        print(f"model: {spec.architecture} {params:.1f}M params, fp32, {torch.get_num_threads()} threads; "
+              f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {tokens} output tokens")
+        t_mini, info = run_minivllm(llm, prompts, outputs, warmup)
+        llm.shutdown()
+        result = {"minivllm_tok_s": tokens / t_mini, "overhead": info["overhead"]}
+        print(f"minivllm        {tokens / t_mini:8.1f} tok/s  ({t_mini:.2f} s, {info['steps']} steps; "
+              f"{100 * info['overhead']:.1f}% of step time outside the model forward, "
+              f"{100 * info['outside_step']:.1f}% of wall time outside step())")
+        if not hf:
+            return result
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        t_gen = run_hf_generate(hf_model, prompts, outputs, warmup)
+        result["vs_hf_generate"] = t_gen / t_mini
+        print(f"HF generate     {tokens / t_gen:8.1f} tok/s  ({t_gen:.2f} s)   minivllm is {t_gen / t_mini:.2f}x")
+        if hf_cb:
+            t_cb = run_hf_continuous(hf_model, prompts, outputs)
+            result["vs_hf_continuous"] = t_cb / t_mini
+            print(f"HF continuous   {tokens / t_cb:8.1f} tok/s  ({t_cb:.2f} s)   minivllm is {t_cb / t_mini:.2f}x")
+        return result
+
+
+def single_stream(model: str | None = None, new_tokens: int = 64, hf: bool = True,
+                  prompt: str = "The capital of France is") -> dict:
+    llm = LLM(model, dtype="float32", device="cpu")
+    path = llm.llm_engine.config.model
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    llm.generate(prompt, sp, use_tqdm=False)
+    t_mini = time.perf_counter() - t0
+    llm.shutdown()
+    print(f"single stream, batch 1, {new_tokens} new tokens, fp32, {torch.get_num_threads()} threads")
+    print(f"minivllm        {new_tokens / t_mini:6.1f} tok/s")
+    result = {"minivllm_tok_s": new_tokens / t_mini}
+    if hf:
+        tok = AutoTokenizer.from_pretrained(path)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ids = tok(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            kw = dict(do_sample=False, pad_token_id=tok.pad_token_id or 0)
+            hf_model.generate(**ids, max_new_tokens=8, **kw)  # warm-up
+            t0 = time.perf_counter()
+            hf_model.generate(**ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            t_hf = time.perf_counter() - t0
+        result["vs_hf_generate"] = t_hf / t_mini
+        print(f"HF generate     {new_tokens / t_hf:6.1f} tok/s   minivllm is {t_hf / t_mini:.2f}x")
+    return result
+
+
+def set_threads(threads: int | None) -> None:
+    torch.set_num_threads(threads or min(2, os.cpu_count() or 1))

