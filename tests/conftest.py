@@ -12,6 +12,11 @@ import functools  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU, Triton kernels run in its interpreter, which must be chosen before any kernel is
+# defined (i.e. before minivllm.kernels is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from minivllm.testing import make_tiny_model  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -7,34 +7,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.sampler import Sampler, SamplingTensors
-from helpers import varied_prompts
-
-
-def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                          min_p: float) -> torch.Tensor:
-    """A plain re-derivation, one filter at a time, renormalising after each."""
-    p = torch.softmax(logits / temperature, -1)
-    if top_k > 0:
-        keep = torch.zeros_like(p, dtype=torch.bool)
-        keep[p.topk(top_k).indices] = True
-        p = torch.where(keep, p, 0.0)
-        p = p / p.sum()
-    if top_p < 1.0:
-        order = p.argsort(descending=True)
-        kept, mass = [], 0.0
-        for i in order.tolist():
-            kept.append(i)
-            mass += float(p[i])
-            if mass >= top_p:
-                break
-        mask = torch.zeros_like(p, dtype=torch.bool)
-        mask[kept] = True
-        p = torch.where(mask, p, 0.0)
-        p = p / p.sum()
-    if min_p > 0.0:
-        p = torch.where(p >= min_p * p.max(), p, 0.0)
-        p = p / p.sum()
-    return p
+from helpers import expected_distribution, varied_prompts
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [

@@ -65,7 +65,7 @@ class LLMEngine:
         self.model = build_model(spec, model_dir, self.device, self.dtype, config.max_model_len)
         num_blocks = num_kv_blocks_for(config, spec, self.device, self.dtype)
         backend = get_attention_backend(config.attention_backend, self.device, spec.num_attention_heads,
-                                        spec.num_key_value_heads, spec.head_dim)
+                                        spec.num_key_value_heads, spec.head_dim, config.block_size)
         self.model_runner = ModelRunner(self.model, spec, backend, num_blocks=num_blocks,
                                         block_size=config.block_size, dtype=self.dtype, device=self.device,
                                         eos_token_ids=self.eos_token_ids)

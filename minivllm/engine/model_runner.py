@@ -29,7 +29,7 @@ from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
-from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
 from minivllm.models.hf_config import ModelSpec
 
 
@@ -53,7 +53,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))  # per layer (2, num_blocks, bs, Hkv, D)
-        self.sampler = Sampler()
+        self.sampler = TritonSampler() if backend.name == "triton" else Sampler()
         self.last_forward_s = 0.0  # time of the latest model forward + LM head (for overhead stats)
 
     # --- 1. pack ---------------------------------------------------------------------------------

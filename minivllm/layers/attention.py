@@ -67,10 +67,14 @@ class AttentionBackend(abc.ABC):
 
 
 def get_attention_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> AttentionBackend:
-    """"auto" is the PyTorch backend on CPU (Triton there runs only in its slow interpreter)."""
+                          head_dim: int, block_size: int) -> AttentionBackend:
+    """"auto" is Triton on CUDA and PyTorch on CPU (where Triton runs only in its slow interpreter)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from minivllm.layers.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, device, block_size)
     from minivllm.layers.torch_attention import TorchAttentionBackend
 
-    if name in ("auto", "torch"):
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"attention_backend={name!r} is not available in this build; use 'torch' or 'auto'")
+    return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)

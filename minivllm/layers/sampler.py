@@ -86,6 +86,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
 
 
 class Sampler:
+    """The PyTorch sampler (torch.Generator noise per row)."""
+
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # (S, V) -> (S,)
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
@@ -105,3 +107,14 @@ class Sampler:
             gen.manual_seed(noise_seed(seed, pos))
             noise[row].exponential_(generator=gen)
         return -noise.log()
+
+
+class TritonSampler:
+    """The same contract through `kernels/sampling.py` (bisection cut-offs, Philox Gumbel noise)."""
+
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # (S, V) -> (S,)
+        from minivllm.kernels.sampling import triton_sample
+
+        if t.all_greedy:
+            return logits.argmax(dim=-1)
+        return triton_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.seeds, t.positions)

@@ -1,0 +1,133 @@
+"""Split-KV decode ("flash-decoding"): long contexts, few decode rows.
+
+With one query row per request, the paged-attention kernel runs one program per (request, head):
+too few programs to fill a GPU when there are few requests, each walking a long context alone.
+Flash-decoding cuts every context into NUM_SPLITS ranges of KV blocks, computes each range's
+partial attention in its own program, then merges the partials exactly using each one's
+log-sum-exp:
+
+    context blocks   [b0 b1 b2 b3 | b4 b5 b6 b7 | b8 b9]        NUM_SPLITS = 3
+                        split 0       split 1      split 2
+                          |             |            |
+    pass 1:           (o0, lse0)    (o1, lse1)   (o2, lse2)      o_s = softmax-weighted V over
+                          \\            |            /            the split's keys, lse_s = log Σ exp(s)
+    pass 2 (merge):   m = max_s lse_s;  w_s = exp(lse_s - m);   o = Σ w_s o_s / Σ w_s
+
+Grid: pass 1 (num_decode_rows, num_q_heads, NUM_SPLITS); pass 2 (num_decode_rows, num_q_heads).
+One pass-1 program: one query row, one head, one range of blocks, with a scalar online softmax
+(one row cannot use tl.dot, which needs 16 rows, so scores are elementwise products summed over D).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def naive_split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                          num_splits: int) -> torch.Tensor:
+    """Reference that follows the same two passes in PyTorch. q: (Bd, Hq, D), one row per request."""
+    Bd, Hq, D = q.shape
+    Hkv, B = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty_like(q)
+    for i in range(Bd):
+        ctx = int(context_lens[i])
+        nblocks = -(-ctx // B)
+        per = -(-nblocks // num_splits)
+        partial, lses = [], []
+        for s in range(num_splits):
+            lo, hi = s * per * B, min((s + 1) * per * B, ctx)
+            if lo >= hi:
+                continue
+            blocks = block_tables[i, s * per: -(-hi // B)].long()
+            k = k_cache[blocks].reshape(-1, Hkv, D)[: hi - lo].float().repeat_interleave(Hq // Hkv, 1)
+            v = v_cache[blocks].reshape(-1, Hkv, D)[: hi - lo].float().repeat_interleave(Hq // Hkv, 1)
+            scores = torch.einsum("hd,khd->hk", q[i].float(), k) * scale  # (Hq, keys)
+            lses.append(torch.logsumexp(scores, -1))  # (Hq,)
+            partial.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
+        lse = torch.stack(lses)  # (splits, Hq)
+        w = torch.exp(lse - lse.max(0).values).unsqueeze(-1)  # (splits, Hq, 1)
+        out[i] = ((w * torch.stack(partial)).sum(0) / w.sum(0)).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _split_kv_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, ctx_ptr, part_out_ptr, part_lse_ptr,
+                     scale, stride_bt, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    # --- this split's range of KV blocks ---
+    ctx = tl.load(ctx_ptr + row)
+    num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
+    per_split = tl.cdiv(num_blocks, NUM_SPLITS)
+    j_lo = split * per_split
+    j_hi = tl.minimum(j_lo + per_split, num_blocks)
+    d = tl.arange(0, HEAD_DIM_P)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, mask=d_ok, other=0.0).to(tl.float32)
+    slots = tl.arange(0, BLOCK_SIZE)
+    # --- online softmax over the range (scalars m, l; vector acc) ---
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros((HEAD_DIM_P,), tl.float32)
+    for j in range(j_lo, j_hi):
+        phys = tl.load(block_tables_ptr + row * stride_bt + j).to(tl.int64)
+        kv_offs = ((phys * BLOCK_SIZE + slots)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=d_ok[None, :], other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + kv_offs, mask=d_ok[None, :], other=0.0).to(tl.float32)
+        s = tl.sum(q[None, :] * k, 1) * scale  # (BLOCK_SIZE,)
+        s = tl.where(j * BLOCK_SIZE + slots < ctx, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        m_i = m_new
+    # --- partial result and its log-sum-exp (an empty split gets lse = -inf, weight 0) ---
+    base = (row * NUM_HEADS + head) * NUM_SPLITS + split
+    tl.store(part_out_ptr + base * HEAD_DIM + d, acc / tl.where(l_i == 0.0, 1.0, l_i), mask=d_ok)
+    tl.store(part_lse_ptr + base, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))))
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr, NUM_SPLITS_P: tl.constexpr,
+                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    # --- weights from the log-sum-exps ---
+    s = tl.arange(0, NUM_SPLITS_P)
+    base = (row * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))  # (splits,)
+    # --- weighted sum of the partial outputs ---
+    d = tl.arange(0, HEAD_DIM_P)
+    d_ok = d < HEAD_DIM
+    parts = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=(s < NUM_SPLITS)[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float, num_splits: int) -> torch.Tensor:
+    """q: (Bd, Hq, D), one decode row per request (block_tables/context_lens rows match q's)."""
+    Bd, Hq, D = q.shape
+    B, Hkv = k_cache.shape[1], k_cache.shape[2]
+    part_out = torch.empty(Bd, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(Bd, Hq, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    dp = max(16, triton.next_power_of_2(D))
+    _split_kv_kernel[(Bd, Hq, num_splits)](
+        q.contiguous(), k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
+        block_tables.stride(0), NUM_SPLITS=num_splits, NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D,
+        HEAD_DIM_P=dp, BLOCK_SIZE=B)
+    _merge_kernel[(Bd, Hq)](part_out, part_lse, out, NUM_SPLITS=num_splits,
+                            NUM_SPLITS_P=max(2, triton.next_power_of_2(num_splits)), NUM_HEADS=Hq,
+                            HEAD_DIM=D, HEAD_DIM_P=dp)
+    return out

@@ -1,0 +1,28 @@
+"""Random paged-KV batches for the kernel tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def make_batch(query_lens, context_lens, Hq, Hkv, D, block_size, dtype, seed=0):
+    """Random paged caches and a batch whose request i has context_lens[i] tokens, the last
+    query_lens[i] of them queried now (the earlier ones are a cached prefix / earlier chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = list(range(num_blocks))
+    rng.shuffle(order)  # scattered physical blocks
+    width = max(blocks_per_seq)
+    tables, used = [], 0
+    for n in blocks_per_seq:
+        tables.append(order[used:used + n] + [0] * (width - n))
+        used += n
+    k_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g).to(dtype)
+    q = torch.randn(sum(query_lens), Hq, D, generator=g).to(dtype)
+    cu = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
+    return q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), cu, torch.tensor(context_lens, dtype=torch.int32)
