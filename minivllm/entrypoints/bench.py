@@ -120,28 +120,38 @@ def throughput(model: str | None = None, num_requests: int = 32, hf_cb: bool = T
 
 
 def single_stream(model: str | None = None, new_tokens: int = 64, hf: bool = True,
-                  prompt: str = "The capital of France is") -> dict:
-    llm = LLM(model, dtype="float32", device="cpu")
+                  prompt: str = "The capital of France is", repeats: int = 3) -> dict:
+    """Each system: one warm-up generation of the same length (another prompt), then the median of
+    `repeats` timed runs (prefix caching is switched off so every run computes its prompt)."""
+    llm = LLM(model, dtype="float32", device="cpu", enable_prefix_caching=False)
     path = llm.llm_engine.config.model
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    llm.generate(prompt, sp, use_tqdm=False)
-    t_mini = time.perf_counter() - t0
+    llm.generate("Once upon a time", sp, use_tqdm=False)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate(prompt, sp, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    t_mini = sorted(times)[len(times) // 2]
     llm.shutdown()
-    print(f"single stream, batch 1, {new_tokens} new tokens, fp32, {torch.get_num_threads()} threads")
+    print(f"single stream, batch 1, {new_tokens} new tokens, fp32, {torch.get_num_threads()} threads, "
+          f"median of {repeats}")
     print(f"minivllm        {new_tokens / t_mini:6.1f} tok/s")
     result = {"minivllm_tok_s": new_tokens / t_mini}
     if hf:
         tok = AutoTokenizer.from_pretrained(path)
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        ids = tok(prompt, return_tensors="pt")
+        kw = dict(do_sample=False, pad_token_id=tok.pad_token_id or 0, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens)
+        times = []
         with torch.inference_mode():
-            kw = dict(do_sample=False, pad_token_id=tok.pad_token_id or 0)
-            hf_model.generate(**ids, max_new_tokens=8, **kw)  # warm-up
-            t0 = time.perf_counter()
-            hf_model.generate(**ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-            t_hf = time.perf_counter() - t0
+            hf_model.generate(**tok("Once upon a time", return_tensors="pt"), **kw)  # warm-up
+            ids = tok(prompt, return_tensors="pt")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                hf_model.generate(**ids, **kw)
+                times.append(time.perf_counter() - t0)
+        t_hf = sorted(times)[len(times) // 2]
         result["vs_hf_generate"] = t_hf / t_mini
         print(f"HF generate     {new_tokens / t_hf:6.1f} tok/s   minivllm is {t_hf / t_mini:.2f}x")
     return result
