@@ -73,6 +73,29 @@ def _unsortable(key):
 
 
 @triton.jit
+def _largest_key_reaching(base, V, inv_t, hi_x, lo, target, BY_MASS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Bisection on keys: the largest T with measure(x: key(x) >= T) >= target, where the measure
+    counts tokens (top-k) or sums exp(x - max) (top-p). Invariant: measure(lo) >= target > measure(hi)."""
+    hi = _sortable(hi_x).to(tl.int64) + 1
+    while lo + 1 < hi:
+        mid = lo + (hi - lo) // 2
+        measure = 0.0
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
+            above = (_sortable(x).to(tl.int64) >= mid) & (offs < V)
+            if BY_MASS:
+                measure += tl.sum(tl.where(above, tl.exp(x - hi_x), 0.0), 0)
+            else:
+                measure += tl.sum(above.to(tl.float32), 0)
+        if measure >= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
 def _threshold_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, cutoff_ptr, V, stride,
                       BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
@@ -93,20 +116,8 @@ def _threshold_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, cut
     cut_key = _sortable(lo_x)  # keep everything
     # --- top-k: the largest key with count(key >= T) >= k ---
     if (top_k > 0) & (top_k < V):
-        lo = cut_key.to(tl.int64)
-        hi = _sortable(hi_x).to(tl.int64) + 1
-        while lo + 1 < hi:
-            mid = lo + (hi - lo) // 2
-            count = 0
-            for start in range(0, V, BLOCK_V):
-                offs = start + tl.arange(0, BLOCK_V)
-                x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
-                count += tl.sum(((_sortable(x).to(tl.int64) >= mid) & (offs < V)).to(tl.int32), 0)
-            if count >= top_k:
-                lo = mid
-            else:
-                hi = mid
-        cut_key = lo.to(tl.int32)
+        cut_key = _largest_key_reaching(base, V, inv_t, hi_x, cut_key.to(tl.int64), top_k.to(tl.float32),
+                                        False, BLOCK_V).to(tl.int32)
     # --- top-p: the largest key whose tokens hold top_p of the mass left after top-k ---
     if top_p < 1.0:
         total = 0.0
@@ -114,20 +125,8 @@ def _threshold_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, cut
             offs = start + tl.arange(0, BLOCK_V)
             x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
             total += tl.sum(tl.where(_sortable(x) >= cut_key, tl.exp(x - hi_x), 0.0), 0)
-        lo = cut_key.to(tl.int64)
-        hi = _sortable(hi_x).to(tl.int64) + 1
-        while lo + 1 < hi:
-            mid = lo + (hi - lo) // 2
-            mass = 0.0
-            for start in range(0, V, BLOCK_V):
-                offs = start + tl.arange(0, BLOCK_V)
-                x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
-                mass += tl.sum(tl.where(_sortable(x).to(tl.int64) >= mid, tl.exp(x - hi_x), 0.0), 0)
-            if mass >= top_p * total:
-                lo = mid
-            else:
-                hi = mid
-        cut_key = lo.to(tl.int32)
+        cut_key = _largest_key_reaching(base, V, inv_t, hi_x, cut_key.to(tl.int64), top_p * total,
+                                        True, BLOCK_V).to(tl.int32)
     # --- min-p, and the combined cut-off ---
     cutoff = _unsortable(cut_key)
     if min_p > 0.0:
