@@ -5,13 +5,15 @@
     print(outs[0].outputs[0].text)
 
 `generate` adds every prompt to the engine, then steps until all are done and returns the outputs in
-input order. All prompts are validated before any is added, so a bad one leaves the engine as it was.
+input order. `generate_stream` yields outputs as they grow instead (streaming without a server).
+All prompts are validated before any is added, so a bad one leaves the engine as it was.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -42,6 +44,32 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        return self._run(self._add(prompts, sampling_params), use_tqdm)
+
+    def generate_stream(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Streaming, offline: run the prompts as one batch and yield `(prompt index, output)` every
+        time a request gains text or finishes (outputs are cumulative; interleaved across prompts).
+        Stopping the iteration early aborts what is still running."""
+        order = self._add(prompts, sampling_params)
+        remaining = set(order)
+        try:
+            while remaining:
+                for out in self.llm_engine.step():
+                    if out.request_id in remaining:
+                        if out.finished:
+                            remaining.discard(out.request_id)
+                        yield order[out.request_id], out
+        finally:
+            if remaining:
+                self.llm_engine.abort_request(list(remaining), report=False)
+
+    def _add(self, prompts: PromptType | list[PromptType],
+             sampling_params: SamplingParams | list[SamplingParams] | None) -> dict[str, int]:
+        """Validate every prompt, then enqueue them all: request id -> prompt index."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if isinstance(sampling_params, list):
@@ -55,8 +83,7 @@ class LLM:
         seqs = [engine.make_sequence(f"llm-{next(self._ids)}", p, sp) for p, sp in zip(prompts, params)]
         for seq in seqs:
             engine.enqueue(seq)
-        order = {seq.request_id: i for i, seq in enumerate(seqs)}
-        return self._run(order, use_tqdm)
+        return {seq.request_id: i for i, seq in enumerate(seqs)}
 
     def chat(
         self,

@@ -141,7 +141,7 @@ class LLMEngine:
 
     def enqueue(self, seq: Sequence) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
-        error = self._unservable(seq)
+        error = self.unservable_reason(seq)
         if error is not None:
             seq.finish("error", error=error)
             self._pending.append(self._output(seq, detok))
@@ -149,7 +149,8 @@ class LLMEngine:
         self.requests[seq.request_id] = (seq, detok)
         self.scheduler.add_sequence(seq)
 
-    def _unservable(self, seq: Sequence) -> str | None:
+    def unservable_reason(self, seq: Sequence) -> str | None:
+        """Which limit makes this request impossible to run, and what to change; None if it fits."""
         cfg, n = self.config, seq.num_prompt_tokens
         if n >= cfg.max_model_len:
             return (f"the prompt has {n} tokens but max_model_len={cfg.max_model_len} leaves no room to "

@@ -3,6 +3,7 @@
     minivllm generate "The capital of France is"     stream a completion (default model: SmolLM2)
     minivllm generate --chat "Who are you?"           the prompt as a chat message
     minivllm chat [--verbose]                         an interactive chat (/reset, /exit)
+    minivllm serve [--port 8000]                      an OpenAI-compatible server on 127.0.0.1
     minivllm bench [--single-stream]                  the benchmarks against HF transformers
 
 Errors are printed as one line (`minivllm: error: ...`) with exit status 1.
@@ -53,6 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
     chat.add_argument("--verbose", "-v", action="store_true", help="show prompt, cached and generated tokens per turn")
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                           description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                                       "/metrics. Binds to loopback unless --host says otherwise.")
+    _model_arg(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--max-num-seqs", type=int, default=128)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--num-kv-blocks", type=int, default=None)
+    serve.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--no-chunked-prefill", action="store_true")
+    serve.add_argument("--seed", type=int, default=0)
+
     bench = sub.add_parser("bench", help="throughput benchmarks against HF transformers",
                            description="Run minivllm and HF transformers on the same model and workload.")
     bench.add_argument("--model", "-m", default=None,
@@ -76,20 +94,15 @@ def _load(args: argparse.Namespace):
     return LLM(args.model, dtype=args.dtype, device=args.device)
 
 
-def stream(engine, prompts: list, sp: SamplingParams) -> Iterator[tuple[int, str, object]]:
-    """Run prompts as one batch; yield (index, new text, output) in prompt order as text arrives."""
-    ids = [f"cli-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    seqs = [engine.make_sequence(rid, p, sp) for rid, p in zip(ids, prompts)]
-    for seq in seqs:
-        engine.enqueue(seq)
-    latest: dict[str, object] = {}
+def stream(llm, prompts: list, sp: SamplingParams) -> Iterator[tuple[int, str, object]]:
+    """Yield (prompt index, new text, output) in prompt order: the first prompt streams live while
+    the others run in the same batch and are shown, caught up, when their turn comes."""
+    latest: dict[int, object] = {}
     shown, current = 0, 0
-    while current < len(ids):
-        if engine.has_unfinished_requests():
-            for out in engine.step():
-                latest[out.request_id] = out
-        while current < len(ids) and ids[current] in latest:
-            out = latest[ids[current]]
+    for i, out in llm.generate_stream(prompts, sp):
+        latest[i] = out
+        while current in latest:
+            out = latest[current]
             text = out.outputs[0].text
             yield current, text[shown:], out
             shown = len(text)
@@ -107,7 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                    for t in (tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                      add_generation_prompt=True) for p in args.prompts)]
     last = -1
-    for i, delta, out in stream(llm.llm_engine, prompts, _sampling(args)):
+    for i, delta, out in stream(llm, prompts, _sampling(args)):
         if i != last:
             if i > 0:
                 print()
@@ -147,7 +160,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         prompt = {"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids}
         print("assistant> ", end="", flush=True)
         t0, out = time.perf_counter(), None
-        for _, delta, out in stream(llm.llm_engine, [prompt], _sampling(args)):
+        for _, delta, out in stream(llm, [prompt], _sampling(args)):
             print(delta, end="", flush=True)
         print(flush=True)
         reply = out.outputs[0]
@@ -156,6 +169,17 @@ def cmd_chat(args: argparse.Namespace) -> None:
             n = len(reply.token_ids)
             print(f"[{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens} cached, {n} generated, "
                   f"{n / (time.perf_counter() - t0):.1f} tok/s]", flush=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from minivllm.entrypoints.openai.server import run_server
+
+    run_server(args.model, args.host, args.port, args.served_model_name, dtype=args.dtype, device=args.device,
+               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
+               enable_prefix_caching=not args.no_prefix_caching,
+               enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -174,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     from minivllm.model_source import ModelUnavailableError
 
     try:
-        {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}[args.command](args)
+        {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
     except KeyboardInterrupt:
         print("\nminivllm: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,172 @@
+"""The OpenAI-compatible server, started for real on a free loopback port, driven by the official
+`openai` client and by httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.entrypoints.openai.loadgen import percentile, run_load
+
+MODEL = "tiny-qwen3"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--model", qwen3_dir, "--port", str(port),
+         "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+    else:
+        proc.kill()
+        raise RuntimeError("server did not start")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_dir):
+    return LLM(qwen3_dir, num_kv_blocks=64, max_model_len=256)
+
+
+def greedy_text(llm: LLM, prompt, max_tokens: int) -> str:
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0].outputs[0].text
+
+
+def chat_prompt(llm: LLM, messages) -> dict:
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return {"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids}
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def test_completion_equals_offline_generate(client, offline):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.choices[0].text == greedy_text(offline, "The capital of France is", 8)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    stream = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_completion_prompt_forms(client, offline):
+    ids = offline.get_tokenizer()("Hello world").input_ids
+    r = client.completions.create(model=MODEL, prompt=["Hello world", "Paged attention"], max_tokens=4, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == r.choices[0].text
+
+
+def test_chat_completion_equals_offline_generate(client, offline):
+    messages = [{"role": "user", "content": "What is paged attention?"}]
+    expected = greedy_text(offline, chat_prompt(offline, messages), 10)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)
+    assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_extras_and_seed(client):
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=6, temperature=1.0, seed=7,
+              extra_body={"top_k": 20, "min_p": 0.05, "ignore_eos": True})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "n": 2}, 400, "n > 1"),
+    ({"prompt": "word " * 400}, 400, "max_model_len"),
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": [1, 99999]}, 400, "vocabulary"),
+    ({"max_tokens": 3}, 422, "prompt"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, needle):
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_malformed_json_and_server_keeps_serving(server, client):
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "not valid JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=2).choices[0].text is not None
+
+
+def metrics(server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_load_with_disconnects_frees_every_block(server, offline, capsys):
+    prompts = [f"Tell me fact number {i} about the sea." for i in range(32)]
+    results, elapsed = asyncio.run(run_load(server, prompts, max_tokens=24, disconnect_every=4, timeout_s=240))
+    completed = [r for r in results if not r.disconnected]
+    assert len(completed) == 24 and len(results) - len(completed) == 8
+    for r in completed:  # intact: ended properly and equal to the offline greedy text
+        assert r.done and r.finish_reason in ("stop", "length")
+        messages = [{"role": "user", "content": prompts[r.index]}]
+        assert r.text == greedy_text(offline, chat_prompt(offline, messages), 24)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        m = metrics(server)
+        if m["minivllm:num_requests_running"] == m["minivllm:num_requests_waiting"] == 0 \
+                and m["minivllm:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["minivllm:kv_cache_usage_perc"] == 0.0, "KV blocks leaked after disconnects"
+    assert m["minivllm:num_requests_running"] == 0 and m["minivllm:num_requests_waiting"] == 0
+    assert m["minivllm:time_to_first_token_seconds_count"] >= 24
+    assert httpx.get(f"{server}/health").status_code == 200
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    with capsys.disabled():
+        print(f"\n[load] 32 streams (8 hung up) in {elapsed:.2f} s = {len(results) / elapsed:.1f} req/s; "
+              f"TTFT p50 {1e3 * percentile(ttfts, 50):.0f} ms, p99 {1e3 * percentile(ttfts, 99):.0f} ms")
