@@ -44,6 +44,8 @@ class EngineConfig:
     tokenizer: str | None = None
     # Run one tiny forward at start-up, then gc.freeze() the heap (as ATOM measured).
     warmup: bool = True
+    # Keep a per-step StepTrace (engine/trace.py) for pictures and teaching; costs a copy per step.
+    record_trace: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

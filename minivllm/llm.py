@@ -16,11 +16,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.stats import EngineStats
+from minivllm.engine.trace import StepTrace
 from minivllm.model_source import resolve_model
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -131,6 +132,12 @@ class LLM:
 
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
+
+    def get_trace(self) -> list[StepTrace]:
+        """Per-step records (needs `LLM(..., record_trace=True)`); see engine/trace.py."""
+        if not self.llm_engine.config.record_trace:
+            raise ValueError("no trace is recorded: create the LLM with record_trace=True")
+        return list(self.llm_engine.trace)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

@@ -73,8 +73,16 @@ def make_tiny_model(path: str | Path, family: str = "qwen3", *, vocab_size: int 
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" noise in notebooks and tests
+    try:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return path
 
 

@@ -38,6 +38,7 @@ from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stats import EngineStats
+from minivllm.engine.trace import StepTrace, record_step
 from minivllm.layers.attention import get_attention_backend
 from minivllm.layers.sampler import noise_seed
 from minivllm.models.hf_config import load_model_spec
@@ -81,6 +82,7 @@ class LLMEngine:
         self._counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, num_mixed_steps=0,
                               step_time_s=0.0,
                               forward_time_s=0.0)
+        self.trace: list[StepTrace] = []  # filled when config.record_trace
         self._gc_frozen = False
         if config.warmup:
             self.model_runner.warmup()
@@ -196,7 +198,11 @@ class LLMEngine:
             self.scheduler.rollback(checkpoint, self.model_runner.written_blocks(plan))
             self._pending = outputs + self._pending
             raise
-        outputs.extend(self._commit(plan, sampled))
+        committed = self._commit(plan, sampled)
+        outputs.extend(committed)
+        if self.config.record_trace:
+            done = [o.request_id for o in committed if o.finished]
+            self.trace.append(record_step(self._counters["num_steps"], plan, self.scheduler, done))
         c = self._counters
         c["num_steps"] += 1
         c["num_prefill_tokens"] += plan.num_prefill_tokens

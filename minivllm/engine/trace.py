@@ -1,0 +1,53 @@
+"""A per-step record of what the engine did, for pictures and teaching (`EngineConfig.record_trace`).
+
+Each `StepTrace` says which requests ran in the step and how (prefill chunk or decode, which token
+range), who was preempted or finished, and the KV pool afterwards: every live request's block table
+and which blocks are free or cached. The notebooks draw scheduler timelines and block maps from it
+(see `minivllm/viz.py`). Recording copies the block tables every step, so it is off by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from minivllm.engine.scheduler import Scheduler, SchedulerOutput
+
+
+class ScheduledTrace(NamedTuple):
+    request_id: str
+    start: int  # first position computed this step
+    num_new_tokens: int
+    is_prefill: bool
+    sampled: bool
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    step: int
+    scheduled: tuple[ScheduledTrace, ...]
+    preempted: tuple[str, ...]
+    finished: tuple[str, ...]
+    block_tables: dict[str, tuple[int, ...]]  # live requests after the step
+    free_blocks: tuple[int, ...]  # in LRU order (the next to be reused first)
+    cached_blocks: frozenset[int]  # blocks findable in the prefix cache (owned or free)
+    num_total_blocks: int
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def record_step(step: int, plan: SchedulerOutput, scheduler: Scheduler, finished: list[str]) -> StepTrace:
+    bm = scheduler.block_manager
+    return StepTrace(
+        step=step,
+        scheduled=tuple(ScheduledTrace(s.seq.request_id, s.start, s.num_new_tokens, s.is_prefill, s.samples)
+                        for s in plan.scheduled),
+        preempted=tuple(s.request_id for s in plan.preempted),
+        finished=tuple(finished),
+        block_tables={s.request_id: tuple(s.block_table) for s in scheduler.live_sequences if s.block_table},
+        free_blocks=tuple(bm.free_blocks),
+        cached_blocks=frozenset(bm.hash_to_block.values()),
+        num_total_blocks=bm.num_blocks,
+    )

@@ -1,0 +1,71 @@
+"""Reference solutions to the notebook exercises (kept out of the notebooks on purpose)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def is_decode(start, num_new_tokens, num_prompt_tokens):
+    return num_new_tokens == 1 and start >= num_prompt_tokens
+
+
+def blocks_needed(num_tokens, block_size):
+    return (num_tokens + block_size - 1) // block_size
+
+
+def slot(position, block_table, block_size):
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def cacheable_tokens(prompt_len, block_size):
+    return (prompt_len - 1) // block_size * block_size
+
+
+def plan_step(running_uncomputed, waiting_lens, budget):
+    out = []
+    for n in running_uncomputed + waiting_lens:
+        if budget == 0:
+            break
+        out.append(min(n, budget))
+        budget -= out[-1]
+    return out
+
+
+def can_ever_run(prompt_len, max_tokens, num_blocks, block_size, max_model_len):
+    if prompt_len >= max_model_len:
+        return False
+    final = min(prompt_len + max_tokens, max_model_len)
+    return blocks_needed(final - 1, block_size) <= num_blocks
+
+
+def logits_indices(query_lens, samples):
+    ends = torch.tensor(query_lens).cumsum(0) - 1
+    return [int(e) for e, s in zip(ends, samples) if s]
+
+
+def causal_mask(q_len, ctx_len):
+    return torch.arange(ctx_len)[None, :] <= torch.arange(ctx_len - q_len, ctx_len)[:, None]
+
+
+def top_p_keep(probs, top_p):
+    p, order = probs.sort(descending=True)
+    keep_sorted = (p.cumsum(0) - p) < top_p
+    return torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
+
+
+def min_p_keep(probs, min_p):
+    return probs >= min_p * probs.max()
+
+
+def overhead_fraction(step_time_s, forward_time_s):
+    return 1 - forward_time_s / step_time_s
+
+
+def sse_text(lines):
+    text = ""
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+    return text
