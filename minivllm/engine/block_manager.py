@@ -38,7 +38,8 @@ class PrefixMatch(NamedTuple):
 
 class _Snapshot(NamedTuple):
     ref_counts: list[int]
-    free_blocks: OrderedDict
+    free_stamp: list[int]
+    clock: int
     block_hash: list[int | None]
     hash_to_block: dict[int, int]
     stats: tuple[int, int]
@@ -52,6 +53,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts: list[int] = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # When each block last joined the free queue: the queue is always in stamp order, so a
+        # snapshot copies this list instead of the (10x slower to copy) OrderedDict.
+        self.free_stamp: list[int] = list(range(num_blocks))
+        self._clock = num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks  # hash of a full, computed block
         self.hash_to_block: dict[int, int] = {}  # the findable copy of each cached prefix block
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
@@ -120,6 +125,8 @@ class BlockManager:
             assert self.ref_counts[b] >= 0
             if self.ref_counts[b] == 0:
                 self.free_blocks[b] = None
+                self.free_stamp[b] = self._clock
+                self._clock += 1
         seq.block_table = []
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -153,14 +160,16 @@ class BlockManager:
 
     # --- transactions --------------------------------------------------------------------------
     def snapshot(self) -> _Snapshot:
-        return _Snapshot(list(self.ref_counts), self.free_blocks.copy(), list(self.block_hash),
+        return _Snapshot(list(self.ref_counts), list(self.free_stamp), self._clock, list(self.block_hash),
                          dict(self.hash_to_block), (self.num_queried_tokens, self.num_hit_tokens))
 
     def restore(self, snap: _Snapshot, written_blocks: set[int] = frozenset()) -> None:
         """Roll back to `snap`. Blocks in `written_blocks` may hold partial K/V of the failed step;
         if one of them was a free cached block, its hash is dropped so it can never be served."""
         self.ref_counts = list(snap.ref_counts)
-        self.free_blocks = snap.free_blocks.copy()
+        self.free_stamp, self._clock = list(snap.free_stamp), snap.clock
+        free = [b for b in range(self.num_blocks) if self.ref_counts[b] == 0]
+        self.free_blocks = OrderedDict.fromkeys(sorted(free, key=self.free_stamp.__getitem__))
         self.block_hash = list(snap.block_hash)
         self.hash_to_block = dict(snap.hash_to_block)
         self.num_queried_tokens, self.num_hit_tokens = snap.stats
