@@ -80,8 +80,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step
         self._arrivals = itertools.count()
         self._counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, num_mixed_steps=0,
-                              step_time_s=0.0,
-                              forward_time_s=0.0)
+                              step_time_s=0.0, forward_time_s=0.0)
         self.trace: list[StepTrace] = []  # filled when config.record_trace
         self._gc_frozen = False
         if config.warmup:
