@@ -70,21 +70,27 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
 
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of `seq`'s first `num_blocks` full blocks. Tokens are append-only, so
+        they are computed once per block and kept on the sequence (even across preemption)."""
+        hashes, B = seq.block_hashes, self.block_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            parent = hash((parent, seq.token_ids[i * B:(i + 1) * B].tobytes()))
+            hashes.append(parent)
+        return hashes
+
     def get_computed_blocks(self, seq: Sequence) -> PrefixMatch:
         """Longest cached prefix of `seq` (read-only: nothing is reserved until `allocate`)."""
         if not self.enable_prefix_caching:
             return PrefixMatch([], 0)
         blocks: list[int] = []
-        parent: int | None = None
-        B = self.block_size
-        for i in range((seq.num_tokens - 1) // B):  # leave >= 1 token to compute
-            h = hash((parent, seq.token_ids[i * B:(i + 1) * B].tobytes()))
+        for h in self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size):  # leave >= 1 token
             block = self.hash_to_block.get(h)
             if block is None:
                 break
             blocks.append(block)
-            parent = h
-        return PrefixMatch(blocks, len(blocks) * B)
+        return PrefixMatch(blocks, len(blocks) * self.block_size)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> bool:
         """Can `seq` be admitted with its cached prefix plus `num_new_tokens` computed now?"""
@@ -133,20 +139,17 @@ class BlockManager:
         """After a step: register the hashes of blocks that are now full and computed."""
         if not self.enable_prefix_caching:
             return
-        B = self.block_size
-        num_full = min(seq.num_computed_tokens // B, len(seq.block_table))
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         # Walk back to the last block already hashed: only blocks that filled since then need work.
         start = num_full
         while start > 0 and self.block_hash[seq.block_table[start - 1]] is None:
             start -= 1
-        parent = self.block_hash[seq.block_table[start - 1]] if start > 0 else None
+        hashes = self.block_hashes(seq, num_full)
         for i in range(start, num_full):
             b = seq.block_table[i]
-            h = hash((parent, seq.token_ids[i * B:(i + 1) * B].tobytes()))
-            self.block_hash[b] = h
+            self.block_hash[b] = hashes[i]
             # Two requests may compute the same block at once; the first stays the findable copy.
-            self.hash_to_block.setdefault(h, b)
-            parent = h
+            self.hash_to_block.setdefault(hashes[i], b)
 
     def _take_free_block(self) -> int:
         b, _ = self.free_blocks.popitem(last=False)  # least recently freed
