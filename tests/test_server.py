@@ -170,3 +170,13 @@ def test_load_with_disconnects_frees_every_block(server, offline, capsys):
     with capsys.disabled():
         print(f"\n[load] 32 streams (8 hung up) in {elapsed:.2f} s = {len(results) / elapsed:.1f} req/s; "
               f"TTFT p50 {1e3 * percentile(ttfts, 50):.0f} ms, p99 {1e3 * percentile(ttfts, 99):.0f} ms")
+
+
+def test_request_defaults_come_from_generation_config():
+    from minivllm.entrypoints.openai.protocol import CompletionRequest
+
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    sp = CompletionRequest(prompt="x").sampling_params(defaults, 16)
+    assert (sp.temperature, sp.top_p, sp.top_k) == (0.6, 0.9, 20)
+    sp = CompletionRequest(prompt="x", temperature=0.0, top_k=5).sampling_params(defaults, 16)
+    assert (sp.temperature, sp.top_p, sp.top_k) == (0.0, 0.9, 5)  # what the request says wins

@@ -83,3 +83,11 @@ def test_transformers_never_sees_a_kernels_hub():
     installed = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('kernels'))"],
                                cwd="/", capture_output=True, text=True)
     assert installed.stdout.strip() == "None", "minivllm must not install a top-level `kernels` package"
+
+
+def test_kernel_benchmark_says_it_needs_cuda_on_cpu():
+    if "cuda" in run_python("import torch; print('cuda' if torch.cuda.is_available() else '')").stdout:
+        pytest.skip("a GPU is present: the benchmark would run for real")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_bench.py")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "needs a CUDA GPU" in r.stdout

@@ -40,7 +40,8 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path, *, verbose: bool = Tru
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if verbose:
-        print(f"minivllm: converting {gguf_path.name} to safetensors (once) into {out}", file=sys.stderr, flush=True)
+        print(f"minivllm: converting {gguf_path.name} to safetensors (once) into {out} "
+              "(the cache; delete the folder to clear it)", file=sys.stderr, flush=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -26,6 +26,7 @@ def test_cutoffs_keep_exactly_what_the_sort_based_reference_keeps():
     assert torch.equal(logits / temps >= cut[:, None], logits / temps >= ref[:, None])
 
 
+@pytest.mark.slow  # ~10 s each in the interpreter: one program per draw
 @pytest.mark.parametrize("row", [(1.0, 0, 1.0, 0.0), (0.8, 5, 0.9, 0.05)])
 def test_draws_follow_the_filtered_distribution(row):
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 0.8])
