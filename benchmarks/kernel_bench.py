@@ -16,6 +16,14 @@ import sys
 import torch
 
 
+def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30) -> float:
+    """GB/s of a large device-to-device copy (read + write): the practical memory peak."""
+    import triton.testing
+
+    big = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    return 2 * nbytes / triton.testing.do_bench(lambda: big.clone()) / 1e6
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
@@ -29,17 +37,13 @@ def main() -> int:
         return 0
 
     import triton.testing
-
     from minivllm.kernels.paged_attention import paged_attention, plan_tiles
     from minivllm.kernels.split_kv_decode import split_kv_decode
 
     dev, dtype = torch.device("cuda"), torch.float16
     Hq, Hkv = args.heads
     D, B = args.head_dim, args.block_size
-    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    copy_ms = triton.testing.do_bench(lambda: big.clone())
-    peak = 2 * big.numel() / copy_ms / 1e6  # GB/s, read + write
-    del big
+    peak = copy_bandwidth(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name(dev)}: device copy {peak:.0f} GB/s; Hq={Hq} Hkv={Hkv} D={D} fp16 block={B}")
     print(f"{'batch':>5} {'ctx':>5} | {'paged GB/s':>10} {'%peak':>6} | {'split GB/s':>10} {'%peak':>6} "

@@ -4,8 +4,8 @@ An exercise you have not done yet is reported as skipped, not failed."""
 from __future__ import annotations
 
 import pytest
-
 import student
+
 from minivllm.exercises import REFERENCES, check
 
 

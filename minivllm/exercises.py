@@ -107,9 +107,9 @@ def _ref_min_p_keep(probs: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def _ref_overhead_fraction(step_time_s: float, forward_time_s: float) -> float:
-    from minivllm.engine.stats import EngineStats
-
     from dataclasses import fields
+
+    from minivllm.engine.stats import EngineStats
 
     zeros = {f.name: 0 for f in fields(EngineStats)}
     return EngineStats(**{**zeros, "step_time_s": step_time_s, "forward_time_s": forward_time_s}).overhead_fraction
@@ -152,11 +152,11 @@ def _cases(name: str, rng: random.Random) -> list[tuple]:
     if name == "is_decode":
         return [(rng.randint(0, 30), rng.randint(1, 3), rng.randint(1, 30)) for _ in range(200)]
     if name == "plan_step":
-        return [([rng.randint(1, 3) for _ in range(rng.randint(0, 4))], [rng.randint(1, 20) for _ in range(rng.randint(0, 4))],
-                 rng.randint(1, 30)) for _ in range(60)]
+        return [([rng.randint(1, 3) for _ in range(rng.randint(0, 4))],
+                 [rng.randint(1, 20) for _ in range(rng.randint(0, 4))], rng.randint(1, 30)) for _ in range(60)]
     if name == "can_ever_run":
-        return [(rng.randint(1, 80), rng.randint(1, 80), rng.randint(1, 12), rng.choice([4, 8, 16]), rng.randint(16, 100))
-                for _ in range(300)]
+        return [(rng.randint(1, 80), rng.randint(1, 80), rng.randint(1, 12), rng.choice([4, 8, 16]),
+                 rng.randint(16, 100)) for _ in range(300)]
     if name == "logits_indices":
         return [([rng.randint(1, 9) for _ in range(k)], [rng.random() < 0.7 for _ in range(k)]) for k in range(1, 8)]
     if name == "causal_mask":

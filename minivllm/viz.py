@@ -66,7 +66,8 @@ def plot_block_map(step: StepTrace, ax: Any = None, columns: int = 16) -> Any:
     ax.set_ylim(-(-step.num_total_blocks // columns), 0)
     ax.set_axis_off()
     legend = [plt.Rectangle((0, 0), 1, 1, facecolor=palette(i % 10)) for i in range(len(ids))]
-    legend += [plt.Rectangle((0, 0), 1, 1, facecolor="gold"), plt.Rectangle((0, 0), 1, 1, facecolor="white", hatch="//")]
+    legend += [plt.Rectangle((0, 0), 1, 1, facecolor="gold"),
+               plt.Rectangle((0, 0), 1, 1, facecolor="white", hatch="//")]
     ax.legend(legend, ids + ["shared", "cached"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.set_title(f"KV pool after step {step.step}: {len(step.free_blocks)} of {step.num_total_blocks} blocks free")
     return ax

@@ -153,7 +153,8 @@ def test_sampling_params_list_length_must_match(llm):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(block_size=0), "block_size"), (dict(dtype="float8"), "dtype"), (dict(attention_backend="cuda"), "attention_backend"),
+    (dict(block_size=0), "block_size"), (dict(dtype="float8"), "dtype"),
+    (dict(attention_backend="cuda"), "attention_backend"),
     (dict(max_num_seqs=-1), "max_num_seqs"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
 ])
 def test_bad_engine_options(kwargs, match, qwen3_dir):

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
+from helpers import assert_hf_greedy
 from transformers import AutoModelForCausalLM
 
-from helpers import assert_hf_greedy
 from minivllm import LLM, SamplingParams
 from minivllm.models.hf_config import parse_model_spec
 

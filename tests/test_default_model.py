@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_hf_greedy
 from transformers import AutoModelForCausalLM
 
-from helpers import assert_hf_greedy
 from minivllm import LLM, SamplingParams
 from minivllm.default_model import GGUF_NAME, default_model_dir, installed_gguf
 

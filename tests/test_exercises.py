@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import exercise_solutions as solutions
 import pytest
 import torch
 
-import exercise_solutions as solutions
 from minivllm import LLMEngine
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput

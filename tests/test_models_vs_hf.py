@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import assert_hf_greedy, varied_prompts
+
 from minivllm import LLM, SamplingParams
 
 FAMILIES = ["qwen3", "qwen2", "llama", "llama_mha_tied_llama3"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import expected_distribution, varied_prompts
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.sampler import Sampler, SamplingTensors
-from helpers import expected_distribution, varied_prompts
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [

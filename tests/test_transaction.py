@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers import varied_prompts
 
 from minivllm import LLM, SamplingParams
-from helpers import varied_prompts
 
 
 class Boom(RuntimeError):

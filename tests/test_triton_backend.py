@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_hf_greedy, varied_prompts
+
 from minivllm import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,8 +67,8 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(qwen3_dir):
     if "cuda" in run_python("import torch; print('cuda' if torch.cuda.is_available() else '')").stdout:
         pytest.skip("a GPU is present")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", f"from minivllm import LLM; LLM({qwen3_dir!r}, attention_backend='triton')"],
-                       capture_output=True, text=True, timeout=300, env=env)
+    code = f"from minivllm import LLM; LLM({qwen3_dir!r}, attention_backend='triton')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode != 0 and "TRITON_INTERPRET=1" in r.stderr
 
 
@@ -80,8 +80,8 @@ def test_transformers_never_sees_a_kernels_hub():
         "print(importlib.util.find_spec('kernels') is not None, is_kernels_available())")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[-1] == "False"
-    installed = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('kernels'))"],
-                               cwd="/", capture_output=True, text=True)
+    code = "import importlib.util; print(importlib.util.find_spec('kernels'))"
+    installed = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)
     assert installed.stdout.strip() == "None", "minivllm must not install a top-level `kernels` package"
 
 

@@ -102,10 +102,9 @@ class LLMEngine:
         if config.max_model_len is None:
             return config.replace(max_model_len=limit)
         if config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds {limit} (the model's max_position_embeddings"
-                f"{', or max_num_batched_tokens with chunked prefill off' if not config.enable_chunked_prefill else ''})"
-                "; lower max_model_len")
+            also = "" if config.enable_chunked_prefill else ", or max_num_batched_tokens with chunked prefill off"
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds {limit} (the model's "
+                             f"max_position_embeddings{also}); lower max_model_len")
         return config
 
     # --- requests --------------------------------------------------------------------------------

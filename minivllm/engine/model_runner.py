@@ -27,10 +27,10 @@ import torch
 from minivllm.engine.kv_cache import allocate_kv_cache
 from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.engine.sequence import Sequence
-from minivllm.sampling_params import SamplingParams
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
 from minivllm.models.hf_config import ModelSpec
+from minivllm.sampling_params import SamplingParams
 
 
 @dataclass

@@ -25,4 +25,5 @@ def make_batch(query_lens, context_lens, Hq, Hkv, D, block_size, dtype, seed=0):
     v_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g).to(dtype)
     q = torch.randn(sum(query_lens), Hq, D, generator=g).to(dtype)
     cu = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
-    return q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), cu, torch.tensor(context_lens, dtype=torch.int32)
+    tables_t = torch.tensor(tables, dtype=torch.int32)
+    return q, k_cache, v_cache, tables_t, cu, torch.tensor(context_lens, dtype=torch.int32)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from minivllm.kernels.kv_cache_write import kv_cache_write, naive_kv_cache_write
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_helpers import make_batch
 from minivllm.kernels.paged_attention import naive_paged_attention, paged_attention, plan_tiles
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from minivllm.kernels.sampling import compute_cutoffs, gumbel_argmax, naive_cutoffs, triton_sample
 from helpers import expected_distribution
+from minivllm.kernels.sampling import compute_cutoffs, gumbel_argmax, naive_cutoffs, triton_sample
 
 
 def params(rows):

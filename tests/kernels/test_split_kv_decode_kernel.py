@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from kernel_helpers import make_batch
 from minivllm.kernels.paged_attention import naive_paged_attention
 from minivllm.kernels.split_kv_decode import naive_split_kv_decode, split_kv_decode
-from kernel_helpers import make_batch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -27,8 +27,14 @@ from sse_starlette.sse import EventSourceResponse
 
 from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.entrypoints.openai.metrics import ServerMetrics
-from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, error_body, new_id,
-                                                  now, usage)
+from minivllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    new_id,
+    now,
+    usage,
+)
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -68,8 +74,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, defaults: dict[str, Any] 
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
-                                            "owned_by": "minivllm", "max_model_len": engine.engine.config.max_model_len}]}
+        card = {"id": model_name, "object": "model", "created": now(), "owned_by": "minivllm",
+                "max_model_len": engine.engine.config.max_model_len}
+        return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
