@@ -79,7 +79,7 @@ class AsyncLLMEngine:
         self._send(("abort", request_id, None, None, None))
 
     def check_request(self, prompt: PromptType, sampling_params: SamplingParams | None) -> str | None:
-        """Why a request can never run (prompt too long, pool too small), or None. Read-only."""
+        """Why a request can never run (prompt too long, pool too small), or None. Changes nothing."""
         seq = self.engine.make_sequence("check", prompt, sampling_params)
         return self.engine.unservable_reason(seq)
 

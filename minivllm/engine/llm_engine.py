@@ -119,7 +119,8 @@ class LLMEngine:
 
     def make_sequence(self, request_id: str, prompt: PromptType,
                       sampling_params: SamplingParams | None = None) -> Sequence:
-        """Validate a request and build its Sequence without touching engine state."""
+        """Validate a request and build its Sequence without touching engine state (its arrival
+        order and default seed are assigned by `enqueue`)."""
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
@@ -132,14 +133,15 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        arrival = next(self._arrivals)
-        seed = sp.seed if sp.seed is not None else noise_seed(self.config.seed, arrival)
-        return Sequence(request_id, ids, sp, prompt=text, arrival_index=arrival, seed=seed)
+        return Sequence(request_id, ids, sp, prompt=text, seed=sp.seed or 0)
 
     def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None) -> None:
         self.enqueue(self.make_sequence(request_id, prompt, sampling_params))
 
     def enqueue(self, seq: Sequence) -> None:
+        seq.arrival_index = next(self._arrivals)
+        if seq.sampling_params.seed is None:  # unseeded: still reproducible for a given engine seed
+            seq.seed = noise_seed(self.config.seed, seq.arrival_index)
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
         error = self.unservable_reason(seq)
         if error is not None:

@@ -49,6 +49,7 @@ class Sequence:
         self.prompt = prompt
         self.token_ids: array = as_token_array(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        self._prompt_list = self.token_ids.tolist()  # the prompt never changes: convert once
         self.sampling_params = sampling_params
         self.arrival_index = arrival_index  # order of arrival: "newest" means the largest index
         self.seed = seed  # keys the sampling noise with the token position (see layers/sampler.py)
@@ -84,7 +85,7 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens].tolist()
+        return self._prompt_list
 
     @property
     def last_token_id(self) -> int:
