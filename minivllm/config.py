@@ -2,14 +2,14 @@
 
 `LLM(...)` keyword arguments become an `EngineConfig`; the engine never reads an option from anywhere
 else. Validation happens in `__post_init__` and every message says what to change. Values that depend
-on the checkpoint (the model's maximum length, its dtype) are resolved by `resolve(...)`, which returns
-a new frozen config rather than mutating this one.
+on the checkpoint (the model's maximum length) are resolved by the engine at start-up, which builds a
+new frozen config with `replace(...)` rather than mutating this one.
 
 KV-pool sizing when `num_kv_blocks` is None:
   * CUDA: `gpu_memory_utilization` (default 0.9) of the GPU's *free* memory after the weights are
-    loaded, minus a reserve for activations, is given to the KV cache.
-  * CPU: a fixed byte budget, `cpu_kv_cache_bytes` (default 1 GiB); CPU memory is committed lazily,
-    so an unused pool costs address space, not RAM.
+    loaded, less a 10 % reserve for activations (so 81 % by default), is given to the KV cache.
+  * CPU: a fixed byte budget, `cpu_kv_cache_bytes` (default 1 GiB); CPU memory is committed lazily
+    (engine/kv_cache.py), so an unused pool costs address space, not RAM.
 """
 
 from __future__ import annotations

@@ -11,22 +11,36 @@ Invariants (proved by `check_invariants()`):
   * a block's hash is registered only once the block is full and its K/V are computed.
 
 Prefix caching. A full block's hash covers its tokens *and its parent's hash*:
-    h_0 = hash((None, tokens[0:B]))      h_i = hash((h_{i-1}, tokens[i*B:(i+1)*B]))
+    h_0 = SHA-256(tokens[0:B])      h_i = SHA-256(h_{i-1} || tokens[i*B:(i+1)*B])
 so equal hashes mean equal whole prefixes, and one dictionary lookup per block finds the longest
-cached prefix. A freed block keeps its hash and stays findable until it is reused: `free_blocks` is
-an LRU queue (an OrderedDict, oldest first), and taking a block from it evicts its hash. A hit on a
+cached prefix. The hash must be collision-resistant: a collision would serve one prompt another
+prompt's K/V (vLLM moved from Python's 64-bit `hash()` to SHA-256 after a cache-poisoning report;
+anyone who can send prompts could search for `hash()` collisions). SHA-256 of 64 bytes costs ~1 us.
+
+A freed block keeps its hash and stays findable until it is reused: `free_blocks` is an LRU queue (an OrderedDict, oldest first), and taking a block from it evicts its hash. A hit on a
 free cached block simply takes it out of the queue again.
 
 At least one prompt token is always computed (at most `(num_tokens - 1) // B` blocks can hit), so
 the last prompt position produces the logits to sample from.
+
+Transactions. While a step is planned and run, every change goes through the step's `UndoLog`
+(`begin` / `commit` / `rollback`): the first time a block, a hash entry or a sequence is touched, its
+old value is recorded. A rollback therefore costs what the step touched, not the size of the pool.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import NamedTuple
 
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.undo_log import BlockUndo, UndoLog
+
+
+def hash_block(parent: bytes | None, token_bytes: bytes) -> bytes:
+    """The prefix-cache key of a full block: SHA-256 over (parent's key, this block's token bytes)."""
+    return hashlib.sha256((parent or b"") + token_bytes).digest()
 
 
 class PrefixMatch(NamedTuple):
@@ -34,15 +48,6 @@ class PrefixMatch(NamedTuple):
 
     blocks: list[int]
     num_tokens: int
-
-
-class _Snapshot(NamedTuple):
-    ref_counts: list[int]
-    free_stamp: list[int]
-    clock: int
-    block_hash: list[int | None]
-    hash_to_block: dict[int, int]
-    stats: tuple[int, int]
 
 
 class BlockManager:
@@ -53,14 +58,15 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts: list[int] = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # When each block last joined the free queue: the queue is always in stamp order, so a
-        # snapshot copies this list instead of the (10x slower to copy) OrderedDict.
+        # When each block last joined the free queue: the queue is always in stamp order, which is
+        # how a rollback puts revived blocks back where they were.
         self.free_stamp: list[int] = list(range(num_blocks))
         self._clock = num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks  # hash of a full, computed block
-        self.hash_to_block: dict[int, int] = {}  # the findable copy of each cached prefix block
+        self.block_hash: list[bytes | None] = [None] * num_blocks  # hash of a full, computed block
+        self.hash_to_block: dict[bytes, int] = {}  # the findable copy of each cached prefix block
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of which found cached
+        self.undo: UndoLog | None = None  # the open step's log (None outside a transaction)
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -70,13 +76,13 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
 
-    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chained hashes of `seq`'s first `num_blocks` full blocks. Tokens are append-only, so
         they are computed once per block and kept on the sequence (even across preemption)."""
         hashes, B = seq.block_hashes, self.block_size
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            parent = hash((parent, seq.token_ids[i * B:(i + 1) * B].tobytes()))
+            parent = hash_block(parent, seq.token_ids[i * B:(i + 1) * B].tobytes())
             hashes.append(parent)
         return hashes
 
@@ -106,13 +112,16 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> None:
         """Admit `seq`: share its cached prefix blocks and take fresh ones for `num_new_tokens`."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
+        self._record_seq(seq)
         for b in prefix.blocks:
+            self._record_block(b)
             if self.ref_counts[b] == 0:
                 del self.free_blocks[b]  # a hit on a freed-but-cached block revives it
             self.ref_counts[b] += 1
         seq.block_table = list(prefix.blocks)
         seq.num_computed_tokens = prefix.num_tokens
         if self.enable_prefix_caching:
+            self._record_attrs("num_queried_tokens", "num_hit_tokens")
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += prefix.num_tokens
         self.append_slots(seq, num_new_tokens)
@@ -120,13 +129,21 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the block table to cover `num_computed_tokens + num_new_tokens` (vLLM's may_append).
         A new block is needed exactly when the tokens run past the last block's end."""
-        for _ in range(self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)):
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > 0:
+            self._record_seq(seq)
+        for _ in range(needed):
             seq.block_table.append(self._take_free_block())
 
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks. Tail blocks are queued first so that, under LRU, a prefix's
         later blocks are evicted before its earlier ones (an earlier block is useful more often)."""
+        if not seq.block_table:
+            return
+        self._record_seq(seq)
+        self._record_attrs("_clock")
         for b in reversed(seq.block_table):
+            self._record_block(b)
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0
             if self.ref_counts[b] == 0:
@@ -147,41 +164,90 @@ class BlockManager:
         hashes = self.block_hashes(seq, num_full)
         for i in range(start, num_full):
             b = seq.block_table[i]
+            self._record_block(b)
             self.block_hash[b] = hashes[i]
             # Two requests may compute the same block at once; the first stays the findable copy.
-            self.hash_to_block.setdefault(hashes[i], b)
+            if hashes[i] not in self.hash_to_block:
+                self._record_hash(hashes[i])
+                self.hash_to_block[hashes[i]] = b
 
     def _take_free_block(self) -> int:
-        b, _ = self.free_blocks.popitem(last=False)  # least recently freed
-        h = self.block_hash[b]
-        if h is not None:  # evict: its old content is about to be overwritten
-            if self.hash_to_block.get(h) == b:
-                del self.hash_to_block[h]
-            self.block_hash[b] = None
+        b = next(iter(self.free_blocks))  # least recently freed
+        self._record_block(b)
+        del self.free_blocks[b]
+        self._forget_hash(b)  # evict: its old content is about to be overwritten
         self.ref_counts[b] = 1
         return b
 
-    # --- transactions --------------------------------------------------------------------------
-    def snapshot(self) -> _Snapshot:
-        return _Snapshot(list(self.ref_counts), list(self.free_stamp), self._clock, list(self.block_hash),
-                         dict(self.hash_to_block), (self.num_queried_tokens, self.num_hit_tokens))
+    def _forget_hash(self, b: int) -> None:
+        h = self.block_hash[b]
+        if h is not None:
+            if self.hash_to_block.get(h) == b:
+                self._record_hash(h)
+                del self.hash_to_block[h]
+            self.block_hash[b] = None
 
-    def restore(self, snap: _Snapshot, written_blocks: set[int] = frozenset()) -> None:
-        """Roll back to `snap`. Blocks in `written_blocks` may hold partial K/V of the failed step;
-        if one of them was a free cached block, its hash is dropped so it can never be served."""
-        self.ref_counts = list(snap.ref_counts)
-        self.free_stamp, self._clock = list(snap.free_stamp), snap.clock
-        free = [b for b in range(self.num_blocks) if self.ref_counts[b] == 0]
-        self.free_blocks = OrderedDict.fromkeys(sorted(free, key=self.free_stamp.__getitem__))
-        self.block_hash = list(snap.block_hash)
-        self.hash_to_block = dict(snap.hash_to_block)
-        self.num_queried_tokens, self.num_hit_tokens = snap.stats
+    # --- transactions --------------------------------------------------------------------------
+    def begin(self, undo: UndoLog) -> None:
+        """Open a transaction: from now on every change is recorded in `undo`."""
+        assert self.undo is None, "a transaction is already open"
+        self.undo = undo
+
+    def commit(self) -> None:
+        self.undo = None
+
+    def rollback(self, written_blocks: set[int] = frozenset()) -> None:
+        """Undo the open transaction (the sequences' fields are restored by the `UndoLog`). Blocks in
+        `written_blocks` may hold partial K/V of the failed step; if one of them was a free cached
+        block, its hash is dropped so it can never be served."""
+        undo, self.undo = self.undo, None
+        assert undo is not None, "no transaction is open"
+        for b, r in undo.blocks.items():
+            self.ref_counts[b], self.block_hash[b], self.free_stamp[b] = r.ref_count, r.block_hash, r.free_stamp
+            self.free_blocks.pop(b, None)
+        for h, b in undo.hashes.items():
+            if b is None:
+                self.hash_to_block.pop(h, None)
+            else:
+                self.hash_to_block[h] = b
+        undo.undo_seqs_and_attrs()  # includes _clock and the hit counters
+        self._requeue(sorted((b for b, r in undo.blocks.items() if r.was_free), key=self.free_stamp.__getitem__))
         for b in written_blocks:
-            h = self.block_hash[b]
-            if h is not None and self.ref_counts[b] == 0:
-                self.block_hash[b] = None
-                if self.hash_to_block.get(h) == b:
-                    del self.hash_to_block[h]
+            if self.block_hash[b] is not None and self.ref_counts[b] == 0:
+                self._forget_hash(b)
+
+    def _requeue(self, blocks: list[int]) -> None:
+        """Put blocks (sorted by stamp) back into the LRU queue at their old places. Blocks taken from
+        the head go back to the head in O(len(blocks)); a block revived from the middle of the queue
+        (a prefix-cache hit) needs the queue rebuilt in stamp order, which only a failed step pays."""
+        if not blocks:
+            return
+        head = next(iter(self.free_blocks), None)
+        if head is None or self.free_stamp[blocks[-1]] < self.free_stamp[head]:
+            for b in reversed(blocks):
+                self.free_blocks[b] = None
+                self.free_blocks.move_to_end(b, last=False)
+            return
+        merged = sorted([*self.free_blocks, *blocks], key=self.free_stamp.__getitem__)
+        self.free_blocks = OrderedDict.fromkeys(merged)
+
+    def _record_block(self, b: int) -> None:
+        if self.undo is not None and not self.undo.has_block(b):
+            self.undo.record_block(b, BlockUndo(self.ref_counts[b], self.block_hash[b], self.free_stamp[b],
+                                                b in self.free_blocks))
+
+    def _record_hash(self, h: bytes) -> None:
+        if self.undo is not None:
+            self.undo.record_hash(h, self.hash_to_block.get(h))
+
+    def _record_seq(self, seq: Sequence) -> None:
+        if self.undo is not None:
+            self.undo.record_seq(seq)
+
+    def _record_attrs(self, *names: str) -> None:
+        if self.undo is not None:
+            for name in names:
+                self.undo.record_attr(self, name)
 
     # --- proof ---------------------------------------------------------------------------------
     def check_invariants(self, live_seqs: list[Sequence]) -> None:
@@ -195,6 +261,8 @@ class BlockManager:
             is_free = b in self.free_blocks
             assert self.ref_counts[b] == owners[b], f"block {b}: ref {self.ref_counts[b]} != owners {owners[b]}"
             assert is_free == (owners[b] == 0), f"block {b}: free={is_free} but owned by {owners[b]}"
+        stamps = [self.free_stamp[b] for b in self.free_blocks]
+        assert stamps == sorted(stamps), "the free queue is not in LRU (stamp) order"
         for h, b in self.hash_to_block.items():
             assert self.block_hash[b] == h, f"block {b} is findable under a hash it does not hold"
         assert self.num_hit_tokens <= self.num_queried_tokens

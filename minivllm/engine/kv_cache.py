@@ -9,15 +9,25 @@ Layout, one tensor for the whole model:
 
 `kv_cache[layer]` is the (2, ...) view a layer reads and writes. A token's "slot" is
 `block_id * block_size + offset`, so `kv_cache[layer, 0].view(-1, num_kv_heads, head_dim)[slot]` is
-its key. The pool is zero-filled: masked padding then multiplies zeros, never stale NaNs.
+its key.
+
+The pool reads as zeros until written: attention gathers whole blocks and masks the slots past a
+sequence's end, and a masked probability of 0 times a stale NaN would still be NaN, so a never-written
+slot must hold a number. On CUDA the pool is `torch.zeros`. On CPU, zero-filling 1 GiB would commit
+1 GiB of RAM at start-up for a pool that a laptop session may barely use, so the pool comes from
+`calloc` (numpy's `zeros`): the kernel maps fresh pages as zeros and commits each page only when a
+K/V is first written to it. An unused pool costs address space, not RAM (tested: resident memory
+grows by a small fraction of the pool when an engine starts).
 
 Sizing (when `num_kv_blocks` is not given):
-  * CUDA: `gpu_memory_utilization` x free memory after the weights, less a 10 % activation reserve.
-  * CPU: `cpu_kv_cache_bytes` (1 GiB by default).
+  * CUDA: `gpu_memory_utilization` x free memory after the weights, less a 10 % activation reserve
+    (so 0.9 x 0.9 = 81 % of the free memory by default).
+  * CPU: `cpu_kv_cache_bytes` (1 GiB by default), committed lazily as above.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
@@ -48,4 +58,10 @@ def num_kv_blocks_for(config: EngineConfig, spec: ModelSpec, device: torch.devic
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
     shape = (spec.num_hidden_layers, 2, num_blocks, block_size, spec.num_key_value_heads, spec.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # calloc'ed zeros, committed page by page on first write (see the module docstring). numpy has
+    # no bfloat16, so the buffer is allocated as raw bytes and viewed in the pool's dtype.
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)

@@ -7,11 +7,19 @@
                       detokenize + stop strings     -> RequestOutput for what changed
 
 The step is a transaction. `schedule()` reserves blocks (and may preempt), but nothing is final
-until the commit: if the forward pass or the sampler raises, the scheduler and the block manager
-are rolled back to the checkpoint taken before planning, `step()` re-raises, and the next call
-proceeds as if the failed step had never happened (seeded sampling makes the outputs identical).
-A free cached block that the failed step overwrote loses its hash, so a half-written block can
-never be served from the prefix cache.
+until the commit: every change is recorded in an undo log (engine/undo_log.py), and if the forward
+pass or the sampler raises, the scheduler and the block manager are rolled back to where they were
+before planning. A free cached block that the failed step overwrote loses its hash, so a
+half-written block can never be served from the prefix cache.
+
+A request can only fail itself (the failure model, engine/errors.py):
+  * a failed step is re-run in halves (bisection) to find the culprit: a request whose failure
+    reproduces when it runs alone finishes with finish_reason "error" and the message, and the
+    others continue with exactly the tokens they would have drawn without it (seeded noise);
+  * a failure that no single request reproduces is rolled back and re-raised, as is;
+  * device errors (CUDA) and failed collectives raise `EngineDeadError`: nothing is re-run;
+  * the commit (appending tokens, detokenizing, stop strings) runs request by request: an exception
+    there finishes that request with an error and leaves no half-finished entry behind.
 
 Requests that can never run (longer than max_model_len, or needing more KV blocks than the whole
 pool) finish at once with finish_reason "error" and a message saying which limit to change.
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import operator
 import time
 import weakref
 from collections.abc import Iterable
@@ -32,10 +41,11 @@ from transformers import AutoTokenizer
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from minivllm.engine.errors import EngineDeadError, is_fatal
 from minivllm.engine.kv_cache import num_kv_blocks_for
 from minivllm.engine.loading import build_model, resolve_device, resolve_dtype
 from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput
+from minivllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stats import EngineStats
 from minivllm.engine.trace import StepTrace, record_step
@@ -129,11 +139,24 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
-        vocab = self.spec.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        ids = self.check_token_ids(request_id, "prompt_token_ids", ids)
+        self.check_token_ids(request_id, "stop_token_ids", sp.all_stop_token_ids)
         return Sequence(request_id, ids, sp, prompt=text, seed=sp.seed or 0)
+
+    def check_token_ids(self, request_id: str, field: str, ids: Iterable[Any]) -> list[int]:
+        """Every token id a request carries must index the model's vocabulary: an id out of range
+        would fail the whole step (an embedding lookup, a logits mask) far from its cause."""
+        vocab = self.spec.vocab_size
+        out, bad = [], []
+        for t in ids:
+            if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= operator.index(t) < vocab:
+                bad.append(t)
+            else:
+                out.append(operator.index(t))  # numpy integers become Python ints here
+        if bad:
+            raise ValueError(f"request {request_id!r}: {field} {bad[:5]} are outside the vocabulary [0, {vocab}) "
+                             "of this model; use integer token ids in that range")
+        return out
 
     def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None) -> None:
         self.enqueue(self.make_sequence(request_id, prompt, sampling_params))
@@ -190,14 +213,22 @@ class LLMEngine:
         if self.scheduler.is_finished():
             return outputs
         t0 = time.perf_counter()
-        checkpoint = self.scheduler.checkpoint()
+        self.scheduler.begin()
         plan = self.scheduler.schedule()
         try:
             sampled = self.model_runner.execute_model(plan)
-        except BaseException:
-            self.scheduler.rollback(checkpoint, self.model_runner.written_blocks(plan))
+        except Exception as error:
+            try:
+                outputs.extend(self._recover(plan, error))
+            except BaseException:
+                self._pending = outputs + self._pending
+                raise
+            return outputs
+        except BaseException:  # KeyboardInterrupt and the like: undo, never bisect
+            self.scheduler.rollback(self.model_runner.written_blocks(plan))
             self._pending = outputs + self._pending
             raise
+        self.scheduler.commit()
         committed = self._commit(plan, sampled)
         outputs.extend(committed)
         if self.config.record_trace:
@@ -212,23 +243,84 @@ class LLMEngine:
         c["step_time_s"] += time.perf_counter() - t0
         return outputs
 
-    def _commit(self, plan: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
+    # --- failures ----------------------------------------------------------------------------------
+    def _recover(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """The step failed: find the requests to blame, roll back, and finish those with an error.
+        Raises `error` again when no single request reproduces it; `EngineDeadError` when fatal."""
+        written = self.model_runner.written_blocks(plan)  # the trial runs write only these slots too
+        try:
+            if is_fatal(error):
+                raise EngineDeadError(f"the engine hit a device error and must be restarted: {error}") from error
+            culprits = self._blame(plan.scheduled)
+        finally:
+            self.scheduler.rollback(written)
+        if not culprits:
+            raise error
         outputs = []
-        for seq in self.scheduler.postprocess(plan, sampled):
-            _, detok = self.requests[seq.request_id]
-            sp = seq.sampling_params
-            delta = detok.update(seq.last_token_id)
-            if delta and sp.stop_strings and not seq.is_finished and seq.num_output_tokens > sp.min_tokens:
-                match = find_stop_string(detok.text, len(delta), sp.stop_strings, sp.include_stop_str_in_output)
-                if match is not None:
-                    detok.text = detok.text[:match.truncate_at]
-                    self.scheduler.finish(seq, "stop", match.stop)
-            elif seq.is_finished:
-                detok.flush()
-            outputs.append(self._output(seq, detok))
+        for sched, err in culprits:
+            seq = sched.seq
+            message = f"this request made the step fail on its own: {type(err).__name__}: {err}"
+            outputs.append(self._fail(seq, self.requests[seq.request_id][1], message))
+        return outputs
+
+    def _blame(self, group: list[ScheduledSequence]) -> list[tuple[ScheduledSequence, Exception]]:
+        """Bisection: re-run `group`; if it fails, re-run each half, down to single requests. Costs
+        O(culprits x log(batch)) forwards, paid only by a failed step."""
+        try:
+            self.model_runner.execute_model(SchedulerOutput(list(group)))
+            return []
+        except Exception as error:
+            if is_fatal(error):
+                raise EngineDeadError(f"the engine hit a device error and must be restarted: {error}") from error
+            if len(group) == 1:
+                return [(group[0], error)]
+        mid = len(group) // 2
+        return self._blame(group[:mid]) + self._blame(group[mid:])
+
+    def _fail(self, seq: Sequence, detok: IncrementalDetokenizer, message: str) -> RequestOutput:
+        """Finish one request with finish_reason "error" and drop it from the engine."""
+        self.scheduler.finish(seq, "error", error=message)
+        self.requests.pop(seq.request_id, None)
+        return self._output(seq, detok)
+
+    # --- the commit --------------------------------------------------------------------------------
+    def _commit(self, plan: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
+        """Request by request, so that an exception (say, in a tokenizer's decode) fails only the
+        request it happened in."""
+        outputs = []
+        for sched, token_id in zip(plan.scheduled, sampled):
+            seq = sched.seq
+            if seq.request_id not in self.requests:
+                continue
+            detok = self.requests[seq.request_id][1]
+            try:
+                if not self.scheduler.postprocess_one(sched, token_id):
+                    continue
+                self._check_stop_strings(seq, detok)
+                outputs.append(self._output(seq, detok))
+            except Exception as e:
+                outputs.append(self._fail(seq, detok, f"committing this request's token failed: "
+                                                      f"{type(e).__name__}: {e}"))
+                continue
             if seq.is_finished:
                 del self.requests[seq.request_id]
         return outputs
+
+    def _check_stop_strings(self, seq: Sequence, detok: IncrementalDetokenizer) -> None:
+        """Detokenize the new token and apply the stop strings. A stop string completed by the very
+        token that also reached max_tokens still wins: the text is cut and the reason is "stop"."""
+        sp = seq.sampling_params
+        delta = detok.update(seq.last_token_id)
+        if seq.is_finished:
+            delta += detok.flush()
+        if not delta or not sp.stop_strings or seq.num_output_tokens <= sp.min_tokens:
+            return
+        if seq.finish_reason not in (None, "length"):  # EOS or a stop token id came first
+            return
+        match = find_stop_string(detok.text, len(delta), sp.stop_strings, sp.include_stop_str_in_output)
+        if match is not None:
+            detok.text = detok.text[:match.truncate_at]
+            self.scheduler.finish(seq, "stop", match.stop)
 
     def _output(self, seq: Sequence, detok: IncrementalDetokenizer) -> RequestOutput:
         text = detok.text

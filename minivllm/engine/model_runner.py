@@ -78,7 +78,8 @@ class ModelRunner:
                     banned.append((len(logits_indices), ids))
                 logits_indices.append(row - 1)
                 sampled_rows.append(i)
-                sample_params.append((sp.temperature, sp.top_k, sp.top_p, sp.min_p, seq.seed, seq.num_tokens))
+                temperature = 0.0 if sp.greedy else sp.temperature
+                sample_params.append((temperature, sp.top_k, sp.top_p, sp.min_p, seq.seed, seq.num_tokens))
         dev = self.device
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)

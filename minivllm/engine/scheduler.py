@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.undo_log import UndoLog
 
 
 class ScheduledSequence(NamedTuple):
@@ -107,6 +108,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
         self.num_preemptions = 0
+        self.undo: UndoLog | None = None  # the open step's log (see begin / rollback)
 
     # --- queues --------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
@@ -158,6 +160,7 @@ class Scheduler:
             n = seq.num_tokens - prefix.num_tokens
             fits_budget = n <= budget or self.enable_chunked_prefill
             n = min(n, budget)
+            self._record_seq(seq)
             if not fits_budget or not bm.can_allocate(seq, n, prefix):
                 seq.num_admission_skips += 1
                 hold = seq.num_admission_skips > self.max_admission_skips
@@ -176,6 +179,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, forget the K/V, back to the front of WAITING."""
+        self._record_seq(seq)
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -189,19 +193,20 @@ class Scheduler:
         cache, append sampled tokens and apply the token-level stop rules. Returns the sequences
         that received a token."""
         assert len(sampled_token_ids) == len(out.scheduled)
-        updated = []
-        for sched, token_id in zip(out.scheduled, sampled_token_ids):
-            seq = sched.seq
-            seq.num_computed_tokens = sched.start + sched.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if token_id is None:
-                continue
-            seq.append_token(token_id)
-            updated.append(seq)
-            stop = self.check_stop(seq, token_id)
-            if stop is not None:
-                self.finish(seq, stop.finish_reason, stop.stop_reason)
-        return updated
+        return [s.seq for s, t in zip(out.scheduled, sampled_token_ids) if self.postprocess_one(s, t)]
+
+    def postprocess_one(self, sched: ScheduledSequence, token_id: int | None) -> bool:
+        """`postprocess` for one row group; True if it received a token."""
+        seq = sched.seq
+        seq.num_computed_tokens = sched.start + sched.num_new_tokens
+        self.block_manager.cache_full_blocks(seq)
+        if token_id is None:
+            return False
+        seq.append_token(token_id)
+        stop = self.check_stop(seq, token_id)
+        if stop is not None:
+            self.finish(seq, stop.finish_reason, stop.stop_reason)
+        return True
 
     def check_stop(self, seq: Sequence, token_id: int) -> StopReason | None:
         """The token-level stop rules (stop strings need text, so the engine checks those)."""
@@ -219,6 +224,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: Any = None, error: str | None = None) -> None:
         """Finish a request (any state) and give its blocks back."""
+        self._record_seq(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
@@ -227,19 +233,27 @@ class Scheduler:
         seq.finish(reason, stop_reason, error)
 
     # --- transactions ----------------------------------------------------------------------------
-    def checkpoint(self) -> Any:
-        """Everything `schedule()` may change, to undo a step whose forward pass failed."""
-        seqs = self.live_sequences
-        return (
-            list(self.running), deque(self.waiting), self.num_preemptions, self.block_manager.snapshot(),
-            [(s, s.status, s.num_computed_tokens, list(s.block_table), s.num_cached_tokens,
-              s.num_admission_skips) for s in seqs],
-        )
+    def begin(self) -> None:
+        """Open the step's transaction: what `schedule()` changes from here on can be rolled back.
+        The queues are copied (their size is the number of requests, never the size of the pool);
+        blocks and sequences are recorded as they are touched."""
+        assert self.undo is None, "a transaction is already open"
+        self.undo = UndoLog()
+        for name in ("running", "waiting", "num_preemptions"):
+            self.undo.record_attr(self, name)
+        self.block_manager.begin(self.undo)
 
-    def rollback(self, checkpoint: Any, written_blocks: set[int] = frozenset()) -> None:
-        running, waiting, self.num_preemptions, bm_snapshot, seq_states = checkpoint
-        self.running, self.waiting = list(running), deque(waiting)
-        self.block_manager.restore(bm_snapshot, written_blocks)
-        for s, status, computed, table, cached, skips in seq_states:
-            s.status, s.num_computed_tokens, s.block_table = status, computed, list(table)
-            s.num_cached_tokens, s.num_admission_skips = cached, skips
+    def commit(self) -> None:
+        """The step succeeded: forget its undo log."""
+        self.undo = None
+        self.block_manager.commit()
+
+    def rollback(self, written_blocks: set[int] = frozenset()) -> None:
+        """Undo everything since `begin()` (see `BlockManager.rollback` for `written_blocks`)."""
+        assert self.undo is not None, "no transaction is open"
+        self.undo = None
+        self.block_manager.rollback(written_blocks)
+
+    def _record_seq(self, seq: Sequence) -> None:
+        if self.undo is not None:
+            self.undo.record_seq(seq)

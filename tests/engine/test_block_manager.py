@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.undo_log import UndoLog
 from minivllm.sampling_params import SamplingParams
 
 
@@ -89,20 +93,72 @@ def test_lru_evicts_tail_blocks_first():
     assert bm.get_computed_blocks(seq("z", list(range(7)))).num_tokens == 4
 
 
-def test_snapshot_restore_is_exact():
+def test_rollback_is_exact():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = seq("a", list(range(9)))
     run_prefill(bm, a)
-    snap = bm.snapshot()
-    state = (list(bm.ref_counts), list(bm.free_blocks), dict(bm.hash_to_block))
+    state = (list(bm.ref_counts), list(bm.free_blocks), dict(bm.hash_to_block), list(bm.block_hash),
+             list(a.block_table), a.num_computed_tokens)
+    bm.begin(UndoLog())
     b = seq("b", list(range(9)))
-    run_prefill(bm, b)
-    table = list(a.block_table)
+    run_prefill(bm, b)  # takes free blocks from the head of the queue, publishes hashes
     bm.free(a)
-    bm.restore(snap)  # the block manager's half; the Scheduler restores the sequences' tables
-    a.block_table = table
-    assert (list(bm.ref_counts), list(bm.free_blocks), dict(bm.hash_to_block)) == state
+    bm.rollback()
+    assert (list(bm.ref_counts), list(bm.free_blocks), dict(bm.hash_to_block), list(bm.block_hash),
+            list(a.block_table), a.num_computed_tokens) == state
     bm.check_invariants([a])
+
+
+def test_rollback_puts_a_revived_cached_block_back_in_its_place():
+    """A prefix hit takes a block from the MIDDLE of the LRU queue; a rollback must put it back there."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    for name, start in (("x", 100), ("a", 0), ("y", 200)):
+        s = seq(name, list(range(start, start + 9)))
+        run_prefill(bm, s)
+        bm.free(s)
+    queue = list(bm.free_blocks)
+    bm.begin(UndoLog())
+    hit = seq("b", list(range(9)))
+    prefix = bm.get_computed_blocks(hit)
+    assert prefix.num_tokens == 8
+    bm.allocate(hit, 1, prefix)
+    assert list(bm.free_blocks) != queue
+    bm.rollback()
+    assert list(bm.free_blocks) == queue
+    bm.check_invariants([])
+
+
+def test_prefix_keys_are_sha256_over_parent_and_tokens():
+    import hashlib
+    from array import array
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = seq("a", list(range(9)))
+    h0, h1 = bm.block_hashes(s, 2)
+    assert h0 == hashlib.sha256(array("i", [0, 1, 2, 3]).tobytes()).digest()
+    assert h1 == hashlib.sha256(h0 + array("i", [4, 5, 6, 7]).tobytes()).digest()
+    # The same block of tokens under another parent is another key: K/V depend on the whole prefix.
+    other = seq("o", [9, 9, 9, 9, 4, 5, 6, 7, 8])
+    assert bm.block_hashes(other, 2)[1] != h1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=4, max_size=12), min_size=2, max_size=12))
+def test_a_prefix_hit_only_ever_serves_the_same_tokens(prompts):
+    """Whatever was cached before, a hit returns blocks whose tokens (and whole prefix) equal ours:
+    two different blocks are never served for one another."""
+    bm = BlockManager(num_blocks=8, block_size=2)  # small: blocks are evicted and reused
+    owner: dict[int, tuple[int, ...]] = {}  # block -> the prefix it was last computed for
+    for i, p in enumerate(prompts):
+        s = seq(f"r{i}", p)
+        prefix = bm.get_computed_blocks(s)
+        for j, b in enumerate(prefix.blocks):
+            assert owner[b] == tuple(p[:(j + 1) * 2])
+        run_prefill(bm, s)
+        for j in range(len(prefix.blocks), len(s.block_table)):
+            owner[s.block_table[j]] = tuple(p[:(j + 1) * 2])
+        bm.free(s)
+        bm.check_invariants([])
 
 
 def test_disabled_prefix_caching_never_hits():

@@ -162,9 +162,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def failed_step(self):
-        ckpt = self.sched.checkpoint()
+        before = [(s.request_id, s.status, s.num_computed_tokens, list(s.block_table), s.num_admission_skips)
+                  for s in self.sched.live_sequences]
+        bm = self.sched.block_manager
+        pool = (list(bm.ref_counts), list(bm.free_blocks), dict(bm.hash_to_block), list(bm.block_hash))
+        self.sched.begin()
         self.sched.schedule()
-        self.sched.rollback(ckpt)
+        self.sched.rollback()
+        after = [(s.request_id, s.status, s.num_computed_tokens, list(s.block_table), s.num_admission_skips)
+                 for s in self.sched.live_sequences]
+        assert after == before
+        assert (list(bm.ref_counts), list(bm.free_blocks), dict(bm.hash_to_block), list(bm.block_hash)) == pool
 
     @invariant()
     def blocks_are_consistent(self):

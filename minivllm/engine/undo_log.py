@@ -1,0 +1,89 @@
+"""`UndoLog`: what one step changed in the scheduler and the block manager, so it can be undone.
+
+A step is a transaction (see `LLMEngine.step`). The obvious way to undo one — copy every list of the
+block manager before planning — costs as much as the pool is large: 262,144 blocks (what a small
+model gets on a large GPU) made every step ~10x slower than 2,048. An undo log costs what the step
+touches instead. Before a component changes something for the first time in a step it records the
+old value here; a rollback writes those values back, a commit just drops the log.
+
+    record_block(b)   a block's ref count, hash, free-queue stamp and whether it was free
+    record_hash(h)    which block (or none) the prefix-cache map held under hash h
+    record_seq(seq)   a sequence's status, computed tokens, block table, cached tokens, skips
+    record_attr(o, n) any other field (queues, counters): its value, copied if it is a container
+
+Only the FIRST record of each thing in a step is kept: that is the value to go back to.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, NamedTuple
+
+from minivllm.engine.sequence import Sequence, SequenceStatus
+
+
+class BlockUndo(NamedTuple):
+    ref_count: int
+    block_hash: bytes | None
+    free_stamp: int
+    was_free: bool
+
+
+class SeqUndo(NamedTuple):
+    seq: Sequence
+    status: SequenceStatus
+    num_computed_tokens: int
+    block_table: list[int]
+    num_cached_tokens: int
+    num_admission_skips: int
+
+
+class AttrUndo(NamedTuple):
+    obj: Any
+    name: str
+    value: Any
+
+
+_MISSING = object()
+
+
+class UndoLog:
+    def __init__(self) -> None:
+        self.blocks: dict[int, BlockUndo] = {}
+        self.hashes: dict[bytes, int | None] = {}  # hash -> block it mapped to (None: absent)
+        self.seqs: dict[int, SeqUndo] = {}  # keyed by id(seq)
+        self.attrs: dict[tuple[int, str], AttrUndo] = {}
+
+    def record_block(self, block: int, record: BlockUndo) -> None:
+        self.blocks.setdefault(block, record)
+
+    def has_block(self, block: int) -> bool:
+        return block in self.blocks
+
+    def record_hash(self, key: bytes, block: int | None) -> None:
+        self.hashes.setdefault(key, block)
+
+    def record_seq(self, seq: Sequence) -> None:
+        if id(seq) not in self.seqs:
+            self.seqs[id(seq)] = SeqUndo(seq, seq.status, seq.num_computed_tokens, list(seq.block_table),
+                                         seq.num_cached_tokens, seq.num_admission_skips)
+
+    def record_attr(self, obj: Any, name: str) -> None:
+        key = (id(obj), name)
+        if key not in self.attrs:
+            value = getattr(obj, name, _MISSING)
+            self.attrs[key] = AttrUndo(obj, name, copy.copy(value))
+
+    def undo_seqs_and_attrs(self) -> None:
+        """Write back the sequences' fields and the recorded attributes (blocks: `BlockManager`)."""
+        for s in self.seqs.values():
+            seq = s.seq
+            seq.status, seq.num_computed_tokens, seq.block_table = s.status, s.num_computed_tokens, s.block_table
+            seq.num_cached_tokens, seq.num_admission_skips = s.num_cached_tokens, s.num_admission_skips
+        for a in self.attrs.values():
+            setattr(a.obj, a.name, a.value)
+
+    @property
+    def size(self) -> int:
+        """How many things the step touched (what a commit or rollback costs)."""
+        return len(self.blocks) + len(self.hashes) + len(self.seqs) + len(self.attrs)
