@@ -40,6 +40,8 @@ class EngineConfig:
     # A waiting request passed over this many times for lack of blocks stops admission behind it
     # until it fits (see Scheduler): the anti-starvation rule.
     max_admission_skips: int = 8
+    # The most logprobs / prompt_logprobs a request may ask for (vLLM's default: 20).
+    max_logprobs: int = 20
     # Tokenizer folder if not beside the weights (e.g. for a GGUF file); None = the model folder.
     tokenizer: str | None = None
     # Run one tiny forward at start-up, then gc.freeze() the heap (as ATOM measured).
@@ -62,7 +64,7 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is invalid: choose one of {_BACKENDS}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes",
-                     "max_admission_skips"):
+                     "max_admission_skips", "max_logprobs"):
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")

@@ -19,7 +19,7 @@ import torch
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.layers.sampler import SamplingTensors, apply_top_k_top_p_min_p
+from minivllm.layers.sampler import SamplingRow, SamplingTensors, apply_top_k_top_p_min_p
 from minivllm.sampling_params import SamplingParams
 
 
@@ -93,7 +93,7 @@ def _ref_causal_mask(q_len: int, ctx_len: int) -> torch.Tensor:
 
 
 def _keep(probs: torch.Tensor, **kw: float) -> torch.Tensor:
-    row = [(1.0, int(kw.get("top_k", 0)), kw.get("top_p", 1.0), kw.get("min_p", 0.0), 0, 0)]
+    row = [SamplingRow(1.0, int(kw.get("top_k", 0)), kw.get("top_p", 1.0), kw.get("min_p", 0.0), 0, 0)]
     t = SamplingTensors.from_params(row, probs.numel(), probs.device)
     return apply_top_k_top_p_min_p(probs.log()[None], t)[0] > float("-inf")
 

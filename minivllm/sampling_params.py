@@ -4,8 +4,15 @@
 what to change, before the request ever reaches the engine. Everything the sampler and the stop
 checker need about one request lives here; nothing about batching does.
 
-Order of the logit transforms (the same as HF transformers' `generate`):
-temperature -> top-k -> top-p -> min-p -> draw. `temperature == 0` means greedy (argmax).
+Order of the logit transforms (vLLM's; see layers/logits_processors.py and layers/sampler.py):
+
+    raw logits ──> logprobs (if asked: the model's own distribution)
+               ──> allowed_token_ids ─> bad_words ─> min_tokens ─> logit_bias      (masks and biases)
+               ──> repetition_penalty (prompt + output) ─> frequency / presence (output)
+               ──> temperature ─> top-k ─> top-p ─> min-p ─> draw (argmax when greedy)
+
+`n > 1` forks the request after its prompt: the n sequences share the prompt's KV blocks, and child i
+draws with `seed + i` when a seed is given (vLLM's rule).
 
 Numbers are checked strictly at this boundary: NaN, infinities and booleans are refused (a NaN
 temperature would poison a whole batch's sampling), numpy integers are accepted and stored as Python
@@ -37,6 +44,16 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1  # completions per prompt (forked after the prompt, sharing its KV blocks)
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # HF's: divides positive / multiplies negative logits of seen tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    allowed_token_ids: list[int] | None = None  # only these may be drawn
+    bad_words: list[str] | None = None  # never generate these words (token sequences)
+    logprobs: int | None = None  # return the N most likely tokens (+ the sampled one) per output token
+    prompt_logprobs: int | None = None  # the same for each prompt token (bypasses the prefix cache)
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
     # Normalised copies (frozen dataclass: set through object.__setattr__ in __post_init__).
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -93,6 +110,39 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is not None and (isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__")):
             raise bad("stop_token_ids", "must be a list of token ids")
+        setfield("n", as_int("n", "must be an integer >= 1", lo=1))
+        setfield("presence_penalty", as_float("presence_penalty", "must be in [-2, 2]", lambda v: -2 <= v <= 2))
+        setfield("frequency_penalty", as_float("frequency_penalty", "must be in [-2, 2]", lambda v: -2 <= v <= 2))
+        setfield("repetition_penalty", as_float("repetition_penalty", "must be > 0 (1 disables it)",
+                                                lambda v: v > 0))
+        for name in ("logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+            if getattr(self, name) is not None:
+                lo = 1 if name == "truncate_prompt_tokens" else 0
+                setfield(name, as_int(name, f"must be an integer >= {lo}, or None", lo=lo))
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                key = int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k  # JSON keys are strings
+                if isinstance(key, bool) or not hasattr(key, "__index__") or isinstance(v, bool) \
+                        or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                    raise bad("logit_bias", "must map token ids to finite numbers")
+                bias[operator.index(key)] = min(100.0, max(-100.0, float(v)))  # OpenAI's range
+            setfield("logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+            ids = [as_int("allowed_token_ids", "must be a non-empty list of token ids", t, lo=0) for t in ids]
+            if not ids:
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+            setfield("allowed_token_ids", ids)
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in words):
+                raise bad("bad_words", "must be a list of non-empty strings")
+            setfield("bad_words", list(words))
         why = "must be a list of non-negative token ids"
         object.__setattr__(self, "_stop", stop)
         object.__setattr__(self, "_stop_token_ids", tuple(as_int("stop_token_ids", why, t, lo=0)
@@ -102,6 +152,21 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures this small are greedy (as in vLLM): dividing logits by them overflows."""
         return self.temperature < _SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Does anything change this request's logits before temperature (besides min_tokens)?"""
+        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None \
+            or bool(self.bad_words)
+
+    def token_id_fields(self) -> dict[str, tuple[int, ...]]:
+        """Every field that holds token ids, to check against the model's vocabulary."""
+        return {"stop_token_ids": self._stop_token_ids, "allowed_token_ids": tuple(self.allowed_token_ids or ()),
+                "logit_bias": tuple(self.logit_bias or ())}
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

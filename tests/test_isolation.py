@@ -60,7 +60,7 @@ def test_token_ids_are_checked_against_the_vocabulary(model_factory):
             engine.add_request("a", {"prompt_token_ids": bad}, SamplingParams())
     assert not engine.has_unfinished_requests()  # nothing half-added
     engine.add_request("ok", {"prompt_token_ids": np.array([1, 2, 3])}, SamplingParams(max_tokens=2))
-    assert engine.requests["ok"][0].prompt_token_ids == [1, 2, 3]
+    assert engine.requests["ok"].seqs[0].prompt_token_ids == [1, 2, 3]
 
 
 # --- bisection: the culprit fails, the others continue unchanged ---------------------------------
@@ -110,7 +110,7 @@ def test_a_failure_no_single_request_reproduces_is_raised(model_factory):
     with pytest.raises(RuntimeError, match="needs two"):
         engine.step()
     assert state["calls"] > 1  # it was bisected: the batch, its halves, then single requests
-    assert all(s.num_computed_tokens == 0 for s, _ in engine.requests.values())  # rolled back
+    assert all(st.seqs[0].num_computed_tokens == 0 for st in engine.requests.values())  # rolled back
     state["armed"] = False
     finals = run(engine, {})
     assert sorted(finals) == ["r0", "r1", "r2", "r3"]
@@ -139,7 +139,7 @@ def test_a_failing_detokenizer_fails_only_its_request(model_factory):
     engine = llm.llm_engine
     for i in range(3):
         engine.add_request(f"r{i}", {"prompt_token_ids": [3, 4, 5 + i]}, SamplingParams(max_tokens=4, ignore_eos=True))
-    detok = engine.requests["r1"][1]
+    detok = engine.requests["r1"].detoks[0]
 
     def broken(token_id):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")

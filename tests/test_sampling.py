@@ -7,7 +7,7 @@ import torch
 from helpers import expected_distribution, varied_prompts
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.layers.sampler import Sampler, SamplingRow, SamplingTensors
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
@@ -17,7 +17,7 @@ from minivllm.layers.sampler import Sampler, SamplingTensors
 def test_sampler_draws_from_the_filtered_distribution(temperature, top_k, top_p, min_p):
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 0.8])
     n = 12000
-    rows = [(temperature, top_k, top_p, min_p, 1234, pos) for pos in range(n)]
+    rows = [SamplingRow(temperature, top_k, top_p, min_p, 1234, pos) for pos in range(n)]
     t = SamplingTensors.from_params(rows, vocab_size=8, device=torch.device("cpu"))
     tokens = Sampler()(logits.expand(n, -1).clone(), t)
     freq = torch.bincount(tokens, minlength=8).float() / n
@@ -29,7 +29,7 @@ def test_sampler_draws_from_the_filtered_distribution(temperature, top_k, top_p,
 
 def test_greedy_rows_ignore_noise_in_a_mixed_batch():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
-    rows = [(0.0 if i % 2 else 1.0, 0, 1.0, 0.0, i, 0) for i in range(6)]
+    rows = [SamplingRow(0.0 if i % 2 else 1.0, 0, 1.0, 0.0, i, 0) for i in range(6)]
     out = Sampler()(logits, SamplingTensors.from_params(rows, 50, torch.device("cpu")))
     assert out[1::2].tolist() == logits[1::2].argmax(-1).tolist()
 

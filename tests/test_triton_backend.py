@@ -91,3 +91,22 @@ def test_kernel_benchmark_says_it_needs_cuda_on_cpu():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_bench.py")], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "needs a CUDA GPU" in r.stdout
+
+
+def test_sampling_outputs_work_on_the_triton_backend(triton_llm, model_factory):
+    """Logprobs, penalties, biases, bad words and n > 1 are not torch-only features."""
+    torch_llm = LLM(model_factory("qwen3"), block_size=16, num_kv_blocks=32, warmup=False)
+    prompt = {"prompt_token_ids": [9, 10, 11, 12]}
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, repetition_penalty=1.5,
+                            presence_penalty=0.5, logit_bias={42: 3.0}, n=2)
+    a = triton_llm.generate(prompt, greedy, use_tqdm=False)[0]
+    b = torch_llm.generate(prompt, greedy, use_tqdm=False)[0]
+    assert len(a.outputs) == 2 and a.outputs[0].token_ids == a.outputs[1].token_ids  # greedy children agree
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        assert x.keys() == y.keys()
+        assert all(abs(x[t].logprob - y[t].logprob) < 1e-3 for t in x)
+    sampled = triton_llm.generate(prompt, SamplingParams(temperature=1.0, seed=4, max_tokens=4, n=3,
+                                                         allowed_token_ids=[50, 51, 52], ignore_eos=True),
+                                  use_tqdm=False)[0]
+    assert all(set(c.token_ids) <= {50, 51, 52} for c in sampled.outputs)

@@ -88,8 +88,8 @@ class BlockManager:
 
     def get_computed_blocks(self, seq: Sequence) -> PrefixMatch:
         """Longest cached prefix of `seq` (read-only: nothing is reserved until `allocate`)."""
-        if not self.enable_prefix_caching:
-            return PrefixMatch([], 0)
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return PrefixMatch([], 0)  # prompt logprobs need logits at every prompt position
         blocks: list[int] = []
         for h in self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size):  # leave >= 1 token
             block = self.hash_to_block.get(h)
@@ -151,6 +151,26 @@ class BlockManager:
                 self.free_stamp[b] = self._clock
                 self._clock += 1
         seq.block_table = []
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """n > 1: give a new `child` the parent's computed prompt without copying or recomputing it.
+        Full blocks are shared (one more reference each). The partly filled last block cannot be:
+        both sequences are about to write their next token into it. So the child gets a block of
+        its own and the caller copies the K/V over (copy-on-write); returns that (src, dst) pair.
+        With no free block left, the child instead recomputes those few tokens (< block_size)."""
+        assert not child.block_table
+        full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        for b in parent.block_table[:full]:
+            self._record_block(b)
+            self.ref_counts[b] += 1
+        child.block_table = parent.block_table[:full]
+        child.num_computed_tokens = full * self.block_size
+        if not partial or not self.free_blocks:
+            return None
+        dst = self._take_free_block()
+        child.block_table.append(dst)
+        child.num_computed_tokens = parent.num_computed_tokens
+        return parent.block_table[full], dst
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """After a step: register the hashes of blocks that are now full and computed."""

@@ -27,6 +27,7 @@ pool) finish at once with finish_reason "error" and a message saying which limit
 
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import operator
@@ -40,19 +41,21 @@ from transformers import AutoTokenizer
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from minivllm.engine.errors import EngineDeadError, is_fatal
 from minivllm.engine.kv_cache import num_kv_blocks_for
 from minivllm.engine.loading import build_model, resolve_device, resolve_dtype
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.output_processor import OutputProcessor, RequestState
+from minivllm.engine.sampling_metadata import RowGroupOutput
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stats import EngineStats
 from minivllm.engine.trace import StepTrace, record_step
 from minivllm.layers.attention import get_attention_backend
+from minivllm.layers.logits_processors import bad_words_token_ids
 from minivllm.layers.sampler import noise_seed
 from minivllm.models.hf_config import load_model_spec
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -86,11 +89,14 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             eos_token_ids=self.eos_token_ids, enable_chunked_prefill=config.enable_chunked_prefill,
             max_admission_skips=config.max_admission_skips)
-        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.requests: dict[str, RequestState] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step
         self._arrivals = itertools.count()
         self._counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, num_mixed_steps=0,
-                              step_time_s=0.0, forward_time_s=0.0)
+                              step_time_s=0.0, forward_time_s=0.0, num_prompt_tokens_total=0,
+                              num_generation_tokens_total=0)
+        self._finished: collections.Counter[str] = collections.Counter()  # finish_reason -> requests
         self.trace: list[StepTrace] = []  # filled when config.record_trace
         self._gc_frozen = False
         if config.warmup:
@@ -140,8 +146,18 @@ class LLMEngine:
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
         ids = self.check_token_ids(request_id, "prompt_token_ids", ids)
-        self.check_token_ids(request_id, "stop_token_ids", sp.all_stop_token_ids)
-        return Sequence(request_id, ids, sp, prompt=text, seed=sp.seed or 0)
+        for field, field_ids in sp.token_id_fields().items():
+            self.check_token_ids(request_id, field, field_ids)
+        for field in ("logprobs", "prompt_logprobs"):
+            if (getattr(sp, field) or 0) > self.config.max_logprobs:
+                raise ValueError(f"request {request_id!r}: {field}={getattr(sp, field)} exceeds max_logprobs="
+                                 f"{self.config.max_logprobs}; ask for fewer or raise the engine's max_logprobs")
+        if sp.truncate_prompt_tokens is not None:
+            ids = ids[-sp.truncate_prompt_tokens:]  # keep the end, as vLLM does
+        seq = Sequence(request_id, ids, sp, prompt=text, seed=sp.seed or 0)
+        if sp.bad_words:
+            seq.bad_words_token_ids = bad_words_token_ids(self.tokenizer, sp.bad_words)
+        return seq
 
     def check_token_ids(self, request_id: str, field: str, ids: Iterable[Any]) -> list[int]:
         """Every token id a request carries must index the model's vocabulary: an id out of range
@@ -165,13 +181,13 @@ class LLMEngine:
         seq.arrival_index = next(self._arrivals)
         if seq.sampling_params.seed is None:  # unseeded: still reproducible for a given engine seed
             seq.seed = noise_seed(self.config.seed, seq.arrival_index)
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
+        state = self.output_processor.new_request(seq)
         error = self.unservable_reason(seq)
         if error is not None:
             seq.finish("error", error=error)
-            self._pending.append(self._output(seq, detok))
+            self._pending.append(self.output_processor.output(state))
             return
-        self.requests[seq.request_id] = (seq, detok)
+        self.requests[seq.group_id] = state
         self.scheduler.add_sequence(seq)
 
     def unservable_reason(self, seq: Sequence) -> str | None:
@@ -193,13 +209,14 @@ class LLMEngine:
         """Finish requests with finish_reason "abort" and free their blocks; unless `report` is
         False, the next `step()` returns their final outputs. Unknown ids are ignored."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            entry = self.requests.pop(rid, None)
-            if entry is None:
+            state = self.requests.pop(rid, None)
+            if state is None:
                 continue
-            seq, detok = entry
-            self.scheduler.finish(seq, "abort")
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
             if report:
-                self._pending.append(self._output(seq, detok))
+                self._pending.append(self.output_processor.output(state))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending)
@@ -209,6 +226,12 @@ class LLMEngine:
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Plan, run and commit one step; returns one output per request that changed."""
+        outputs = self._step()
+        self._finished.update(o.outputs[0].finish_reason for o in outputs if o.finished)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self.scheduler.is_finished():
             return outputs
@@ -256,12 +279,13 @@ class LLMEngine:
             self.scheduler.rollback(written)
         if not culprits:
             raise error
-        outputs = []
+        failed: dict[str, RequestState] = {}
         for sched, err in culprits:
             seq = sched.seq
-            message = f"this request made the step fail on its own: {type(err).__name__}: {err}"
-            outputs.append(self._fail(seq, self.requests[seq.request_id][1], message))
-        return outputs
+            self.scheduler.finish(seq, "error", error=f"this request made the step fail on its own: "
+                                                       f"{type(err).__name__}: {err}")
+            failed[seq.group_id] = self.requests[seq.group_id]
+        return [self._report(state) for state in failed.values()]
 
     def _blame(self, group: list[ScheduledSequence]) -> list[tuple[ScheduledSequence, Exception]]:
         """Bisection: re-run `group`; if it fails, re-run each half, down to single requests. Costs
@@ -277,60 +301,48 @@ class LLMEngine:
         mid = len(group) // 2
         return self._blame(group[:mid]) + self._blame(group[mid:])
 
-    def _fail(self, seq: Sequence, detok: IncrementalDetokenizer, message: str) -> RequestOutput:
-        """Finish one request with finish_reason "error" and drop it from the engine."""
-        self.scheduler.finish(seq, "error", error=message)
-        self.requests.pop(seq.request_id, None)
-        return self._output(seq, detok)
+    def _count_tokens(self, updated: list[Sequence]) -> None:
+        c = self._counters
+        c["num_generation_tokens_total"] += len(updated)
+        c["num_prompt_tokens_total"] += sum(s.num_prompt_tokens for s in updated
+                                            if s.index == 0 and s.num_output_tokens == 1)
+
+    def _report(self, state: RequestState) -> RequestOutput:
+        """The request's output now; a finished request leaves the engine."""
+        if state.finished:
+            self.requests.pop(state.request_id, None)
+        return self.output_processor.output(state)
 
     # --- the commit --------------------------------------------------------------------------------
-    def _commit(self, plan: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
+    def _commit(self, plan: SchedulerOutput, outputs: list[RowGroupOutput]) -> list[RequestOutput]:
         """Request by request, so that an exception (say, in a tokenizer's decode) fails only the
-        request it happened in."""
-        outputs = []
-        for sched, token_id in zip(plan.scheduled, sampled):
+        sequence it happened in."""
+        changed: dict[str, RequestState] = {}
+        for sched, row_out in zip(plan.scheduled, outputs):
             seq = sched.seq
-            if seq.request_id not in self.requests:
+            state = self.requests.get(seq.group_id)
+            if state is None:
                 continue
-            detok = self.requests[seq.request_id][1]
+            current = seq
             try:
-                if not self.scheduler.postprocess_one(sched, token_id):
-                    continue
-                self._check_stop_strings(seq, detok)
-                outputs.append(self._output(seq, detok))
+                if row_out.prompt_logprobs:
+                    seq.prompt_logprobs.extend(row_out.prompt_logprobs)
+                result = self.scheduler.postprocess_one(sched, row_out)
+                self.model_runner.copy_blocks(result.blocks_to_copy)
+                self._count_tokens(result.updated)
+                for current in result.updated:
+                    if current.index >= len(state.seqs):
+                        self.output_processor.add_sequence(state, current)
+                    match = self.output_processor.detokenize(state, current)
+                    if match is not None:
+                        self.scheduler.finish(current, "stop", match.stop)
+                if result.updated:
+                    changed[state.request_id] = state
             except Exception as e:
-                outputs.append(self._fail(seq, detok, f"committing this request's token failed: "
-                                                      f"{type(e).__name__}: {e}"))
-                continue
-            if seq.is_finished:
-                del self.requests[seq.request_id]
-        return outputs
-
-    def _check_stop_strings(self, seq: Sequence, detok: IncrementalDetokenizer) -> None:
-        """Detokenize the new token and apply the stop strings. A stop string completed by the very
-        token that also reached max_tokens still wins: the text is cut and the reason is "stop"."""
-        sp = seq.sampling_params
-        delta = detok.update(seq.last_token_id)
-        if seq.is_finished:
-            delta += detok.flush()
-        if not delta or not sp.stop_strings or seq.num_output_tokens <= sp.min_tokens:
-            return
-        if seq.finish_reason not in (None, "length"):  # EOS or a stop token id came first
-            return
-        match = find_stop_string(detok.text, len(delta), sp.stop_strings, sp.include_stop_str_in_output)
-        if match is not None:
-            detok.text = detok.text[:match.truncate_at]
-            self.scheduler.finish(seq, "stop", match.stop)
-
-    def _output(self, seq: Sequence, detok: IncrementalDetokenizer) -> RequestOutput:
-        text = detok.text
-        stops = seq.sampling_params.stop_strings
-        if stops and not seq.is_finished:
-            # Hold back what could be the start of a stop string, so streamed text never shrinks.
-            text = text[:max(0, len(text) - max(map(len, stops)) + 1)]
-        completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             seq.num_cached_tokens, seq.error)
+                self.scheduler.finish(current, "error", error=f"committing this request's token failed: "
+                                                              f"{type(e).__name__}: {e}")
+                changed[state.request_id] = state
+        return [self._report(state) for state in changed.values()]
 
     # --- introspection and shutdown ----------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -342,7 +354,9 @@ class LLMEngine:
             prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens,
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            step_time_s=c["step_time_s"], forward_time_s=c["forward_time_s"])
+            step_time_s=c["step_time_s"], forward_time_s=c["forward_time_s"],
+            num_prompt_tokens_total=c["num_prompt_tokens_total"],
+            num_generation_tokens_total=c["num_generation_tokens_total"], finished_requests=dict(self._finished))
 
     def shutdown(self) -> None:
         """Abort what is left and undo gc.freeze() (which moved the heap out of the collector's sight)."""

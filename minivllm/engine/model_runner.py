@@ -8,9 +8,13 @@ One step, three phases:
        block_tables                   (B, max_blocks)
        logits_indices                 (S,)   the rows whose logits are sampled: the last row of
                                              each chunk that reaches the end of its sequence
+                                             (see engine/sampling_metadata.py for forks and
+                                             prompt logprobs)
   2. forward: hidden states for all T rows, logits only for the S sampled rows (the LM head is the
      biggest matmul of a small model; a prefill chunk needs only its last row).
-  3. sample: every row with its own parameters, in one call (`layers/sampler.py`).
+  3. sample: logprobs from the raw logits (if asked), then the logits processors (penalties,
+     biases, masks: `layers/logits_processors.py`), then every row with its own parameters in one
+     sampler call (`layers/sampler.py`).
 
 It keeps no per-request state: everything comes from the `SchedulerOutput`, so a failed step
 leaves nothing behind here (the K/V it wrote land in slots the engine treats as uncomputed).
@@ -25,9 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.engine.kv_cache import allocate_kv_cache
+from minivllm.engine.sampling_metadata import PromptLogprob, RowGroupOutput, SamplingBatch, gather_logprobs
 from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.logits_processors import apply_logits_processing
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
 from minivllm.models.hf_config import ModelSpec
 from minivllm.sampling_params import SamplingParams
@@ -39,9 +45,8 @@ class StepBatch:
     positions: torch.Tensor  # (T,)
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # (S,)
-    sampled_rows: list[int]  # which scheduled entries are sampled, in logits order
+    sampling_batch: SamplingBatch  # who each sampled row belongs to, and what it asks
     sampling: SamplingTensors | None
-    banned_token_ids: list[tuple[int, list[int]]]  # (logits row, ids) for min_tokens
 
 
 class ModelRunner:
@@ -61,7 +66,7 @@ class ModelRunner:
         bs = self.block_size
         input_ids, positions, seq_index = array("i"), array("q"), array("q")
         query_lens, context_lens, tables = [], [], []
-        logits_indices, sampled_rows, sample_params, banned = [], [], [], []
+        sb = SamplingBatch()
         row = 0
         for i, (seq, start, n) in enumerate(out.scheduled):
             input_ids.extend(seq.token_ids[start:start + n])
@@ -70,16 +75,10 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(seq.block_table)
+            sb.add_prompt_rows(i, seq, start, n, row)
             row += n
             if start + n == seq.num_tokens:  # the chunk reaches the end: sample its last row
-                sp = seq.sampling_params
-                if seq.num_output_tokens < sp.min_tokens:
-                    ids = list(sp.all_stop_token_ids) + ([] if sp.ignore_eos else list(self.eos_token_ids))
-                    banned.append((len(logits_indices), ids))
-                logits_indices.append(row - 1)
-                sampled_rows.append(i)
-                temperature = 0.0 if sp.greedy else sp.temperature
-                sample_params.append((temperature, sp.top_k, sp.top_p, sp.min_p, seq.seed, seq.num_tokens))
+                sb.add_sampled(i, seq, row - 1, self.eos_token_ids)
         dev = self.device
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -96,36 +95,58 @@ class ModelRunner:
             block_size=bs,
         )
         self.backend.prepare(meta)
-        sampling = (SamplingTensors.from_params(sample_params, self.spec.vocab_size, dev)
-                    if sample_params else None)
+        sampling = SamplingTensors.from_params(sb.rows, self.spec.vocab_size, dev) if sb.rows else None
         return StepBatch(
             input_ids=torch.frombuffer(input_ids, dtype=torch.int32).long().to(dev),
             positions=positions_t.to(dev), attn_metadata=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-            sampled_rows=sampled_rows, sampling=sampling, banned_token_ids=banned,
+            logits_indices=torch.tensor(sb.logits_indices + sb.prompt_indices, dtype=torch.int64, device=dev),
+            sampling_batch=sb, sampling=sampling,
         )
 
     # --- 2 + 3. run and sample ------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> list[int | None]:
-        """Run one step; returns the sampled token per scheduled entry (None: nothing sampled)."""
+    def execute_model(self, out: SchedulerOutput) -> list[RowGroupOutput]:
+        """Run one step; returns what each scheduled row group produced (maybe nothing)."""
         batch = self.prepare_inputs(out)
+        sb = batch.sampling_batch
         t0 = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
                             self.backend)  # (T, hidden)
-        result: list[int | None] = [None] * len(out.scheduled)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, V)
+        result = [RowGroupOutput() for _ in out.scheduled]
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S + P, V)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - t0
-        if not batch.sampled_rows:
+        num_sampled = len(sb.sampled)
+        if sb.prompt_rows:
+            self._record_prompt_logprobs(logits[num_sampled:].float(), sb, result)
+        if not num_sampled:
             return result
-        for row, ids in batch.banned_token_ids:
-            logits[row, ids] = float("-inf")
-        tokens = self.sampler(logits, batch.sampling).tolist()
-        for i, tok in zip(batch.sampled_rows, tokens):
-            result[i] = tok
+        logits = logits[:num_sampled].float()  # (S, V)
+        want_logprobs = any(r.num_logprobs is not None for r in sb.sampled)
+        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None  # the model's own distribution
+        tokens = self.sampler(apply_logits_processing(logits, sb.processing), batch.sampling).tolist()
+        if raw_logprobs is not None:
+            sampled = gather_logprobs(raw_logprobs, tokens, [r.num_logprobs for r in sb.sampled])
+        else:
+            sampled = gather_logprobs(logits, tokens, [None] * num_sampled)
+        for r, tok in zip(sb.sampled, sampled):
+            (result[r.entry].fork_tokens if r.is_fork else result[r.entry].tokens).append(tok)
         return result
+
+    @staticmethod
+    def _record_prompt_logprobs(logits: torch.Tensor, sb: SamplingBatch, result: list[RowGroupOutput]) -> None:
+        lp = logits.log_softmax(-1)  # (P, V)
+        toks = gather_logprobs(lp, [r.token_id for r in sb.prompt_rows], [r.num_logprobs for r in sb.prompt_rows])
+        for r, tok in zip(sb.prompt_rows, toks):
+            result[r.entry].prompt_logprobs.append(PromptLogprob(r.position, tok))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write for forked sequences: block dst gets block src's K/V in every layer."""
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs], device=self.device)
+            dst = torch.tensor([p[1] for p in pairs], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (L, 2, n, bs, Hkv, D)
 
     def written_blocks(self, out: SchedulerOutput) -> set[int]:
         """Blocks a (possibly failed) step may have written K/V into."""

@@ -26,8 +26,9 @@ Mapping onto the small teaching API of MinivLLM's docs (same method names):
   schedule() -> (seqs, is_prefill)
                                 -> schedule() -> SchedulerOutput; `is_prefill` is per request
                                    (`ScheduledSequence.is_prefill`), because one batch mixes both
-  postprocess(seqs, token_ids)  -> postprocess(scheduler_output, token_ids) (None for rows that
-                                   sampled nothing: a prefill chunk that has not reached the end)
+  postprocess(seqs, token_ids)  -> postprocess(scheduler_output, outputs): one RowGroupOutput per
+                                   scheduled entry (no token for a prefill chunk that has not
+                                   reached the end; forked children's first tokens for n > 1)
   preempt(seq), is_finished()   -> same
 """
 
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sampling_metadata import RowGroupOutput, SampledToken
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.undo_log import UndoLog
 
@@ -79,6 +81,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+class CommitResult(NamedTuple):
+    updated: list[Sequence]  # sequences that received a token (forked children included)
+    blocks_to_copy: list[tuple[int, int]]  # (src, dst) K/V blocks to copy: copy-on-write of forks
 
 
 class StopReason(NamedTuple):
@@ -188,25 +195,52 @@ class Scheduler:
         self.num_preemptions += 1
 
     # --- the commit ------------------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, outputs: list[RowGroupOutput | int | None]) -> CommitResult:
         """Commit a successful step: advance computed counts, publish full blocks to the prefix
-        cache, append sampled tokens and apply the token-level stop rules. Returns the sequences
-        that received a token."""
-        assert len(sampled_token_ids) == len(out.scheduled)
-        return [s.seq for s, t in zip(out.scheduled, sampled_token_ids) if self.postprocess_one(s, t)]
+        cache, fork n > 1 requests whose prompt is done, append sampled tokens and apply the
+        token-level stop rules. A plain token id (or None) may stand for a row group's output."""
+        assert len(outputs) == len(out.scheduled)
+        result = CommitResult([], [])
+        for sched, row_out in zip(out.scheduled, outputs):
+            if not isinstance(row_out, RowGroupOutput):
+                row_out = RowGroupOutput([] if row_out is None else [SampledToken(row_out)])
+            one = self.postprocess_one(sched, row_out)
+            result.updated.extend(one.updated)
+            result.blocks_to_copy.extend(one.blocks_to_copy)
+        return result
 
-    def postprocess_one(self, sched: ScheduledSequence, token_id: int | None) -> bool:
-        """`postprocess` for one row group; True if it received a token."""
+    def postprocess_one(self, sched: ScheduledSequence, out: RowGroupOutput) -> CommitResult:
+        """`postprocess` for one row group. The caller copies `blocks_to_copy` (copy-on-write of
+        forked sequences' last blocks) before the next forward."""
         seq = sched.seq
         seq.num_computed_tokens = sched.start + sched.num_new_tokens
         self.block_manager.cache_full_blocks(seq)
-        if token_id is None:
-            return False
-        seq.append_token(token_id)
-        stop = self.check_stop(seq, token_id)
+        result = CommitResult([], [])
+        if not out.tokens:
+            return result
+        # Fork before the parent appends its token: it may finish at once, and its blocks must be
+        # shared first. Children go to the end of RUNNING: the newest, so preempted first.
+        for index, first in enumerate(out.fork_tokens, start=1):
+            child = seq.fork(index, seq.seed + index)
+            copy = self.block_manager.fork(seq, child)
+            if copy is not None:
+                result.blocks_to_copy.append(copy)
+            self.running.append(child)
+            self._append(child, first)
+            result.updated.append(child)
+        seq.num_forks_pending = 0
+        self._append(seq, out.tokens[0])
+        result.updated.insert(0, seq)
+        return result
+
+    def _append(self, seq: Sequence, token: SampledToken) -> None:
+        seq.append_token(token.token_id)
+        if token.logprob is not None:
+            seq.logprobs.append(token)
+            seq.cumulative_logprob += token.logprob
+        stop = self.check_stop(seq, token.token_id)
         if stop is not None:
             self.finish(seq, stop.finish_reason, stop.stop_reason)
-        return True
 
     def check_stop(self, seq: Sequence, token_id: int) -> StopReason | None:
         """The token-level stop rules (stop strings need text, so the engine checks those)."""

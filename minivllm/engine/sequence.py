@@ -9,6 +9,10 @@ a 28-byte Python int and an 8-byte pointer). `num_computed_tokens` counts the to
 the paged cache; the tokens in `[num_computed_tokens, num_tokens)` are what the next step must run.
 A decode step is just the case where that gap is one token. `block_table[i]` is the physical KV block
 holding tokens `[i*block_size, (i+1)*block_size)`.
+
+A request with `n > 1` starts as ONE sequence (index 0) and forks when its prompt is done: the n
+sequences share the request's `group_id` (the user's request id) and have their own `request_id`
+(`"{index}_{group_id}"` for index >= 1, as vLLM names them), tokens, blocks and seeds.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import enum
 from array import array
 from collections.abc import Sequence as SequenceABC
+from typing import Any
 
 from minivllm.sampling_params import SamplingParams
 
@@ -62,6 +67,14 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # Sampling outputs and n > 1 (see the module docstring).
+        self.group_id = request_id  # the request this sequence belongs to
+        self.index = 0  # which of the request's n completions this is
+        self.num_forks_pending = sampling_params.n - 1  # children to fork when the prompt is done
+        self.bad_words_token_ids: list[list[int]] = []  # set by the engine from sampling_params.bad_words
+        self.logprobs: list[Any] = []  # one SampledToken per output token, when logprobs are asked
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[Any] = []  # one PromptLogprob per prompt position done so far
 
     # --- sizes -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -99,6 +112,19 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         assert isinstance(token_id, int), "append_token takes a Python int (convert tensors first)"
         self.token_ids.append(token_id)
+
+    def fork(self, index: int, seed: int) -> "Sequence":
+        """A child with this sequence's tokens and nothing else: no blocks yet, its own seed. The
+        block manager then shares the parent's blocks with it (`BlockManager.fork`)."""
+        child = Sequence(f"{index}_{self.group_id}", self.token_ids, self.sampling_params, prompt=self.prompt,
+                         arrival_index=self.arrival_index, seed=seed)
+        child.num_prompt_tokens, child._prompt_list = self.num_prompt_tokens, self._prompt_list
+        child.group_id, child.index, child.num_forks_pending = self.group_id, index, 0
+        child.status = self.status
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_hashes = list(self.block_hashes)  # hashes depend on tokens only
+        child.bad_words_token_ids = self.bad_words_token_ids
+        return child
 
     def finish(self, reason: str, stop_reason: int | str | None = None, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

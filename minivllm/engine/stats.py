@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,10 @@ class EngineStats:
     num_waiting: int
     step_time_s: float  # wall time inside step()
     forward_time_s: float  # of which in the model forward (incl. LM head)
+    # Counted at commit, so recomputed tokens (after a preemption) never count twice:
+    num_prompt_tokens_total: int = 0  # prompt tokens of requests that produced their first token
+    num_generation_tokens_total: int = 0  # tokens appended to outputs
+    finished_requests: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
 
     @property
     def prefix_cache_hit_rate(self) -> float:

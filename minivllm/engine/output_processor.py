@@ -1,0 +1,111 @@
+"""From sequences to `RequestOutput`s: detokenization, stop strings and logprobs with their text.
+
+One `RequestState` per request (vLLM's name): its sequences — one, or n after an `n > 1` request
+forks — each with its own incremental detokenizer. Outputs are cumulative, so logprobs are turned
+into vLLM's `{token_id: Logprob}` dicts once per token and kept, not rebuilt at every step.
+
+A stop string is searched only in the text a new token completed (engine/detokenizer.py). While a
+request is running, its text holds back the last `len(longest stop) - 1` characters, which could be
+the start of a stop string: streamed text therefore never has to shrink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minivllm.engine.detokenizer import IncrementalDetokenizer, StopMatch, find_stop_string
+from minivllm.engine.sampling_metadata import SampledToken
+from minivllm.engine.sequence import Sequence
+from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    seqs: list[Sequence]  # by completion index; [0] is the sequence the request started as
+    detoks: list[IncrementalDetokenizer]
+    logprobs: list[SampleLogprobs] = field(default_factory=list)  # converted so far, per sequence
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._token_text: dict[int, str] = {}  # decoded text of single tokens (for logprobs)
+
+    def new_request(self, seq: Sequence) -> RequestState:
+        state = RequestState(seq.group_id, [], [])
+        self.add_sequence(state, seq)
+        if seq.sampling_params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        return state
+
+    def add_sequence(self, state: RequestState, seq: Sequence) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
+        state.seqs.append(seq)
+        state.detoks.append(detok)
+        state.logprobs.append([])
+
+    def detokenize(self, state: RequestState, seq: Sequence) -> StopMatch | None:
+        """Add `seq`'s newest token to its text; a stop string it completed, if any (the text is
+        already cut). A stop string completed by the token that also reached max_tokens still wins."""
+        detok = state.detoks[seq.index]
+        sp = seq.sampling_params
+        delta = detok.update(seq.last_token_id)
+        if seq.is_finished:
+            delta += detok.flush()
+        if not delta or not sp.stop_strings or seq.num_output_tokens <= sp.min_tokens:
+            return None
+        if seq.finish_reason not in (None, "length"):  # EOS or a stop token id came first
+            return None
+        match = find_stop_string(detok.text, len(delta), sp.stop_strings, sp.include_stop_str_in_output)
+        if match is not None:
+            detok.text = detok.text[:match.truncate_at]
+        return match
+
+    def output(self, state: RequestState) -> RequestOutput:
+        seqs = state.seqs
+        first = seqs[0]
+        if first.sampling_params.prompt_logprobs is not None:
+            self._convert_prompt_logprobs(state)
+        return RequestOutput(first.group_id, first.prompt, first.prompt_token_ids,
+                             [self._completion(state, s) for s in seqs], state.finished, first.num_cached_tokens,
+                             next((s.error for s in seqs if s.error), None), prompt_logprobs=state.prompt_logprobs)
+
+    def _completion(self, state: RequestState, seq: Sequence) -> CompletionOutput:
+        text = state.detoks[seq.index].text
+        stops = seq.sampling_params.stop_strings
+        if stops and not seq.is_finished:
+            # Hold back what could be the start of a stop string, so streamed text never shrinks.
+            text = text[:max(0, len(text) - max(map(len, stops)) + 1)]
+        logprobs, cumulative = None, None
+        if seq.sampling_params.logprobs is not None:
+            logprobs = state.logprobs[seq.index]
+            logprobs.extend(self._logprob_dict(t) for t in seq.logprobs[len(logprobs):])
+            logprobs, cumulative = list(logprobs), seq.cumulative_logprob
+        return CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason,
+                                cumulative, logprobs)
+
+    def _convert_prompt_logprobs(self, state: RequestState) -> None:
+        done = state.prompt_logprobs
+        seq = state.seqs[0]
+        for p in seq.prompt_logprobs[len(done) - 1:]:
+            done.append(self._logprob_dict(p.token))
+
+    def _logprob_dict(self, t: SampledToken) -> dict[int, Logprob]:
+        """vLLM's shape: the top-N candidates and the actual token, each with logprob, rank, text."""
+        out = {tok: Logprob(lp, rank, self._text(tok)) for rank, (tok, lp) in enumerate(t.top_logprobs, start=1)}
+        if t.token_id not in out:
+            out[t.token_id] = Logprob(t.logprob, t.rank, self._text(t.token_id))
+        return out
+
+    def _text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text

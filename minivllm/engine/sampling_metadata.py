@@ -1,0 +1,132 @@
+"""What a step samples, and what the model runner hands back for each scheduled row group.
+
+Which hidden rows get logits (the LM head runs on these rows only):
+  * the last row of every chunk that reaches the end of its sequence: one sampled row — or n rows
+    when the sequence is a prompt about to fork into n completions (the same logits row, drawn
+    with seeds seed, seed+1, ..., seed+n-1: vLLM's rule for `n` with a seed);
+  * every prompt row of a chunk whose request asked for `prompt_logprobs` (row p predicts prompt
+    token p+1), recorded once even if the prompt is recomputed after a preemption.
+
+Per sampled row, what the request asks of the logits (`RowProcessing`: masks, biases, penalties
+with the output so far) and of the draw (`SamplingRow`) travel as typed records, never tuples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.logits_processors import RowProcessing, banned_by_bad_words
+from minivllm.layers.sampler import SamplingRow
+
+
+class SampledToken(NamedTuple):
+    token_id: int
+    logprob: float | None = None  # the model's raw logprob of this token (None: not asked)
+    rank: int | None = None  # 1 + how many tokens the model found strictly more likely
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the N most likely (id, logprob), best first
+
+
+class PromptLogprob(NamedTuple):
+    position: int  # which prompt token this is (>= 1)
+    token: SampledToken  # the prompt token, with its logprob, rank and the top-N at that position
+
+
+@dataclass
+class RowGroupOutput:
+    """What one scheduled row group produced in a step."""
+
+    tokens: list[SampledToken] = field(default_factory=list)  # appended to the sequence, in order
+    fork_tokens: list[SampledToken] = field(default_factory=list)  # first tokens of forked children 1..n-1
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+
+
+class SampledRow(NamedTuple):
+    entry: int  # index of the scheduled row group
+    is_fork: bool  # True: the first token of a forked child, not of the sequence itself
+    num_logprobs: int | None
+
+
+class PromptRow(NamedTuple):
+    entry: int
+    position: int  # the prompt token this row predicts
+    token_id: int
+    num_logprobs: int
+
+
+@dataclass
+class SamplingBatch:
+    logits_indices: list[int] = field(default_factory=list)  # hidden rows sampled (a fork repeats one)
+    sampled: list[SampledRow] = field(default_factory=list)
+    rows: list[SamplingRow] = field(default_factory=list)
+    processing: list[RowProcessing] = field(default_factory=list)
+    prompt_indices: list[int] = field(default_factory=list)  # hidden rows for prompt logprobs
+    prompt_rows: list[PromptRow] = field(default_factory=list)
+
+    def add_sampled(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int]) -> None:
+        """The sampled row(s) of a chunk that reaches the end of `seq`."""
+        sp = seq.sampling_params
+        processing = row_processing(seq, eos_token_ids)
+        for child in range(1 + seq.num_forks_pending):
+            self.logits_indices.append(hidden_row)
+            self.sampled.append(SampledRow(entry, child > 0, sp.logprobs))
+            seed = seq.seed + child
+            self.rows.append(SamplingRow(0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.min_p, seed,
+                                         seq.num_tokens))
+            self.processing.append(processing)
+
+    def add_prompt_rows(self, entry: int, seq: Sequence, start: int, num_new_tokens: int, first_row: int) -> None:
+        """Rows of a prompt chunk whose logprobs were asked and not yet recorded."""
+        n = seq.sampling_params.prompt_logprobs
+        if n is None:
+            return
+        done = len(seq.prompt_logprobs) + 1  # next prompt position to record (position 0 has none)
+        last = min(start + num_new_tokens, seq.num_prompt_tokens - 1)  # row p predicts token p+1
+        for p in range(max(start, done - 1), last):
+            self.prompt_indices.append(first_row + p - start)
+            self.prompt_rows.append(PromptRow(entry, p + 1, seq.token_ids[p + 1], n))
+
+
+def row_processing(seq: Sequence, eos_token_ids: frozenset[int]) -> RowProcessing:
+    """What `seq` asks the logits processors to do at its next token."""
+    sp = seq.sampling_params
+    banned: list[int] = []
+    if seq.num_output_tokens < sp.min_tokens:  # no EOS / stop token before min_tokens
+        banned += list(sp.all_stop_token_ids) + ([] if sp.ignore_eos else list(eos_token_ids))
+    if not sp.needs_logits_processing:
+        return RowProcessing(banned_token_ids=banned)
+    output = seq.output_token_ids
+    if seq.bad_words_token_ids:
+        banned += banned_by_bad_words(seq.bad_words_token_ids, output)
+    return RowProcessing(
+        banned_token_ids=banned, allowed_token_ids=sp.allowed_token_ids, logit_bias=sp.logit_bias,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1 else None,
+        output_token_ids=output if sp.has_penalties else None)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[int | None]) -> list[SampledToken]:
+    """logprobs: (R, V) log_softmax of raw logits. For each row: the token's logprob and rank, and
+    the top-N (N per row; None = not asked)."""
+    out = [SampledToken(t) for t in token_ids]
+    asked = [i for i, n in enumerate(num_top) if n is not None]
+    if not asked:
+        return out
+    idx = torch.tensor(asked, device=logprobs.device)
+    lp = logprobs[idx]  # (A, V)
+    tok = torch.tensor([token_ids[i] for i in asked], device=logprobs.device)
+    chosen = lp.gather(1, tok[:, None])  # (A, 1)
+    ranks = (lp > chosen).sum(-1) + 1  # (A,)
+    k = max(num_top[i] for i in asked)
+    top = lp.topk(k, dim=-1) if k > 0 else None
+    chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
+    top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    for j, i in enumerate(asked):
+        n = num_top[i]
+        pairs = tuple(zip(top_i[j][:n], top_v[j][:n])) if n else ()
+        out[i] = SampledToken(token_ids[i], chosen_l[j], ranks_l[j], pairs)
+    return out
