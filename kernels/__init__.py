@@ -4,6 +4,7 @@
     paged_attention.py    one kernel for mixed batches: decode rows, prefill chunks, cached prefixes
     split_kv_decode.py    flash-decoding for long contexts with few decode rows (+ the merge kernel)
     sampling.py           temperature / top-k / top-p / min-p and a seeded Gumbel-max draw
+    seeding.py            `noise_seed` (plain Python, no triton): the per-(seed, position) noise stream key
 
 This folder is installed as `minivllm.kernels` (see pyproject.toml), never as a top-level
 `kernels` package: transformers looks for Hugging Face's kernel hub under that name. It also

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .seeding import noise_seed
+
 
 def naive_cutoffs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                   min_ps: torch.Tensor) -> torch.Tensor:
@@ -185,8 +187,6 @@ def triton_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torc
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, cutoffs: torch.Tensor, seeds: list[int],
                   positions: list[int]) -> torch.Tensor:
     """Pass 2 alone: draw each row among its logits >= cutoff (temperature-scaled)."""
-    from minivllm.layers.sampler import noise_seed
-
     S, V = logits.shape
     keys = torch.tensor([_signed64(noise_seed(s, p)) for s, p in zip(seeds, positions)], dtype=torch.int64,
                         device=logits.device)

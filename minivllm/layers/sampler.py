@@ -14,18 +14,22 @@ top-p needs a sort of the row; it runs only when some row asks for top-p < 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-_MASK64 = (1 << 64) - 1
+from minivllm.kernels.seeding import noise_seed  # also imported from here by the engine
 
 
-def noise_seed(seed: int, position: int) -> int:
-    """Mix (seed, position) into one 64-bit generator seed (splitmix64 finaliser)."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+class SamplingRow(NamedTuple):
+    """One sampled row's draw parameters (the typed hand-off from the model runner)."""
+
+    temperature: float  # 0 = greedy
+    top_k: int  # 0 or -1 = off
+    top_p: float  # 1 = off
+    min_p: float  # 0 = off
+    seed: int  # the request's (or forked child's) seed
+    position: int  # position of the token being drawn: keys the noise
 
 
 @dataclass
@@ -44,19 +48,17 @@ class SamplingTensors:
     any_min_p: bool
 
     @classmethod
-    def from_params(cls, rows: list[tuple[float, int, float, float, int, int]], vocab_size: int,
-                    device: torch.device) -> "SamplingTensors":
-        """rows: (temperature, top_k, top_p, min_p, seed, position) per sampled row."""
-        temps = [r[0] for r in rows]
-        top_ks = [r[1] if 0 < r[1] < vocab_size else vocab_size for r in rows]
-        top_ps = [r[2] for r in rows]
-        min_ps = [r[3] for r in rows]
+    def from_params(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingTensors":
+        temps = [r.temperature for r in rows]
+        top_ks = [r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows]
+        top_ps = [r.top_p for r in rows]
+        min_ps = [r.min_p for r in rows]
         return cls(
             temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
             top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
             min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
-            seeds=[r[4] for r in rows], positions=[r[5] for r in rows],
+            seeds=[r.seed for r in rows], positions=[r.position for r in rows],
             all_greedy=all(t == 0.0 for t in temps),
             any_top_k=any(k < vocab_size for k in top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),
