@@ -40,6 +40,9 @@ class EngineConfig:
     # A waiting request passed over this many times for lack of blocks stops admission behind it
     # until it fits (see Scheduler): the anti-starvation rule.
     max_admission_skips: int = 8
+    # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, ...},
+    # {"model": draft_dir, "num_speculative_tokens": k}, or {"proposer": Proposer, ...}; None = off.
+    speculative_config: dict | None = None
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's default: 20).
     max_logprobs: int = 20
     # Tokenizer folder if not beside the weights (e.g. for a GGUF file); None = the model folder.
@@ -74,6 +77,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
+        if self.speculative_config is not None:
+            from minivllm.engine.spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming what to change
 
     def replace(self, **changes: object) -> "EngineConfig":
         """A validated copy with some fields changed (the config itself is never mutated)."""

@@ -1,14 +1,17 @@
-"""AsyncLLMEngine: many concurrent callers on one engine, joining the running batch, cancellation."""
+"""AsyncLLMEngine: many concurrent callers on one engine, joining the running batch, cancellation,
+and how each kind of failure reaches the callers (refused, failed step, dead engine)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from minivllm import LLMEngine, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.async_engine import AsyncLLMEngine
+from minivllm.engine.errors import EngineDeadError, StepFailedError
 
 
 @pytest.fixture()
@@ -61,3 +64,101 @@ def test_bad_request_raises_in_the_caller(async_engine):
 
 async def _collect(gen):
     return [out async for out in gen]
+
+
+def test_unservable_request_is_refused_before_any_output(async_engine):
+    async def main():
+        async for _ in async_engine.generate({"prompt_token_ids": [5] * 600}, SamplingParams()):
+            pass
+
+    with pytest.raises(ValueError, match="max_model_len"):  # not an "error" output after a step
+        asyncio.run(main())
+
+
+def test_cancel_while_the_add_is_queued_aborts(async_engine, monkeypatch):
+    """A caller that leaves while its add waits behind a long step must never run."""
+    step, gate, in_step, seen = async_engine.engine.step, threading.Event(), threading.Event(), set()
+
+    def slow_step():
+        in_step.set()
+        gate.wait(10)  # the first step is slow; commands queue up behind it
+        outputs = step()
+        seen.update(o.request_id for o in outputs)
+        return outputs
+
+    monkeypatch.setattr(async_engine.engine, "step", slow_step)
+
+    async def main():
+        first = asyncio.create_task(_collect(async_engine.generate({"prompt_token_ids": [5, 6, 7]},
+                                                                   SamplingParams(max_tokens=3), "first")))
+        await asyncio.to_thread(in_step.wait, 10)
+        sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        queued = asyncio.create_task(_collect(async_engine.generate({"prompt_token_ids": [8, 9]}, sp, "queued")))
+        await asyncio.sleep(0.05)  # "queued" now awaits its add
+        queued.cancel()
+        gate.set()
+        await first
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert "first" in seen and "queued" not in seen, "a cancelled caller's request ran"
+    assert "queued" not in async_engine.engine.requests
+
+
+def test_failed_step_fails_its_callers_and_the_engine_goes_on(async_engine, monkeypatch):
+    step, failures = async_engine.engine.step, [RuntimeError("no single request to blame")]
+
+    def flaky_step():
+        if failures:
+            raise failures.pop()
+        return step()
+
+    async def main():
+        gen = async_engine.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=50, ignore_eos=True))
+        await gen.__anext__()
+        monkeypatch.setattr(async_engine.engine, "step", flaky_step)
+        with pytest.raises(StepFailedError, match="rolled back.*no single request to blame"):
+            async for _ in gen:
+                pass
+        return await _collect(async_engine.generate({"prompt_token_ids": [8, 9]}, SamplingParams(max_tokens=4)))
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and async_engine.is_healthy
+    assert not async_engine.engine.requests
+
+
+def _assert_dead(async_engine, needle: str) -> None:
+    assert not async_engine.is_healthy
+    with pytest.raises(EngineDeadError, match=needle):
+        async_engine.check_health()
+
+    async def new_request():
+        async for _ in async_engine.generate({"prompt_token_ids": [8, 9]}, SamplingParams()):
+            pass
+
+    with pytest.raises(EngineDeadError, match=needle):  # refused at once, not left waiting
+        asyncio.run(asyncio.wait_for(new_request(), timeout=5))
+
+
+@pytest.mark.parametrize("fault,needle", [
+    ("step", "illegal memory access"),  # LLMEngine.step raises EngineDeadError: fatal
+    ("get_stats", r"worker thread died \(RuntimeError: bug in the loop\)"),  # escapes the worker loop
+])
+def test_fatal_error_fails_every_caller_and_health(async_engine, monkeypatch, fault, needle):
+    def fatal(*_):
+        if fault == "step":
+            raise EngineDeadError("CUDA error: an illegal memory access was encountered")
+        raise RuntimeError("bug in the loop")
+
+    async def main():
+        gens = [async_engine.generate({"prompt_token_ids": [5 + i, 6]}, SamplingParams(max_tokens=50, ignore_eos=True))
+                for i in range(2)]
+        for gen in gens:
+            await gen.__anext__()
+        monkeypatch.setattr(async_engine.engine, fault, fatal)
+        for gen in gens:
+            with pytest.raises(EngineDeadError, match=needle):
+                await asyncio.wait_for(_collect(gen), timeout=5)
+
+    asyncio.run(main())
+    _assert_dead(async_engine, needle)

@@ -27,12 +27,18 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir):
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("server") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, server_log):
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--model", qwen3_dir, "--port", str(port),
-         "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
+    with open(server_log, "w") as log:  # a file, not a pipe: nobody reads a pipe until it fills and blocks
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--model", qwen3_dir, "--port", str(port),
+             "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "256"],
+            stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -42,7 +48,7 @@ def server(qwen3_dir):
         except httpx.HTTPError:
             time.sleep(0.3)
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+            raise RuntimeError(f"server exited: {server_log.read_text()}")
     else:
         proc.kill()
         raise RuntimeError("server did not start")
@@ -74,6 +80,7 @@ def chat_prompt(llm: LLM, messages) -> dict:
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server}/version").json()["version"]
 
 
 def test_completion_equals_offline_generate(client, offline):
@@ -122,11 +129,38 @@ def test_extras_and_seed(client):
     ({"prompt": ""}, 400, "empty"),
     ({"prompt": [1, 99999]}, 400, "vocabulary"),
     ({"max_tokens": 3}, 422, "prompt"),
+    ({"prompt": []}, 400, "empty"),
+    ({"prompt": [[]]}, 400, "empty"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, needle):
     r = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,raw,param,needle", [
+    # Python's json reads NaN and Infinity: the numbers must still be refused, naming the field.
+    ("completions", b'{"prompt": "hi", "temperature": NaN}', "temperature", "finite"),
+    ("completions", b'{"prompt": "hi", "top_p": -Infinity}', "top_p", "finite"),
+    ("completions", b'{"prompt": "hi", "max_tokens": Infinity}', "max_tokens", "finite"),
+    ("completions", b'{"prompt": "hi", "top_p": 0}', "top_p", "(0, 1]"),  # SamplingParams names it
+    ("completions", b'{"prompt": [1, 2], "max_tokens": 0}', "max_tokens", ">= 1"),
+    ("completions", b'{"prompt": "a\\ud800b"}', "prompt", "surrogate"),
+    ("completions", b'{"prompt": ["ok", "\\udfff"]}', "prompt[1]", "surrogate"),
+    ("chat/completions", b'{"messages": []}', "messages", "empty"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages[0].content",
+     "surrogate"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+     "messages[0].content[0].text", "must be a string"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+     "messages[0].content[0]", "not supported"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "min_p": NaN}', "min_p", "finite"),
+])
+def test_bad_values_are_400s_naming_the_field(server, path, raw, param, needle):
+    r = httpx.post(f"{server}/v1/{path}", content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and needle in error["message"] and error["type"] == "invalid_request_error"
 
 
 def test_malformed_json_and_server_keeps_serving(server, client):
@@ -180,3 +214,55 @@ def test_request_defaults_come_from_generation_config():
     assert (sp.temperature, sp.top_p, sp.top_k) == (0.6, 0.9, 20)
     sp = CompletionRequest(prompt="x", temperature=0.0, top_k=5).sampling_params(defaults, 16)
     assert (sp.temperature, sp.top_p, sp.top_k) == (0.0, 0.9, 5)  # what the request says wins
+
+
+async def health_latencies(url: str, busy) -> tuple[object, list[float]]:
+    """Run `busy(client)` while timing /health every 50 ms; returns its result and the timings."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        task = asyncio.create_task(busy(client))
+        latencies = []
+        while not task.done() or not latencies:
+            t0 = time.perf_counter()
+            assert (await client.get("/health")).status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.05)
+        return await task, latencies
+
+
+def test_oversized_body_is_refused_before_it_is_read(server):
+    big = {"prompt": "word " * 800_000}  # 4 MB: tokenizing it on the event loop took seconds
+
+    async def send(client):
+        return await client.post("/v1/completions", json=big)
+
+    r, latencies = asyncio.run(health_latencies(server, send))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert "--max-request-bytes" in r.json()["error"]["message"]
+    assert max(latencies) < 1.0, f"/health stalled for {max(latencies):.2f} s"
+
+
+def test_oversized_chunked_body_is_counted(server):
+    def chunks():  # no Content-Length: the server must count what arrives
+        for _ in range(40):
+            yield b"x" * 65536
+
+    r = httpx.post(f"{server}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert "at least" in r.json()["error"]["message"]
+
+
+def test_long_prompt_is_tokenized_off_the_event_loop(server):
+    # 1 MB, just under the limit: about 1 s to tokenize, which stalled every client when it ran on
+    # the event loop; in a worker thread /health answers in tens of milliseconds.
+    long_prompt = {"prompt": "a." * 500_000}
+
+    async def send(client):
+        return await client.post("/v1/completions", json=long_prompt)
+
+    r, latencies = asyncio.run(health_latencies(server, send))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert max(latencies) < 0.5, f"/health stalled for {max(latencies):.2f} s"
+
+
+def test_server_log_has_no_traceback(server, server_log):
+    assert "Traceback" not in server_log.read_text()

@@ -2,14 +2,26 @@
 
     caller coroutines                     event loop                 worker thread
     ─────────────────                     ──────────                 ─────────────
-    async for out in generate(...)  ──>   commands queue  ───────>   apply adds / aborts
+    async for out in generate(...)  ──>   commands queue  ───────>   apply AddRequest / AbortRequest
           ^                                                          engine.step()   (the model runs
           └──── per-request asyncio.Queue  <── call_soon_threadsafe ─┘                here, off-loop)
 
-Only the worker thread touches the `LLMEngine`: adds and aborts are queued as commands and applied
-between steps, so the engine stays single-threaded and the event loop never blocks on the model.
-A request that arrives while others decode simply joins the next step's batch (continuous batching
-across callers). Cancelling a consumer (a client disconnect) aborts its request and frees its blocks.
+Only the worker thread touches the `LLMEngine`: adds and aborts are queued as typed commands and
+applied between steps, so the engine stays single-threaded and the event loop never blocks on the
+model. A request that arrives while others decode simply joins the next step's batch (continuous
+batching across callers).
+
+Invariants, and how each failure reaches the caller:
+- No request outlives its caller. Cancelling or closing `generate` at any point, even while its add
+  is still queued behind a long step, sends an abort; a caller whose event loop is gone is aborted too.
+- Refused at the door: a request that can never run (bad input, longer than max_model_len, more KV
+  blocks than the pool) raises ValueError/TypeError in its caller before any output.
+- Isolated: a request the engine fails on its own finishes with finish_reason "error" and
+  `RequestOutput.error`; everybody else carries on.
+- A failed step (`StepFailedError`, or any ordinary exception from `step()`) was rolled back; the
+  requests in flight are aborted and their callers get `StepFailedError`; the worker keeps serving.
+- Fatal: `EngineDeadError` from `step()`, or any exception escaping the worker loop, marks the engine
+  dead. Every caller, in flight or new, gets `EngineDeadError`; `is_healthy` turns False.
 """
 
 from __future__ import annotations
@@ -19,10 +31,11 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+from minivllm.engine.errors import EngineDeadError, StepFailedError
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.stats import EngineStats
 from minivllm.outputs import RequestOutput
@@ -31,25 +44,43 @@ from minivllm.sampling_params import SamplingParams
 
 @dataclass
 class _Stream:
+    """One caller's mailbox: the worker posts to it through its event loop."""
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
-    added: asyncio.Future
+    added: asyncio.Future  # resolved once the worker accepted (or refused) the request
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
 
 
+class AddRequest(NamedTuple):
+    request_id: str
+    prompt: PromptType
+    sampling_params: SamplingParams | None
+    stream: _Stream
+
+
+class AbortRequest(NamedTuple):
+    request_id: str
+
+
+Command = AddRequest | AbortRequest
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # Orders "queue a command" against "die and fail what is queued": no add slips in between.
+        self._lock = threading.Lock()
         self.stats: EngineStats = engine.get_stats()  # refreshed by the worker after every step
-        self.latency_observers: list[Any] = []  # callables(kind, seconds): "ttft" / "itl"
-        self.error: BaseException | None = None
+        self.latency_observers: list[Callable[[str, float], Any]] = []  # (kind, seconds): "ttft" / "itl"
+        self.last_step_error: BaseException | None = None  # the latest failed step's exception
+        self.dead_error: EngineDeadError | None = None  # set once, when the engine can no longer serve
         self._worker = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._worker.start()
 
@@ -57,14 +88,16 @@ class AsyncLLMEngine:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as they change (cumulative text); the last one is finished.
-        Raises the engine's ValueError/TypeError for a bad request before yielding anything."""
+
+        Raises ValueError/TypeError for a request that can never run, before yielding anything;
+        `StepFailedError` if a step it was in failed; `EngineDeadError` if the engine is dead."""
         rid = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), loop.create_future())
-        self._send(("add", rid, prompt, sampling_params, stream))
-        await stream.added  # validation happens in the worker; errors surface here
         finished = False
-        try:
+        try:  # the add is inside: a caller cancelled while its add is still queued is aborted too
+            self._send(AddRequest(rid, prompt, sampling_params, stream))
+            await stream.added  # validation happens in the worker; a refusal raises here
             while not finished:
                 out = await stream.outputs.get()
                 if isinstance(out, BaseException):
@@ -72,69 +105,129 @@ class AsyncLLMEngine:
                 finished = out.finished
                 yield out
         finally:
-            if not finished:
-                self._send(("abort", rid, None, None, None))
+            if not finished and not _refused(stream):
+                self._send(AbortRequest(rid))
 
     async def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id, None, None, None))
+        self._send(AbortRequest(request_id))
 
     def check_request(self, prompt: PromptType, sampling_params: SamplingParams | None) -> str | None:
         """Why a request can never run (prompt too long, pool too small), or None. Changes nothing."""
         seq = self.engine.make_sequence("check", prompt, sampling_params)
         return self.engine.unservable_reason(seq)
 
+    @property
+    def is_healthy(self) -> bool:
+        """True while the worker thread is alive and the engine has not failed fatally."""
+        return self.dead_error is None and self._worker.is_alive()
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError`, saying why, unless the engine can serve requests."""
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        if not self._worker.is_alive():
+            raise EngineDeadError("the engine worker thread is not running")
+
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
         self._worker.join(timeout=30)
+        self._die(EngineDeadError("the engine was shut down"))  # fail whoever still waits
         self.engine.shutdown()
 
-    def _send(self, command: tuple) -> None:
-        self._commands.put(command)
+    def _send(self, command: Command) -> None:
+        with self._lock:
+            dead = self.dead_error
+            if dead is None:
+                self._commands.put(command)
+        if dead is not None:
+            if isinstance(command, AddRequest):
+                raise EngineDeadError(str(dead))
+            return  # nothing runs on a dead engine: an abort has nothing left to do
         self._wake.set()
 
     # --- worker side (the only thread that touches the engine) ----------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._apply_commands():
-                self.stats = self.engine.get_stats()  # aborts free blocks even without a step
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # a failed step changed nothing (see LLMEngine); fail its callers
-                self.error = e
-                for rid in list(self._streams):
-                    self._deliver(rid, e)
-                self.engine.abort_request(list(self.engine.requests), report=False)
-                continue
-            now = time.perf_counter()
-            for out in outputs:
-                self._record_latency(out, now)
-                self._deliver(out.request_id, out)
-            self.stats = self.engine.get_stats()
+        try:
+            while not self._stop.is_set():
+                self._run_once()
+        except BaseException as e:  # anything escaping the loop: nobody would ever answer the callers
+            self._die(e)
+
+    def _run_once(self) -> None:
+        if self._apply_commands():
+            self.stats = self.engine.get_stats()  # aborts free blocks even without a step
+        if not self.engine.has_unfinished_requests():
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+            return
+        try:
+            outputs = self.engine.step()
+        except EngineDeadError:
+            raise  # fatal: handled by _run
+        except Exception as e:  # the step was rolled back (see LLMEngine.step): fail its callers, go on
+            self._fail_step(e)
+            return
+        now = time.perf_counter()
+        for out in outputs:
+            self._record_latency(out, now)
+            self._deliver(out.request_id, out)
+        self.stats = self.engine.get_stats()
 
     def _apply_commands(self) -> bool:
         applied = False
         while True:
             try:
-                kind, rid, prompt, sp, stream = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return applied
             applied = True
-            if kind == "add":
-                try:
-                    self.engine.add_request(rid, prompt, sp)
-                except Exception as e:
-                    stream.loop.call_soon_threadsafe(_set_exception, stream.added, e)
-                    continue
-                self._streams[rid] = stream
-                stream.loop.call_soon_threadsafe(_set_result, stream.added)
+            if isinstance(command, AddRequest):
+                self._add(command)
             else:
-                self._streams.pop(rid, None)
-                self.engine.abort_request(rid, report=False)
+                self._streams.pop(command.request_id, None)
+                self.engine.abort_request(command.request_id, report=False)
+
+    def _add(self, command: AddRequest) -> None:
+        rid, stream = command.request_id, command.stream
+        try:
+            seq = self.engine.make_sequence(rid, command.prompt, command.sampling_params)
+            # The sync engine reports an unservable request as an "error" output; a caller of ours
+            # learns it before any output, like any other refusal.
+            reason = self.engine.unservable_reason(seq)
+            if reason is not None:
+                raise ValueError(reason)
+            self.engine.enqueue(seq)
+        except Exception as e:
+            _notify(stream, _set_exception, stream.added, e)
+            return
+        self._streams[rid] = stream
+        _notify(stream, _set_result, stream.added)
+
+    def _fail_step(self, error: Exception) -> None:
+        self.last_step_error = error
+        message = (f"an engine step failed and was rolled back ({type(error).__name__}: {error}); the "
+                   "requests in it were aborted. The engine keeps serving: retry the request")
+        for rid in list(self._streams):
+            self._deliver(rid, StepFailedError(message))
+        self.engine.abort_request(list(self.engine.requests), report=False)
+
+    def _die(self, error: BaseException) -> None:
+        """Mark the engine dead and fail every caller: queued adds, streams in flight, later adds."""
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(
+            f"the engine worker thread died ({type(error).__name__}: {error}); restart the server")
+        with self._lock:
+            if self.dead_error is None:
+                self.dead_error = dead
+            queued = []
+            while not self._commands.empty():
+                queued.append(self._commands.get_nowait())
+        for command in queued:
+            if isinstance(command, AddRequest):
+                _notify(command.stream, _set_exception, command.stream.added, EngineDeadError(str(dead)))
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():  # the engine is not touched: its state can't be trusted now
+            _notify(stream, stream.outputs.put_nowait, EngineDeadError(str(dead)))
 
     def _record_latency(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)
@@ -152,7 +245,24 @@ class AsyncLLMEngine:
             return
         if isinstance(item, BaseException) or item.finished:
             del self._streams[rid]
-        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+        if not _notify(stream, stream.outputs.put_nowait, item) and rid in self.engine.requests:
+            self._streams.pop(rid, None)  # the caller's event loop is closed: nobody will read this
+            self.engine.abort_request(rid, report=False)
+
+
+def _notify(stream: _Stream, callback: Callable[..., Any], *args: Any) -> bool:
+    """Run `callback(*args)` on the caller's event loop; False if that loop is already closed."""
+    try:
+        stream.loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _refused(stream: _Stream) -> bool:
+    """The worker refused the add: there is no request to abort (and its id may belong to another)."""
+    added = stream.added
+    return added.done() and not added.cancelled() and added.exception() is not None
 
 
 def _set_result(future: asyncio.Future) -> None:

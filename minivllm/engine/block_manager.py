@@ -138,11 +138,21 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks. Tail blocks are queued first so that, under LRU, a prefix's
         later blocks are evicted before its earlier ones (an earlier block is useful more often)."""
-        if not seq.block_table:
-            return
+        if seq.block_table:
+            self._release(seq, 0)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks past those covering `num_tokens` tokens: the slots reserved for drafts that
+        were rejected. They hold no hash (only verified full blocks are ever published)."""
+        keep = self.blocks_needed(num_tokens)
+        if len(seq.block_table) > keep:
+            self._release(seq, keep)
+
+    def _release(self, seq: Sequence, keep: int) -> None:
+        """Drop `seq`'s references to its blocks from index `keep` on, last block first."""
         self._record_seq(seq)
         self._record_attrs("_clock")
-        for b in reversed(seq.block_table):
+        for b in reversed(seq.block_table[keep:]):
             self._record_block(b)
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0
@@ -150,7 +160,7 @@ class BlockManager:
                 self.free_blocks[b] = None
                 self.free_stamp[b] = self._clock
                 self._clock += 1
-        seq.block_table = []
+        del seq.block_table[keep:]
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """n > 1: give a new `child` the parent's computed prompt without copying or recomputing it.

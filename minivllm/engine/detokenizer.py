@@ -26,9 +26,15 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._num_context = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens seen so far."""
+        return len(self.ids) - self._num_context
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -48,6 +48,9 @@ from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.output_processor import OutputProcessor, RequestState
 from minivllm.engine.sampling_metadata import RowGroupOutput
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from minivllm.engine.spec_decode.config import SpeculativeConfig
+from minivllm.engine.spec_decode.ngram import NgramProposer
+from minivllm.engine.spec_decode.proposer import DraftRequest, Proposer
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stats import EngineStats
 from minivllm.engine.trace import StepTrace, record_step
@@ -59,6 +62,25 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+
+
+def build_proposer(cfg: SpeculativeConfig | None, engine: "LLMEngine", num_blocks: int) -> Proposer | None:
+    """The proposer a `speculative_config` asks for (None: speculative decoding is off)."""
+    if cfg is None:
+        return None
+    if cfg.method == "ngram":
+        return NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+    if cfg.method == "custom":
+        if not isinstance(cfg.proposer, Proposer):
+            raise TypeError(f"speculative_config['proposer'] must be a minivllm Proposer, got "
+                            f"{type(cfg.proposer).__name__}")
+        return cfg.proposer
+    from minivllm.engine.spec_decode.draft_model import DraftModelProposer
+
+    c = engine.config
+    return DraftModelProposer(cfg.model, engine.spec, device=engine.device, dtype=engine.dtype, num_blocks=num_blocks,
+                              block_size=c.block_size, max_model_len=c.max_model_len,
+                              attention_backend=c.attention_backend)
 
 
 class LLMEngine:
@@ -84,11 +106,15 @@ class LLMEngine:
                                         block_size=config.block_size, dtype=self.dtype, device=self.device,
                                         eos_token_ids=self.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
+                            if config.speculative_config is not None else None)
+        self.proposer = build_proposer(self.spec_config, self, num_blocks)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             eos_token_ids=self.eos_token_ids, enable_chunked_prefill=config.enable_chunked_prefill,
-            max_admission_skips=config.max_admission_skips)
+            max_admission_skips=config.max_admission_skips,
+            num_speculative_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step
@@ -97,6 +123,9 @@ class LLMEngine:
                               step_time_s=0.0, forward_time_s=0.0, num_prompt_tokens_total=0,
                               num_generation_tokens_total=0)
         self._finished: collections.Counter[str] = collections.Counter()  # finish_reason -> requests
+        self._counters.update(num_draft_tokens=0, num_accepted_tokens=0)
+        self._spec_per_position = [[0, 0] for _ in range(self.spec_config.num_speculative_tokens
+                                                          if self.spec_config else 0)]  # [drafted, accepted]
         self.trace: list[StepTrace] = []  # filled when config.record_trace
         self._gc_frozen = False
         if config.warmup:
@@ -238,6 +267,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.scheduler.begin()
         plan = self.scheduler.schedule()
+        if self.proposer is not None:
+            try:
+                self._propose(plan)
+            except BaseException:  # the proposer's failure, not a request's: undo the step, raise
+                self.scheduler.rollback()
+                self._pending = outputs + self._pending
+                raise
         try:
             sampled = self.model_runner.execute_model(plan)
         except Exception as error:
@@ -253,10 +289,14 @@ class LLMEngine:
             raise
         self.scheduler.commit()
         committed = self._commit(plan, sampled)
+        if self.proposer is not None:
+            self._after_speculation(plan, sampled)
         outputs.extend(committed)
         if self.config.record_trace:
             done = [o.request_id for o in committed if o.finished]
-            self.trace.append(record_step(self._counters["num_steps"], plan, self.scheduler, done))
+            accepted = [max(0, len(o.tokens) - 1) if sch.num_spec_tokens else 0
+                        for sch, o in zip(plan.scheduled, sampled)]
+            self.trace.append(record_step(self._counters["num_steps"], plan, self.scheduler, done, accepted))
         c = self._counters
         c["num_steps"] += 1
         c["num_prefill_tokens"] += plan.num_prefill_tokens
@@ -265,6 +305,52 @@ class LLMEngine:
         c["forward_time_s"] += self.model_runner.last_forward_s
         c["step_time_s"] += time.perf_counter() - t0
         return outputs
+
+    # --- speculative decoding ---------------------------------------------------------------------
+    def _propose(self, plan: SchedulerOutput) -> None:
+        """Fill the reserved draft slots with proposals (drafts are not tokens: `spec_token_ids`),
+        and shrink each row group to the drafts actually proposed."""
+        entries = [(i, s) for i, s in enumerate(plan.scheduled) if s.num_spec_tokens]
+        if not entries:
+            return
+        requests = [DraftRequest(s.seq.request_id, s.seq.token_ids, s.num_spec_tokens, tuple(s.seq.block_table),
+                                 s.seq.num_computed_tokens, s.seq.sampling_params, s.seq.seed) for _, s in entries]
+        drafts = self.proposer.propose(requests)
+        if len(drafts) != len(requests):
+            raise ValueError(f"the proposer returned {len(drafts)} drafts for {len(requests)} requests")
+        for (i, sched), draft in zip(entries, drafts):
+            ids = list(draft.token_ids)
+            if len(ids) > sched.num_spec_tokens:
+                raise ValueError(f"the proposer drafted {len(ids)} tokens for {sched.seq.request_id!r}, "
+                                 f"more than the {sched.num_spec_tokens} asked")
+            self.check_token_ids(sched.seq.request_id, "draft token_ids", ids)
+            self.scheduler.undo.record_seq(sched.seq)
+            sched.seq.spec_token_ids = ids
+            unused = sched.num_spec_tokens - len(ids)
+            plan.scheduled[i] = ScheduledSequence(sched.seq, sched.start, sched.num_new_tokens - unused, len(ids))
+            if draft.probs is not None and ids:
+                plan.draft_probs[sched.seq.request_id] = draft.probs[:len(ids)]
+
+    def _after_speculation(self, plan: SchedulerOutput, sampled: list[RowGroupOutput]) -> None:
+        """Count drafts and acceptances; tell the proposer what the target verified."""
+        c, ids, computed = self._counters, [], []
+        for sched, out in zip(plan.scheduled, sampled):
+            seq = sched.seq
+            if sched.num_spec_tokens:
+                accepted = max(0, len(out.tokens) - 1)
+                c["num_draft_tokens"] += sched.num_spec_tokens
+                c["num_accepted_tokens"] += accepted
+                for j in range(sched.num_spec_tokens):
+                    self._spec_per_position[j][0] += 1
+                    self._spec_per_position[j][1] += j < accepted
+            if seq.is_finished:
+                self.proposer.on_free(seq.request_id)
+            else:
+                ids.append(seq.request_id)
+                computed.append(seq.num_computed_tokens)
+        for seq in plan.preempted:
+            self.proposer.on_free(seq.request_id)
+        self.proposer.on_commit(ids, computed)
 
     # --- failures ----------------------------------------------------------------------------------
     def _recover(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -301,11 +387,12 @@ class LLMEngine:
         mid = len(group) // 2
         return self._blame(group[:mid]) + self._blame(group[mid:])
 
-    def _count_tokens(self, updated: list[Sequence]) -> None:
+    def _count_tokens(self, seq: Sequence, num_new: int, first: bool) -> None:
+        """Tokens are counted here, at commit: recomputed or rejected ones never count."""
         c = self._counters
-        c["num_generation_tokens_total"] += len(updated)
-        c["num_prompt_tokens_total"] += sum(s.num_prompt_tokens for s in updated
-                                            if s.index == 0 and s.num_output_tokens == 1)
+        c["num_generation_tokens_total"] += num_new
+        if first and seq.index == 0:
+            c["num_prompt_tokens_total"] += seq.num_prompt_tokens
 
     def _report(self, state: RequestState) -> RequestOutput:
         """The request's output now; a finished request leaves the engine."""
@@ -329,13 +416,15 @@ class LLMEngine:
                     seq.prompt_logprobs.extend(row_out.prompt_logprobs)
                 result = self.scheduler.postprocess_one(sched, row_out)
                 self.model_runner.copy_blocks(result.blocks_to_copy)
-                self._count_tokens(result.updated)
                 for current in result.updated:
                     if current.index >= len(state.seqs):
                         self.output_processor.add_sequence(state, current)
-                    match = self.output_processor.detokenize(state, current)
+                    first = state.detoks[current.index].num_output_tokens == 0
+                    num_new, match = self.output_processor.detokenize(state, current)
                     if match is not None:
                         self.scheduler.finish(current, "stop", match.stop)
+                        current.truncate_output(state.detoks[current.index].num_output_tokens)
+                    self._count_tokens(current, num_new, first)
                 if result.updated:
                     changed[state.request_id] = state
             except Exception as e:
@@ -356,7 +445,9 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             step_time_s=c["step_time_s"], forward_time_s=c["forward_time_s"],
             num_prompt_tokens_total=c["num_prompt_tokens_total"],
-            num_generation_tokens_total=c["num_generation_tokens_total"], finished_requests=dict(self._finished))
+            num_generation_tokens_total=c["num_generation_tokens_total"], finished_requests=dict(self._finished),
+            num_draft_tokens=c["num_draft_tokens"], num_accepted_tokens=c["num_accepted_tokens"],
+            acceptance_per_position=tuple(a / d if d else 0.0 for d, a in self._spec_per_position))
 
     def shutdown(self) -> None:
         """Abort what is left and undo gc.freeze() (which moved the heap out of the collector's sight)."""

@@ -30,6 +30,7 @@ import torch
 
 from minivllm.engine.kv_cache import allocate_kv_cache
 from minivllm.engine.sampling_metadata import PromptLogprob, RowGroupOutput, SamplingBatch, gather_logprobs
+from minivllm.engine.spec_decode.rejection_sampler import RejectionSampler, TritonRejectionSampler, verify_drafts
 from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
@@ -58,7 +59,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))  # per layer (2, num_blocks, bs, Hkv, D)
-        self.sampler = TritonSampler() if backend.name == "triton" else Sampler()
+        triton = backend.name == "triton"
+        self.sampler = TritonSampler() if triton else Sampler()
+        self.rejection_sampler = TritonRejectionSampler() if triton else RejectionSampler()
         self.last_forward_s = 0.0  # time of the latest model forward + LM head (for overhead stats)
 
     # --- 1. pack ---------------------------------------------------------------------------------
@@ -68,8 +71,9 @@ class ModelRunner:
         query_lens, context_lens, tables = [], [], []
         sb = SamplingBatch()
         row = 0
-        for i, (seq, start, n) in enumerate(out.scheduled):
-            input_ids.extend(seq.token_ids[start:start + n])
+        for i, (seq, start, n, spec) in enumerate(out.scheduled):
+            input_ids.extend(seq.token_ids[start:start + n - spec])
+            input_ids.extend(seq.spec_token_ids[:spec])  # drafts, verified by this step
             positions.extend(range(start, start + n))
             seq_index.extend([i] * n)
             query_lens.append(n)
@@ -77,7 +81,9 @@ class ModelRunner:
             tables.append(seq.block_table)
             sb.add_prompt_rows(i, seq, start, n, row)
             row += n
-            if start + n == seq.num_tokens:  # the chunk reaches the end: sample its last row
+            if spec:  # the last token and every draft are sampled: verification
+                sb.add_verification(i, seq, row - 1 - spec, self.eos_token_ids, out.draft_probs.get(seq.request_id))
+            elif start + n == seq.num_tokens:  # the chunk reaches the end: sample its last row
                 sb.add_sampled(i, seq, row - 1, self.eos_token_ids)
         dev = self.device
         width = max(len(t) for t in tables)
@@ -125,12 +131,14 @@ class ModelRunner:
         logits = logits[:num_sampled].float()  # (S, V)
         want_logprobs = any(r.num_logprobs is not None for r in sb.sampled)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None  # the model's own distribution
-        tokens = self.sampler(apply_logits_processing(logits, sb.processing), batch.sampling).tolist()
-        if raw_logprobs is not None:
-            sampled = gather_logprobs(raw_logprobs, tokens, [r.num_logprobs for r in sb.sampled])
-        else:
-            sampled = gather_logprobs(logits, tokens, [None] * num_sampled)
-        for r, tok in zip(sb.sampled, sampled):
+        processed = apply_logits_processing(logits, sb.processing)
+        tokens = self.sampler(processed, batch.sampling).tolist()
+        emitted = verify_drafts(sb, processed, batch.sampling, tokens, self.rejection_sampler)
+        rows = [i for i, tok in enumerate(emitted) if tok is not None]
+        logprobs = raw_logprobs[rows] if raw_logprobs is not None else logits[:0]
+        picked = gather_logprobs(logprobs, [emitted[i] for i in rows], [sb.sampled[i].num_logprobs for i in rows])
+        for i, tok in zip(rows, picked):
+            r = sb.sampled[i]
             (result[r.entry].fork_tokens if r.is_fork else result[r.entry].tokens).append(tok)
         return result
 

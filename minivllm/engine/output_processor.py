@@ -51,22 +51,29 @@ class OutputProcessor:
         state.detoks.append(detok)
         state.logprobs.append([])
 
-    def detokenize(self, state: RequestState, seq: Sequence) -> StopMatch | None:
-        """Add `seq`'s newest token to its text; a stop string it completed, if any (the text is
-        already cut). A stop string completed by the token that also reached max_tokens still wins."""
+    def detokenize(self, state: RequestState, seq: Sequence) -> tuple[int, StopMatch | None]:
+        """Add `seq`'s new tokens (several after accepted drafts) to its text, token by token.
+        Returns how many tokens were new, and a stop string completed by one of them, if any: the
+        text is then cut, and tokens after the one that completed it are dropped (the caller
+        finishes the sequence). A stop string completed by the token that reached max_tokens
+        still wins over "length"."""
         detok = state.detoks[seq.index]
         sp = seq.sampling_params
-        delta = detok.update(seq.last_token_id)
-        if seq.is_finished:
-            delta += detok.flush()
-        if not delta or not sp.stop_strings or seq.num_output_tokens <= sp.min_tokens:
-            return None
-        if seq.finish_reason not in (None, "length"):  # EOS or a stop token id came first
-            return None
-        match = find_stop_string(detok.text, len(delta), sp.stop_strings, sp.include_stop_str_in_output)
-        if match is not None:
-            detok.text = detok.text[:match.truncate_at]
-        return match
+        new = seq.output_token_ids[detok.num_output_tokens:]
+        for i, token_id in enumerate(new):
+            last = i == len(new) - 1
+            delta = detok.update(token_id)
+            if last and seq.is_finished:
+                delta += detok.flush()
+            if not delta or not sp.stop_strings or detok.num_output_tokens <= sp.min_tokens:
+                continue
+            if last and seq.finish_reason not in (None, "length"):  # EOS or a stop token id came first
+                continue
+            match = find_stop_string(detok.text, len(delta), sp.stop_strings, sp.include_stop_str_in_output)
+            if match is not None:
+                detok.text = detok.text[:match.truncate_at]
+                return i + 1, match
+        return len(new), None
 
     def output(self, state: RequestState) -> RequestOutput:
         seqs = state.seqs

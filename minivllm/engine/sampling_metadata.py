@@ -50,6 +50,15 @@ class SampledRow(NamedTuple):
     num_logprobs: int | None
 
 
+class SpecGroup(NamedTuple):
+    """The 1 + d sampled rows verifying one sequence's d drafts."""
+
+    entry: int
+    first: int  # index of its first row among the sampled rows
+    draft_token_ids: list[int]
+    draft_probs: torch.Tensor | None  # (d, V), None = one-hot (a deterministic proposer)
+
+
 class PromptRow(NamedTuple):
     entry: int
     position: int  # the prompt token this row predicts
@@ -65,6 +74,7 @@ class SamplingBatch:
     processing: list[RowProcessing] = field(default_factory=list)
     prompt_indices: list[int] = field(default_factory=list)  # hidden rows for prompt logprobs
     prompt_rows: list[PromptRow] = field(default_factory=list)
+    spec_groups: list[SpecGroup] = field(default_factory=list)
 
     def add_sampled(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int]) -> None:
         """The sampled row(s) of a chunk that reaches the end of `seq`."""
@@ -78,6 +88,19 @@ class SamplingBatch:
                                          seq.num_tokens))
             self.processing.append(processing)
 
+    def add_verification(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int],
+                         draft_probs: torch.Tensor | None) -> None:
+        """Rows hidden_row .. hidden_row + d: the target's distribution after the last token and after
+        each draft. Row j sees the history with drafts[:j], for penalties, bad words and min_tokens."""
+        sp, drafts = seq.sampling_params, seq.spec_token_ids
+        self.spec_groups.append(SpecGroup(entry, len(self.sampled), list(drafts), draft_probs))
+        for j in range(len(drafts) + 1):
+            self.logits_indices.append(hidden_row + j)
+            self.sampled.append(SampledRow(entry, False, sp.logprobs))
+            self.rows.append(SamplingRow(0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.min_p, seq.seed,
+                                         seq.num_tokens + j))
+            self.processing.append(row_processing(seq, eos_token_ids, drafts[:j]))
+
     def add_prompt_rows(self, entry: int, seq: Sequence, start: int, num_new_tokens: int, first_row: int) -> None:
         """Rows of a prompt chunk whose logprobs were asked and not yet recorded."""
         n = seq.sampling_params.prompt_logprobs
@@ -90,15 +113,15 @@ class SamplingBatch:
             self.prompt_rows.append(PromptRow(entry, p + 1, seq.token_ids[p + 1], n))
 
 
-def row_processing(seq: Sequence, eos_token_ids: frozenset[int]) -> RowProcessing:
-    """What `seq` asks the logits processors to do at its next token."""
+def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[int] = ()) -> RowProcessing:
+    """What `seq` asks the logits processors to do at its next token (after `drafts`, if any)."""
     sp = seq.sampling_params
     banned: list[int] = []
-    if seq.num_output_tokens < sp.min_tokens:  # no EOS / stop token before min_tokens
+    if seq.num_output_tokens + len(drafts) < sp.min_tokens:  # no EOS / stop token before min_tokens
         banned += list(sp.all_stop_token_ids) + ([] if sp.ignore_eos else list(eos_token_ids))
     if not sp.needs_logits_processing:
         return RowProcessing(banned_token_ids=banned)
-    output = seq.output_token_ids
+    output = seq.output_token_ids + list(drafts)
     if seq.bad_words_token_ids:
         banned += banned_by_bad_words(seq.bad_words_token_ids, output)
     return RowProcessing(

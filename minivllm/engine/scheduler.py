@@ -45,26 +45,32 @@ from minivllm.engine.undo_log import UndoLog
 
 
 class ScheduledSequence(NamedTuple):
-    """One row group of the step: `seq` computes tokens [start, start + num_new_tokens)."""
+    """One row group of the step: `seq` computes positions [start, start + num_new_tokens). The last
+    `num_spec_tokens` of them are draft slots (speculative decoding): the rows after the sequence's
+    last token, fed with its `spec_token_ids`, every one of them sampled to verify the drafts."""
 
     seq: Sequence
     start: int
     num_new_tokens: int
+    num_spec_tokens: int = 0
 
     @property
     def samples(self) -> bool:
         """Does this chunk reach the end of the sequence (so its last row's logits are sampled)?"""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - self.num_spec_tokens == self.seq.num_tokens
 
     @property
     def is_prefill(self) -> bool:
-        return not (self.num_new_tokens == 1 and self.start >= self.seq.num_prompt_tokens)
+        return not (self.num_new_tokens - self.num_spec_tokens == 1 and self.start >= self.seq.num_prompt_tokens)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Speculative decoding: a draft model's distribution over its drafts, by sequence request_id
+    # ((num_spec_tokens, V) tensors; absent = a deterministic proposal, i.e. one-hot).
+    draft_probs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -104,6 +110,7 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         enable_chunked_prefill: bool = True,
         max_admission_skips: int = 8,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -112,6 +119,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_admission_skips = max_admission_skips
+        self.num_speculative_tokens = num_speculative_tokens  # draft slots per decoding sequence
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
         self.num_preemptions = 0
@@ -140,7 +148,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            while not bm.can_append(seq, n):
+            spec = self._draft_slots(seq, budget - n)
+            while not bm.can_append(seq, n + spec):
+                if spec:  # short of blocks: drop drafts first, never preempt anyone for them
+                    spec -= 1
+                    continue
                 victim = self.running[-1]  # newest; never one already scheduled (those are older)
                 self.preempt(victim)
                 out.preempted.append(victim)
@@ -148,9 +160,9 @@ class Scheduler:
                     break
             else:
                 start = seq.num_computed_tokens
-                bm.append_slots(seq, n)
-                out.scheduled.append(ScheduledSequence(seq, start, n))
-                budget -= n
+                bm.append_slots(seq, n + spec)
+                out.scheduled.append(ScheduledSequence(seq, start, n + spec, spec))
+                budget -= n + spec
                 i += 1
 
         # 2. admit waiting requests with what is left (not under memory pressure).
@@ -184,12 +196,24 @@ class Scheduler:
         self.waiting = still_waiting
         return out
 
+    def _draft_slots(self, seq: Sequence, budget: int) -> int:
+        """How many draft slots a decoding sequence may reserve: within the token budget, and never
+        past max_tokens or max_model_len (d drafts commit at most d + 1 tokens)."""
+        if not self.num_speculative_tokens or seq.num_uncomputed_tokens != 1:
+            return 0
+        room = self.max_model_len - seq.num_tokens - 1
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(self.num_speculative_tokens, budget, room))
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, forget the K/V, back to the front of WAITING."""
         self._record_seq(seq)
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -213,7 +237,8 @@ class Scheduler:
         """`postprocess` for one row group. The caller copies `blocks_to_copy` (copy-on-write of
         forked sequences' last blocks) before the next forward."""
         seq = sched.seq
-        seq.num_computed_tokens = sched.start + sched.num_new_tokens
+        seq.num_computed_tokens = sched.start + sched.num_new_tokens - sched.num_spec_tokens
+        seq.spec_token_ids = []
         self.block_manager.cache_full_blocks(seq)
         result = CommitResult([], [])
         if not out.tokens:
@@ -229,7 +254,18 @@ class Scheduler:
             self._append(child, first)
             result.updated.append(child)
         seq.num_forks_pending = 0
-        self._append(seq, out.tokens[0])
+        # Verified drafts then the target's token. Each accepted draft's K/V was computed by this
+        # step; tokens past a stop are dropped.
+        for i, token in enumerate(out.tokens):
+            if i:
+                seq.num_computed_tokens += 1  # the previous token was an accepted draft
+            self._append(seq, token)
+            if seq.is_finished:
+                break
+        if not seq.is_finished:
+            if len(out.tokens) > 1:
+                self.block_manager.cache_full_blocks(seq)  # accepted drafts: only verified blocks
+            self.block_manager.trim(seq, seq.num_tokens)  # slots of rejected (or never proposed) drafts
         result.updated.insert(0, seq)
         return result
 

@@ -75,6 +75,9 @@ class Sequence:
         self.logprobs: list[Any] = []  # one SampledToken per output token, when logprobs are asked
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[Any] = []  # one PromptLogprob per prompt position done so far
+        # Speculative decoding: proposed tokens being verified this step. NOT tokens yet: block
+        # hashes, the detokenizer and the stop rules only ever see `token_ids`, which only grows.
+        self.spec_token_ids: list[int] = []
 
     # --- sizes -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -112,6 +115,15 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         assert isinstance(token_id, int), "append_token takes a Python int (convert tensors first)"
         self.token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop generated tokens past the first `num_output_tokens` — only for a FINISHED sequence
+        (a stop string completed by an accepted draft: the drafts after it never happened)."""
+        assert self.is_finished, "tokens are append-only while a sequence runs"
+        del self.token_ids[self.num_prompt_tokens + num_output_tokens:]
+        if self.logprobs:
+            del self.logprobs[num_output_tokens:]
+            self.cumulative_logprob = sum(t.logprob for t in self.logprobs)
 
     def fork(self, index: int, seed: int) -> "Sequence":
         """A child with this sequence's tokens and nothing else: no blocks yet, its own seed. The

@@ -24,6 +24,15 @@ class EngineStats:
     num_prompt_tokens_total: int = 0  # prompt tokens of requests that produced their first token
     num_generation_tokens_total: int = 0  # tokens appended to outputs
     finished_requests: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
+    # Speculative decoding (0 when off): drafts verified, drafts accepted, and per draft position
+    # the share accepted (position 0 = the first draft after the last token).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_per_position: tuple[float, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -36,4 +45,5 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+                "acceptance_rate": self.acceptance_rate,
                 "overhead_fraction": self.overhead_fraction}

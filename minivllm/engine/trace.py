@@ -20,6 +20,8 @@ class ScheduledTrace(NamedTuple):
     num_new_tokens: int
     is_prefill: bool
     sampled: bool
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified in this row group
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,15 @@ class StepTrace:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-def record_step(step: int, plan: SchedulerOutput, scheduler: Scheduler, finished: list[str]) -> StepTrace:
+def record_step(step: int, plan: SchedulerOutput, scheduler: Scheduler, finished: list[str],
+                accepted: list[int] | None = None) -> StepTrace:
+    """`accepted`: drafts accepted per scheduled entry (speculative decoding), else all zero."""
     bm = scheduler.block_manager
+    accepted = accepted or [0] * len(plan.scheduled)
     return StepTrace(
         step=step,
-        scheduled=tuple(ScheduledTrace(s.seq.request_id, s.start, s.num_new_tokens, s.is_prefill, s.samples)
-                        for s in plan.scheduled),
+        scheduled=tuple(ScheduledTrace(s.seq.request_id, s.start, s.num_new_tokens, s.is_prefill, s.samples,
+                                       s.num_spec_tokens, a) for s, a in zip(plan.scheduled, accepted)),
         preempted=tuple(s.request_id for s in plan.preempted),
         finished=tuple(finished),
         block_tables={s.request_id: tuple(s.block_table) for s in scheduler.live_sequences if s.block_table},

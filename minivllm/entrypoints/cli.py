@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer <key>` on /v1/* (default: $MINIVLLM_API_KEY, else none)")
+    serve.add_argument("--max-request-bytes", type=int, default=None,
+                       help="refuse larger request bodies with 413 (default: 1 MiB)")
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--max-num-seqs", type=int, default=128)
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -174,7 +178,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.entrypoints.openai.server import run_server
 
-    run_server(args.model, args.host, args.port, args.served_model_name, dtype=args.dtype, device=args.device,
+    run_server(args.model, args.host, args.port, args.served_model_name, api_key=args.api_key,
+               max_request_bytes=args.max_request_bytes, dtype=args.dtype, device=args.device,
                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,

@@ -47,6 +47,13 @@ class SamplingTensors:
     any_top_p: bool
     any_min_p: bool
 
+    def select(self, rows: list[int]) -> "SamplingTensors":
+        """The same parameters for a subset of the rows."""
+        idx = torch.tensor(rows, device=self.temperatures.device)
+        return SamplingTensors(self.temperatures[idx], self.top_ks[idx], self.top_ps[idx], self.min_ps[idx],
+                               [self.seeds[i] for i in rows], [self.positions[i] for i in rows], self.all_greedy,
+                               self.any_top_k, self.any_top_p, self.any_min_p)
+
     @classmethod
     def from_params(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingTensors":
         temps = [r.temperature for r in rows]
@@ -64,6 +71,15 @@ class SamplingTensors:
             any_top_p=any(p < 1.0 for p in top_ps),
             any_min_p=any(p > 0.0 for p in min_ps),
         )
+
+
+def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """(S, V) -> (S, V): the distribution each row is drawn from (temperature, then the filters);
+    one-hot at the argmax for greedy rows. Speculative verification compares drafts against it."""
+    temps = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
+    probs = apply_top_k_top_p_min_p(logits / temps[:, None], t).softmax(-1)
+    greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[1]).to(probs.dtype)
+    return torch.where((t.temperatures > 0)[:, None], probs, greedy)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -9,22 +9,25 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.sampling_metadata import RowGroupOutput, SampledToken
+from minivllm.engine.scheduler import ScheduledSequence, Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
 
 EOS = 1
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=16, chunked=True, skips=8, max_len=256):
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=16, chunked=True, skips=8, max_len=256,
+                   spec=0):
     bm = BlockManager(num_blocks, block_size)
     return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                     eos_token_ids=frozenset({EOS}), enable_chunked_prefill=chunked, max_admission_skips=skips)
+                     eos_token_ids=frozenset({EOS}), enable_chunked_prefill=chunked, max_admission_skips=skips,
+                     num_speculative_tokens=spec)
 
 
-def seq(rid: str, n: int, max_tokens: int = 4, start: int = 10) -> Sequence:
+def seq(rid: str, n: int, max_tokens: int = 4, start: int = 10, n_seqs: int = 1) -> Sequence:
     return Sequence(rid, list(range(start, start + n)),
-                    SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_index=int(rid[1:]))
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n_seqs), arrival_index=int(rid[1:]))
 
 
 def fake_step(sched: Scheduler, token: int = 7):
@@ -126,24 +129,26 @@ def test_stop_rules_eos_and_min_tokens():
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random add / step / abort against a tiny pool; invariants after every action."""
+    """Random add / step / abort against a tiny pool; invariants after every action. Steps include
+    speculative drafts (random proposals, random acceptance) and n > 1 forks."""
 
     @initialize(num_blocks=st.integers(4, 12), block_size=st.sampled_from([1, 2, 4]),
-                budget=st.integers(2, 24), chunked=st.booleans(), seed=st.integers(0, 1000))
-    def setup(self, num_blocks, block_size, budget, chunked, seed):
+                budget=st.integers(2, 24), chunked=st.booleans(), seed=st.integers(0, 1000),
+                spec=st.integers(0, 3))
+    def setup(self, num_blocks, block_size, budget, chunked, seed, spec):
         self.sched = make_scheduler(num_blocks, block_size, max_num_seqs=4, budget=budget, chunked=chunked,
-                                    skips=3, max_len=64 if chunked else budget)
+                                    skips=3, max_len=64 if chunked else budget, spec=spec)
         self.rng = random.Random(seed)
         self.count = 0
         self.live: dict[str, Sequence] = {}
 
-    @rule(n=st.integers(1, 20), max_tokens=st.integers(1, 12))
-    def add(self, n, max_tokens):
+    @rule(n=st.integers(1, 20), max_tokens=st.integers(1, 12), n_seqs=st.sampled_from([1, 1, 2, 3]))
+    def add(self, n, max_tokens, n_seqs):
         bm = self.sched.block_manager
         final = min(n + max_tokens, self.sched.max_model_len)
         if n >= self.sched.max_model_len or bm.blocks_needed(final - 1) > bm.num_blocks:
             return  # the engine refuses these before they reach the scheduler
-        s = seq(f"r{self.count}", n, max_tokens=max_tokens, start=self.rng.randrange(2, 50))
+        s = seq(f"r{self.count}", n, max_tokens=max_tokens, start=self.rng.randrange(2, 50), n_seqs=n_seqs)
         self.count += 1
         self.live[s.request_id] = s
         self.sched.add_sequence(s)
@@ -151,12 +156,25 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         out = self.sched.schedule()
-        tokens = [self.rng.choice([EOS, 7, 8]) if s.samples else None for s in out.scheduled]
-        self.sched.postprocess(out, tokens)
+        outputs = []
+        for i, s in enumerate(out.scheduled):
+            token = SampledToken(self.rng.choice([EOS, 7, 8]))
+            if s.num_spec_tokens:  # a proposer drafts d <= k tokens; the target accepts a <= d
+                d = self.rng.randint(0, s.num_spec_tokens)
+                s.seq.spec_token_ids = [self.rng.choice([7, 8]) for _ in range(d)]
+                out.scheduled[i] = ScheduledSequence(s.seq, s.start, s.num_new_tokens - s.num_spec_tokens + d, d)
+                a = self.rng.randint(0, d)
+                outputs.append(RowGroupOutput([SampledToken(t) for t in s.seq.spec_token_ids[:a]] + [token]))
+            elif s.samples:
+                forks = [SampledToken(self.rng.choice([EOS, 7])) for _ in range(s.seq.num_forks_pending)]
+                outputs.append(RowGroupOutput([token], forks))
+            else:
+                outputs.append(RowGroupOutput())
+        self.sched.postprocess(out, outputs)
 
     @rule(data=st.data())
     def abort(self, data):
-        alive = [s for s in self.live.values() if not s.is_finished]
+        alive = [s for s in self.sched.live_sequences if not s.is_finished]
         if alive:
             self.sched.finish(data.draw(st.sampled_from(alive)), "abort")
 
@@ -177,8 +195,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def blocks_are_consistent(self):
         if hasattr(self, "sched"):
-            self.sched.block_manager.check_invariants(self.sched.live_sequences)
+            bm = self.sched.block_manager
+            bm.check_invariants(self.sched.live_sequences)
             assert all(s.status is SequenceStatus.RUNNING for s in self.sched.running)
+            for s in self.sched.live_sequences:  # rejected drafts leave no trace
+                assert not s.spec_token_ids and len(s.block_table) <= bm.blocks_needed(s.num_tokens)
+                assert s.num_computed_tokens < s.num_tokens
 
     def teardown(self):
         if not hasattr(self, "sched"):

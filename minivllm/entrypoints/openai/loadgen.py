@@ -22,6 +22,7 @@ class StreamResult:
     done: bool  # saw data: [DONE]
     disconnected: bool
     ttft: float | None
+    error: str | None = None  # the message of an in-stream error event
 
 
 async def one_stream(client: httpx.AsyncClient, index: int, prompt: str, max_tokens: int,
@@ -39,7 +40,10 @@ async def one_stream(client: httpx.AsyncClient, index: int, prompt: str, max_tok
             if data == "[DONE]":
                 done = True
                 break
-            choice = json.loads(data)["choices"][0]
+            payload = json.loads(data)
+            if "error" in payload:  # the server's in-stream error event; [DONE] follows
+                return StreamResult(index, text, "error", False, False, ttft, payload["error"]["message"])
+            choice = payload["choices"][0]
             content = choice["delta"].get("content")
             if content:
                 ttft = ttft if ttft is not None else time.perf_counter() - t0

@@ -1,9 +1,11 @@
-"""The OpenAI request shapes we accept, and how they become `SamplingParams`.
+"""The OpenAI request shapes we accept, and how they become `SamplingParams` and prompts.
 
 Unknown fields are ignored (clients send many), the extras vLLM takes through `extra_body`
 (`top_k`, `min_p`, `ignore_eos`) are accepted at the top level, and fields the request leaves out
 fall back to the model's `generation_config.json` (temperature, top_p, top_k, min_p), then to
-OpenAI's defaults.
+OpenAI's defaults. Numbers must be finite (NaN and ±inf are refused, naming the field). What pydantic
+cannot check (an empty prompt list, a content part that is not text, a lone UTF-16 surrogate) raises
+`RequestError` naming the field, which the server answers with 400.
 """
 
 from __future__ import annotations
@@ -21,8 +23,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class RequestError(ValueError):
+    """A request field is invalid; `param` names it (OpenAI's `error.param`), the message says why."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Python's json accepts NaN and Infinity; no sampling field means anything with them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -60,12 +71,16 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
 
     def prompts(self) -> list[str | dict[str, Any]]:
+        """One engine prompt per completion: a str, or {"prompt_token_ids": [...]}."""
         p = self.prompt
         if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
+            return [_encodable(p, "prompt")]
+        if not p:
+            raise RequestError("prompt", "the list is empty; send a string, token ids, or a list of them")
+        if all(isinstance(x, int) for x in p):
             return [{"prompt_token_ids": list(p)}]
-        return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+        return [_encodable(x, f"prompt[{i}]") if isinstance(x, str) else {"prompt_token_ids": list(x)}
+                for i, x in enumerate(p)]
 
 
 class ChatMessage(BaseModel):
@@ -73,11 +88,33 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> dict[str, str]:
+    def text(self, where: str) -> dict[str, str]:
+        """This message for the chat template; `where` ("messages[2]") names it in errors."""
         content = self.content
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+            content = "".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+        content = _encodable(content or "", f"{where}.content")
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+def _part_text(part: dict[str, Any], where: str) -> str:
+    # A text-only model cannot look at an image: dropping the part would answer another question.
+    if part.get("type") != "text":
+        raise RequestError(where, f"content parts of type {part.get('type')!r} are not supported; "
+                                  "this server takes text parts only ({\"type\": \"text\", \"text\": ...})")
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{where}.text", f"must be a string, got {type(part.get('text')).__name__}")
+    return part["text"]
+
+
+def _encodable(text: str, where: str) -> str:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800"); no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(where, f"contains a lone UTF-16 surrogate ({text[e.start]!r} at character "
+                                  f"{e.start}); send valid Unicode text") from None
+    return text
 
 
 class ChatCompletionRequest(_Common):
@@ -86,6 +123,12 @@ class ChatCompletionRequest(_Common):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them."""
+        if not self.messages:
+            raise RequestError("messages", "the list is empty; send at least one message")
+        return [m.text(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
 
 def new_id(prefix: str) -> str:
@@ -103,4 +146,5 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error JSON; a stream sends the same object as one `data:` event before `[DONE]`."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,94 @@
+"""A draft model: a small model with the target's vocabulary guesses the next k tokens.
+
+    catch up   run the draft on the sequence's tokens it has not seen yet (after a prefix-cache hit,
+               a preemption or accepted drafts: usually one or two tokens, the whole prompt at first)
+    k rounds   one forward per draft token, all sequences batched; each round samples a draft from
+               the draft's distribution q (kept: rejection sampling needs q(x))
+
+Its KV cache has the target's layout and number of blocks and is indexed by the TARGET's block
+tables (same block ids, its own tensors), so no second block manager is needed. A block that the
+target got from the prefix cache holds the target's K/V but not necessarily the draft's: the draft
+never trusts a block it did not write for this sequence. `computed[request_id]` (how far the draft's
+K/V are valid) only moves at commit, to min(what the draft computed, what the target verified):
+a failed step or rejected drafts leave nothing stale behind.
+"""
+
+from __future__ import annotations
+
+from array import array
+from pathlib import Path
+
+import torch
+
+from minivllm.engine.loading import build_model
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.spec_decode.proposer import Draft, DraftRequest, Proposer
+from minivllm.layers.attention import get_attention_backend
+from minivllm.layers.sampler import filtered_probs
+from minivllm.models.hf_config import ModelSpec, load_model_spec
+from minivllm.sampling_params import SamplingParams
+
+_DRAFT_STREAM = 0x6A09E667F3BCC909  # the draft's noise must be independent of the target's
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, model_dir: str, target: ModelSpec, *, device: torch.device, dtype: torch.dtype,
+                 num_blocks: int, block_size: int, max_model_len: int, attention_backend: str) -> None:
+        spec = load_model_spec(Path(model_dir))
+        if spec.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({spec.vocab_size} tokens) differs from the target's "
+                             f"({target.vocab_size}); a draft must share the target's tokenizer")
+        if spec.max_position_embeddings < max_model_len:
+            raise ValueError(f"the draft model handles {spec.max_position_embeddings} positions but "
+                             f"max_model_len={max_model_len}; lower max_model_len")
+        model = build_model(spec, Path(model_dir), device, dtype, max_model_len)
+        backend = get_attention_backend(attention_backend, device, spec.num_attention_heads,
+                                        spec.num_key_value_heads, spec.head_dim, block_size)
+        self.runner = ModelRunner(model, spec, backend, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                                  device=device)
+        self.computed: dict[str, int] = {}  # published at commit
+        self._reached: dict[str, int] = {}  # what this step's proposal computed
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        self._reached = {}
+        for round_ in range(max((r.max_tokens for r in requests), default=0)):
+            active = [i for i, r in enumerate(requests) if len(drafts[i]) < r.max_tokens]
+            views = [self._view(requests[i], drafts[i], round_) for i in active]
+            out = SchedulerOutput([ScheduledSequence(v, v.num_computed_tokens, v.num_uncomputed_tokens)
+                                   for v in views])
+            batch = self.runner.prepare_inputs(out)
+            hidden = self.runner.model(batch.input_ids, batch.positions, batch.attn_metadata, self.runner.kv_caches,
+                                       self.runner.backend)  # (T, hidden)
+            logits = self.runner.model.compute_logits(hidden[batch.logits_indices]).float()  # (A, V)
+            q = filtered_probs(logits, batch.sampling)  # (A, V): the distribution the drafts come from
+            tokens = self.runner.sampler(logits, batch.sampling).tolist()
+            for a, i in enumerate(active):
+                drafts[i].append(tokens[a])
+                probs[i].append(q[a])
+                self._reached[requests[i].request_id] = views[a].num_tokens  # K/V now valid up to here
+        return [Draft(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def _view(self, r: DraftRequest, drafts: list[int], round_: int) -> Sequence:
+        """A throw-away Sequence over the committed tokens + drafts so far, on the target's blocks."""
+        sp = r.sampling_params
+        view = Sequence(r.request_id, r.token_ids + array("i", drafts),
+                        SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
+                                       max_tokens=None), seed=r.seed ^ _DRAFT_STREAM)
+        view.block_table = list(r.block_table)
+        computed = min(self.computed.get(r.request_id, 0), len(r.token_ids) - 1)
+        view.num_computed_tokens = computed if round_ == 0 else view.num_tokens - 1
+        return view
+
+    def on_commit(self, seq_ids: list[str], num_computed: list[int]) -> None:
+        for rid, verified in zip(seq_ids, num_computed):
+            if rid in self._reached:
+                self.computed[rid] = min(self._reached[rid], verified)
+        self._reached = {}
+
+    def on_free(self, request_id: str) -> None:
+        self.computed.pop(request_id, None)

@@ -1,0 +1,77 @@
+"""What a client sees when something goes wrong: every failure becomes one OpenAI error object.
+
+    status  when                                                              error.type
+    400     a bad value, an empty prompt, a prompt too long, a chat-template  invalid_request_error
+            error, NaN/inf, n > 1
+    401     /v1/* without the right `Authorization: Bearer <key>`             invalid_request_error
+    404     an unknown model                                                  not_found_error
+    413     a body over --max-request-bytes                                   invalid_request_error
+    422     a body that is not JSON or not the request's shape                invalid_request_error
+    500     this request failed in the engine, or a step it was in failed     server_error
+    503     the engine is dead (fatal device error, worker gone)              server_error
+
+A non-streaming request gets the status and `{"error": {...}}`. A stream has already sent 200, so
+it gets the same object as a `data:` event, then `data: [DONE]` (vLLM's shape; the openai client
+raises `APIError` on it).
+"""
+
+from __future__ import annotations
+
+import json
+
+from jinja2 import TemplateError
+
+from minivllm.engine.errors import EngineDeadError, StepFailedError
+from minivllm.entrypoints.openai.protocol import RequestError, error_body
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status, message, and the field (`param`) / machine `code` if any."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def kind(self) -> str:
+        if self.status == 404:
+            return "not_found_error"
+        return "server_error" if self.status >= 500 else "invalid_request_error"
+
+    def body(self) -> dict:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+    def event(self) -> str:
+        """The error as one server-sent event's data."""
+        return json.dumps(self.body())
+
+
+class RequestFailed(Exception):
+    """The engine finished this request with finish_reason "error" (it failed on its own)."""
+
+
+def api_error(e: Exception, prompt_param: str = "prompt") -> ApiError:
+    """Map what admission or generation raised to the answer the client gets."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RequestError):
+        return ApiError(400, str(e), e.param)
+    if isinstance(e, TemplateError):  # the chat template's own raise_exception(...), or a jinja error
+        return ApiError(400, f"the chat template refused these messages: {e}", "messages")
+    if isinstance(e, EngineDeadError):
+        return ApiError(503, f"the engine is not running: {e}", code="engine_dead")
+    if isinstance(e, StepFailedError):
+        return ApiError(500, str(e), code="step_failed")
+    if isinstance(e, RequestFailed):
+        return ApiError(500, f"the engine failed this request: {e}", code="request_failed")
+    if isinstance(e, (ValueError, TypeError)):  # refused by SamplingParams or the engine
+        return ApiError(400, str(e), _field(str(e), prompt_param))
+    return ApiError(500, f"internal error ({type(e).__name__}: {e})")
+
+
+def _field(message: str, prompt_param: str) -> str | None:
+    """SamplingParams names its field ("SamplingParams.top_p=0 is invalid: ..."); the engine's
+    refusals are about the prompt (empty, out of the vocabulary, too long)."""
+    if message.startswith("SamplingParams."):
+        return message.removeprefix("SamplingParams.").split("=")[0]
+    return prompt_param

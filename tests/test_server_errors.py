@@ -1,0 +1,261 @@
+"""How failures reach a client of the server: a failed request, a failed step, a dead engine, a client
+that leaves, a wrong API key. The app runs in this process (uvicorn in a thread, on a real socket)
+so that faults can be injected into its engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from minivllm import LLMEngine
+from minivllm.config import EngineConfig
+from minivllm.engine.async_engine import AsyncLLMEngine
+from minivllm.engine.errors import EngineDeadError
+from minivllm.entrypoints.openai.server import build_app
+
+CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "temperature": 0}
+
+
+@pytest.fixture()
+def engine(qwen3_dir):
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=qwen3_dir, num_kv_blocks=64, max_model_len=256)))
+    yield engine
+    engine.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app):
+    # log_config=None: uvicorn's records reach pytest's caplog (a traceback would be seen there).
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_config=None,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture()
+def url(engine):
+    with serving(build_app(engine, "tiny")) as url:
+        yield url
+
+
+def events(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE response, JSON-decoded except `[DONE]`."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def fail_rows(engine, marker: str, message: str) -> None:
+    """Make the engine isolate every request whose prompt holds `marker`, after its first token, the
+    way LLMEngine reports a request that failed on its own (finish_reason "error")."""
+    step = engine.engine.step
+
+    def isolating_step():
+        outputs = step()
+        for out in outputs:
+            if marker in (out.prompt or "") and out.outputs[0].token_ids and not out.finished:
+                engine.engine.abort_request(out.request_id, report=False)
+                out.finished, out.error, out.outputs[0].finish_reason = True, message, "error"
+        return outputs
+
+    engine.engine.step = isolating_step
+
+
+def test_a_failed_request_is_an_error_not_a_stop(engine, url):
+    fail_rows(engine, "poison", "the sampler produced NaN logits for this request")
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "poison", "max_tokens": 8}, timeout=30)
+    assert r.status_code == 500 and "NaN logits" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["type"] == "server_error"
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=30,
+                      json={**CHAT, "messages": [{"role": "user", "content": "poison"}], "stream": True}) as r:
+        got = events(r)
+    assert got[-1] == "[DONE]" and "NaN logits" in got[-2]["error"]["message"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in got[:-2])  # no silent "stop"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIError, match="NaN logits"):
+        list(client.completions.create(model="tiny", prompt="poison", max_tokens=8, stream=True))
+    # ... and it failed only itself: a request beside it is untouched.
+    ok = client.completions.create(model="tiny", prompt="healthy", max_tokens=4)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_failed_step_answers_500_and_the_server_goes_on(engine, url):
+    step, failures = engine.engine.step, [RuntimeError("two rows together overflowed")]
+
+    def flaky_step():
+        if failures:
+            raise failures.pop()
+        return step()
+
+    engine.engine.step = flaky_step
+    r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 500 and "rolled back" in r.json()["error"]["message"], r.text
+    assert "overflowed" in r.json()["error"]["message"]
+    failures.append(RuntimeError("again"))
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
+        got = events(r)
+    assert got[-1] == "[DONE]" and "rolled back" in got[-2]["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 4}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("fault", ["step", "has_unfinished_requests"])
+def test_a_dead_engine_fails_health_and_every_request(engine, url, fault):
+    """step: LLMEngine raises EngineDeadError (device error). has_unfinished_requests: an exception
+    escapes the worker loop and the thread dies."""
+    armed = threading.Event()
+    original = getattr(engine.engine, fault)
+
+    def fatal(*args):
+        if not armed.is_set():
+            return original(*args)
+        if fault == "step":
+            raise EngineDeadError("CUDA error: an illegal memory access was encountered")
+        raise RuntimeError("bug in the worker loop")
+
+    setattr(engine.engine, fault, fatal)
+    long = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            plain = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Hello", **long}))
+            async with client.stream("POST", "/v1/completions", json={"prompt": "Paged", "stream": True, **long}) as r:
+                lines = r.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):
+                    pass  # the stream is running
+                armed.set()
+                rest = [line async for line in lines if line.startswith("data: ")]
+            return await plain, rest
+
+    plain, rest = asyncio.run(asyncio.wait_for(main(), timeout=30))
+    needle = "illegal memory access" if fault == "step" else "RuntimeError: bug in the worker loop"
+    assert plain.status_code == 503 and needle in plain.json()["error"]["message"], plain.text
+    assert rest[-1] == "data: [DONE]" and needle in json.loads(rest[-2][len("data: "):])["error"]["message"]
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 503 and needle in health.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def slow_steps(engine, seconds: float) -> None:
+    step = engine.engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    engine.engine.step = slow_step
+
+
+def wait_until_idle(engine, timeout: float = 5.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not engine.engine.has_unfinished_requests() and engine.stats.num_free_blocks == 64:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_client_that_times_out_is_aborted_with_one_log_line(engine, url, caplog):
+    caplog.set_level(logging.INFO, logger="minivllm.server")
+    slow_steps(engine, 0.02)  # 200 tokens would take over 4 s
+    t0 = time.time()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 200, "ignore_eos": True},
+                   timeout=0.3)
+    assert wait_until_idle(engine, timeout=2.0), "the request kept running after its client left"
+    assert time.time() - t0 < 2.5 and engine.stats.num_decode_tokens < 100
+    notes = [r.getMessage() for r in caplog.records if "client disconnected" in r.getMessage()]
+    assert len(notes) == 1, notes
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a disconnect logged an error"
+
+
+def test_a_client_that_leaves_while_queued_never_runs(engine, url):
+    """The worker is busy in a long step when the request arrives: its add waits in the queue."""
+    step, gate, in_step, seen = engine.engine.step, threading.Event(), threading.Event(), set()
+
+    def gated_step():
+        in_step.set()
+        gate.wait(10)  # the first step lasts until the test opens the gate
+        outputs = step()
+        seen.update(o.request_id for o in outputs)
+        return outputs
+
+    engine.engine.step = gated_step
+    busy = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
+                            kwargs=dict(json={"prompt": "first", "max_tokens": 2}, timeout=30))
+    busy.start()
+    assert in_step.wait(10)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"prompt": "queued", "max_tokens": 200, "ignore_eos": True},
+                   timeout=0.3)
+    time.sleep(0.8)  # the server polls for a disconnect every 0.5 s
+    gate.set()
+    busy.join()
+    assert wait_until_idle(engine)
+    assert len(seen) == 1, f"the queued request ran after its client left: {seen}"
+
+
+def test_template_error_is_a_400(engine):
+    engine.engine.tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    with serving(build_app(engine, "tiny")) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=10)
+    assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "messages"
+
+
+def test_api_key_guards_v1_only(engine):
+    with serving(build_app(engine, "tiny", api_key="s3cret")) as url:
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model="tiny", prompt="Hello", max_tokens=2).choices[0].text is not None
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})  # no header at all
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for path in ("/health", "/metrics", "/version"):  # probes and scrapers need no key
+            assert httpx.get(f"{url}{path}").status_code == 200, path
+
+
+def test_serve_flags_and_environment_reach_the_app(qwen3_dir, monkeypatch):
+    """`minivllm serve --max-request-bytes N` and MINIVLLM_API_KEY, through run_server to the app."""
+    from minivllm.entrypoints import cli
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **_: apps.append(app))
+    monkeypatch.setenv("MINIVLLM_API_KEY", "from-env")
+    assert cli.main(["serve", "--model", qwen3_dir, "--max-request-bytes", "100", "--num-kv-blocks", "16"]) == 0
+    with serving(apps[0]) as url:
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        headers = {"Authorization": "Bearer from-env"}
+        assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 200
+        r = httpx.post(f"{url}/v1/completions", headers=headers, json={"prompt": "x" * 200})
+        assert r.status_code == 413 and "100 bytes" in r.json()["error"]["message"]
+    assert cli.main(["serve", "--model", qwen3_dir, "--max-request-bytes", "0"]) == 1  # refused, says why
