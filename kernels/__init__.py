@@ -5,6 +5,8 @@
     split_kv_decode.py    flash-decoding for long contexts with few decode rows (+ the merge kernel)
     sampling.py           temperature / top-k / top-p / min-p and a seeded Gumbel-max draw
     seeding.py            `noise_seed` (plain Python, no triton): the per-(seed, position) noise stream key
+    rejection_sampling.py speculative decoding: accept drafts or draw from the residual distribution
+    gated_delta_rule.py   hybrid models: the recurrent (decode) update of a gated-DeltaNet layer's state
 
 This folder is installed as `minivllm.kernels` (see pyproject.toml), never as a top-level
 `kernels` package: transformers looks for Hugging Face's kernel hub under that name. It also

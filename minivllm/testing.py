@@ -1,7 +1,8 @@
 """Random checkpoints for tests, benchmarks and notebooks, built offline in a folder.
 
-A seeded `Qwen3Config` / `Qwen2Config` / `LlamaConfig` model is saved with `save_pretrained`, next to
-a small byte-level BPE tokenizer trained with `tokenizers` on a few sentences, and a chat template.
+A seeded `Qwen3Config` / `Qwen2Config` / `LlamaConfig` / `Qwen3_5TextConfig` (hybrid) model is saved
+with `save_pretrained`, next to a small byte-level BPE tokenizer trained with `tokenizers` on a few
+sentences, and a chat template.
 Random weights say nothing about language; they are for checking the engine against HF transformers
 and for timing it.
 """
@@ -34,6 +35,16 @@ FAMILIES = {
     "qwen2": (Qwen2Config, dict()),
     "llama": (LlamaConfig, dict()),
 }
+ARCHITECTURES = {"qwen3_5": "Qwen3_5ForCausalLM"}  # where the config class's name does not give it
+try:  # Qwen3.5 is in transformers 5 only (Feb 2026); older versions simply have no "qwen3_5" family
+    from transformers import Qwen3_5TextConfig
+
+    # hybrid: with the default 2 layers, [linear_attention, full_attention]; Hv = 2 Hk and Dv != Dk
+    FAMILIES["qwen3_5"] = (Qwen3_5TextConfig, dict(
+        head_dim=16, full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8))
+except ImportError:
+    pass
 
 
 def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -63,7 +74,7 @@ def make_tiny_model(path: str | Path, family: str = "qwen3", *, vocab_size: int 
     if rope_scaling is not None:
         kwargs["rope_parameters"] = rope_scaling
     config = config_cls(**kwargs)
-    config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [ARCHITECTURES.get(family, config_cls.__name__.replace("Config", "ForCausalLM"))]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random init is tiny; widen it so logits are not all near-ties
@@ -72,6 +83,9 @@ def make_tiny_model(path: str | Path, family: str = "qwen3", *, vocab_size: int 
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+            if family == "qwen3_5" and name.endswith(("conv1d.weight", "norm.weight")):
+                # conv taps and norm scales too (the gated norm's weight is used as is, the others as 1 + w)
+                p.normal_(1.0 if "linear_attn.norm" in name else 0.0, 0.3)
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()

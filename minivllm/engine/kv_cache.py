@@ -2,7 +2,7 @@
 
 Layout, one tensor for the whole model:
 
-    kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache: (num_full_attention_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
                             |   |
                             |   +-- physical block id (what block tables hold)
                             +------ 0 = keys, 1 = values
@@ -35,8 +35,10 @@ from minivllm.models.hf_config import ModelSpec
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Only full-attention layers have a KV cache (a hybrid model's linear-attention layers keep a
+    fixed-size state instead: engine/state_pool.py)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_hidden_layers * block_size * spec.num_key_value_heads * spec.head_dim * itemsize
+    return 2 * len(spec.full_attention_layers) * block_size * spec.num_key_value_heads * spec.head_dim * itemsize
 
 
 def num_kv_blocks_for(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> int:
@@ -57,11 +59,15 @@ def num_kv_blocks_for(config: EngineConfig, spec: ModelSpec, device: torch.devic
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
-    shape = (spec.num_hidden_layers, 2, num_blocks, block_size, spec.num_key_value_heads, spec.head_dim)
+    shape = (len(spec.full_attention_layers), 2, num_blocks, block_size, spec.num_key_value_heads, spec.head_dim)
+    return zeros(shape, dtype, device)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU calloc'ed, so its pages are committed only when first written (see the
+    module docstring). numpy has no bfloat16, so the buffer is raw bytes viewed in `dtype`."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    # calloc'ed zeros, committed page by page on first write (see the module docstring). numpy has
-    # no bfloat16, so the buffer is allocated as raw bytes and viewed in the pool's dtype.
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import sys
 import itertools
 import operator
 import time
@@ -49,6 +50,7 @@ from minivllm.engine.output_processor import OutputProcessor, RequestState
 from minivllm.engine.sampling_metadata import RowGroupOutput
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from minivllm.engine.spec_decode.config import SpeculativeConfig
+from minivllm.engine.state_pool import StatePool
 from minivllm.engine.spec_decode.ngram import NgramProposer
 from minivllm.engine.spec_decode.proposer import DraftRequest, Proposer
 from minivllm.engine.sequence import Sequence
@@ -57,7 +59,7 @@ from minivllm.engine.trace import StepTrace, record_step
 from minivllm.layers.attention import get_attention_backend
 from minivllm.layers.logits_processors import bad_words_token_ids
 from minivllm.layers.sampler import noise_seed
-from minivllm.models.hf_config import load_model_spec
+from minivllm.models.hf_config import ModelSpec, load_model_spec
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -97,14 +99,17 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.config = config = self._resolve_limits(config)
+        self.config = config = self._resolve_limits(self._hybrid_limits(config, spec))
         self.model = build_model(spec, model_dir, self.device, self.dtype, config.max_model_len)
         num_blocks = num_kv_blocks_for(config, spec, self.device, self.dtype)
         backend = get_attention_backend(config.attention_backend, self.device, spec.num_attention_heads,
                                         spec.num_key_value_heads, spec.head_dim, config.block_size)
+        # Hybrid models: the linear-attention layers' state pool, one slot pair per running request.
+        self.state_pool = (StatePool(spec, config.max_num_seqs, self.dtype, self.device)
+                           if spec.linear_attn is not None else None)
         self.model_runner = ModelRunner(self.model, spec, backend, num_blocks=num_blocks,
                                         block_size=config.block_size, dtype=self.dtype, device=self.device,
-                                        eos_token_ids=self.eos_token_ids)
+                                        eos_token_ids=self.eos_token_ids, state_pool=self.state_pool)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
                             if config.speculative_config is not None else None)
@@ -114,7 +119,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             eos_token_ids=self.eos_token_ids, enable_chunked_prefill=config.enable_chunked_prefill,
             max_admission_skips=config.max_admission_skips,
-            num_speculative_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0)
+            num_speculative_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
+            state_pool=self.state_pool)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step
@@ -139,6 +145,22 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: Any) -> "LLMEngine":
         return cls(EngineConfig(model=model, **kwargs))
+
+    @staticmethod
+    def _hybrid_limits(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
+        """What a hybrid model (linear-attention layers with a recurrent state) cannot do here."""
+        if spec.linear_attn is None:
+            return config
+        if config.speculative_config is not None:
+            raise ValueError(f"{spec.architecture} has linear-attention layers: speculative decoding would have to "
+                             "roll their recurrent state back past rejected drafts, which minivllm does not do; "
+                             "drop speculative_config")
+        if config.enable_prefix_caching:
+            # A cached prefix is only usable with the recurrent state at its end, which is not kept.
+            print(f"minivllm: prefix caching is off for {spec.architecture}: a cached prefix would need the "
+                  "linear-attention state at its end, which minivllm does not keep", file=sys.stderr)
+            config = config.replace(enable_prefix_caching=False)
+        return config
 
     def _resolve_limits(self, config: EngineConfig) -> EngineConfig:
         limit = self.spec.max_position_embeddings

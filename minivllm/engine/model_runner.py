@@ -33,7 +33,9 @@ from minivllm.engine.sampling_metadata import PromptLogprob, RowGroupOutput, Sam
 from minivllm.engine.spec_decode.rejection_sampler import RejectionSampler, TritonRejectionSampler, verify_drafts
 from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.state_pool import StatePool
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
 from minivllm.layers.logits_processors import apply_logits_processing
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
 from minivllm.models.hf_config import ModelSpec
@@ -53,10 +55,11 @@ class StepBatch:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), state_pool: StatePool | None = None) -> None:
         self.model, self.spec, self.backend = model, spec, backend
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
+        self.state_pool = state_pool  # hybrid models only (engine/state_pool.py)
         self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))  # per layer (2, num_blocks, bs, Hkv, D)
         triton = backend.name == "triton"
@@ -116,8 +119,13 @@ class ModelRunner:
         batch = self.prepare_inputs(out)
         sb = batch.sampling_batch
         t0 = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
-                            self.backend)  # (T, hidden)
+        if self.state_pool is not None:  # hybrid: linear-attention layers read/write state slots
+            state = self._linear_attn_metadata(out)
+            hidden, _ = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
+                                   self.backend, state)  # (T, hidden); new states are in the staging slots
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
+                                self.backend)  # (T, hidden)
         result = [RowGroupOutput() for _ in out.scheduled]
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S + P, V)
         if self.device.type == "cuda":
@@ -149,6 +157,15 @@ class ModelRunner:
         for r, tok in zip(sb.prompt_rows, toks):
             result[r.entry].prompt_logprobs.append(PromptLogprob(r.position, tok))
 
+    def _linear_attn_metadata(self, out: SchedulerOutput) -> LinearAttnMetadata:
+        pool, dev = self.state_pool, self.device
+        seqs = [s.seq for s in out.scheduled]
+        return LinearAttnMetadata(
+            state_slots=torch.tensor([pool.read_slot(s) for s in seqs], dtype=torch.int64, device=dev),
+            has_initial_state=torch.tensor([s.start > 0 for s in out.scheduled], device=dev),
+            conv_pools=pool.conv_pools, recurrent_pools=pool.recurrent_pools,
+            write_slots=torch.tensor([pool.write_slot(s) for s in seqs], dtype=torch.int64, device=dev))
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write for forked sequences: block dst gets block src's K/V in every layer."""
         if pairs:
@@ -168,4 +185,6 @@ class ModelRunner:
         num_tokens = min(num_tokens, self.kv_cache.shape[2] * self.block_size)
         seq = Sequence("warmup", [0] * num_tokens, SamplingParams(temperature=1.0, top_p=0.9))
         seq.block_table = list(range(-(-num_tokens // self.block_size)))
+        if self.state_pool is not None:
+            seq.state_slots = [0]  # reads nothing (start 0), writes a staging slot that is never published
         self.execute_model(SchedulerOutput([ScheduledSequence(seq, 0, num_tokens)]))

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sampling_metadata import RowGroupOutput, SampledToken
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.state_pool import StatePool
 from minivllm.engine.undo_log import UndoLog
 
 
@@ -111,6 +112,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_admission_skips: int = 8,
         num_speculative_tokens: int = 0,
+        state_pool: StatePool | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -120,6 +122,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_admission_skips = max_admission_skips
         self.num_speculative_tokens = num_speculative_tokens  # draft slots per decoding sequence
+        self.state_pool = state_pool  # hybrid models: a state slot per running request, too
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
         self.num_preemptions = 0
@@ -180,12 +183,15 @@ class Scheduler:
             fits_budget = n <= budget or self.enable_chunked_prefill
             n = min(n, budget)
             self._record_seq(seq)
-            if not fits_budget or not bm.can_allocate(seq, n, prefix):
+            no_state = self.state_pool is not None and not self.state_pool.can_allocate(seq)
+            if not fits_budget or no_state or not bm.can_allocate(seq, n, prefix):
                 seq.num_admission_skips += 1
                 hold = seq.num_admission_skips > self.max_admission_skips
                 still_waiting.append(seq)
                 continue
             bm.allocate(seq, n, prefix)
+            if self.state_pool is not None:
+                self.state_pool.allocate(seq)
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = prefix.num_tokens
             seq.status = SequenceStatus.RUNNING
@@ -212,6 +218,8 @@ class Scheduler:
         self._record_seq(seq)
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if self.state_pool is not None:  # the state is recomputed from scratch with the prompt
+            self.state_pool.release(seq)
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
@@ -237,6 +245,8 @@ class Scheduler:
         """`postprocess` for one row group. The caller copies `blocks_to_copy` (copy-on-write of
         forked sequences' last blocks) before the next forward."""
         seq = sched.seq
+        if self.state_pool is not None:
+            self.state_pool.publish(seq)  # the state this step computed is now the request's
         seq.num_computed_tokens = sched.start + sched.num_new_tokens - sched.num_spec_tokens
         seq.spec_token_ids = []
         self.block_manager.cache_full_blocks(seq)
@@ -250,6 +260,8 @@ class Scheduler:
             copy = self.block_manager.fork(seq, child)
             if copy is not None:
                 result.blocks_to_copy.append(copy)
+            if self.state_pool is not None:
+                self.state_pool.fork(seq, child)
             self.running.append(child)
             self._append(child, first)
             result.updated.append(child)
@@ -300,6 +312,8 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.state_pool is not None:
+            self.state_pool.release(seq)
         seq.finish(reason, stop_reason, error)
 
     # --- transactions ----------------------------------------------------------------------------
@@ -312,17 +326,23 @@ class Scheduler:
         for name in ("running", "waiting", "num_preemptions"):
             self.undo.record_attr(self, name)
         self.block_manager.begin(self.undo)
+        if self.state_pool is not None:
+            self.state_pool.undo = self.undo
 
     def commit(self) -> None:
         """The step succeeded: forget its undo log."""
         self.undo = None
         self.block_manager.commit()
+        if self.state_pool is not None:
+            self.state_pool.undo = None
 
     def rollback(self, written_blocks: set[int] = frozenset()) -> None:
         """Undo everything since `begin()` (see `BlockManager.rollback` for `written_blocks`)."""
         assert self.undo is not None, "no transaction is open"
         self.undo = None
-        self.block_manager.rollback(written_blocks)
+        self.block_manager.rollback(written_blocks)  # also restores the state pool's free list
+        if self.state_pool is not None:
+            self.state_pool.undo = None
 
     def _record_seq(self, seq: Sequence) -> None:
         if self.undo is not None:

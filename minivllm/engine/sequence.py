@@ -78,6 +78,9 @@ class Sequence:
         # Speculative decoding: proposed tokens being verified this step. NOT tokens yet: block
         # hashes, the detokenizer and the stop rules only ever see `token_ids`, which only grows.
         self.spec_token_ids: list[int] = []
+        # Hybrid models: the state-pool pairs this sequence holds ([0] its own; more reserved for the
+        # children of an n > 1 fork). None while it holds none (see engine/state_pool.py).
+        self.state_slots: list[int] | None = None
 
     # --- sizes -------------------------------------------------------------------------------
     def __len__(self) -> int:

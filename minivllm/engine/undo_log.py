@@ -8,7 +8,8 @@ old value here; a rollback writes those values back, a commit just drops the log
 
     record_block(b)   a block's ref count, hash, free-queue stamp and whether it was free
     record_hash(h)    which block (or none) the prefix-cache map held under hash h
-    record_seq(seq)   a sequence's status, computed tokens, block table, cached tokens, skips, drafts
+    record_seq(seq)   a sequence's status, computed tokens, block table, cached tokens, skips, drafts,
+                      state slots
     record_attr(o, n) any other field (queues, counters): its value, copied if it is a container
 
 Only the FIRST record of each thing in a step is kept: that is the value to go back to.
@@ -37,6 +38,7 @@ class SeqUndo(NamedTuple):
     num_cached_tokens: int
     num_admission_skips: int
     spec_token_ids: list[int]
+    state_slots: list[int] | None
 
 
 class AttrUndo(NamedTuple):
@@ -67,7 +69,8 @@ class UndoLog:
     def record_seq(self, seq: Sequence) -> None:
         if id(seq) not in self.seqs:
             self.seqs[id(seq)] = SeqUndo(seq, seq.status, seq.num_computed_tokens, list(seq.block_table),
-                                         seq.num_cached_tokens, seq.num_admission_skips, list(seq.spec_token_ids))
+                                         seq.num_cached_tokens, seq.num_admission_skips, list(seq.spec_token_ids),
+                                         None if seq.state_slots is None else list(seq.state_slots))
 
     def record_attr(self, obj: Any, name: str) -> None:
         key = (id(obj), name)
@@ -81,7 +84,7 @@ class UndoLog:
             seq = s.seq
             seq.status, seq.num_computed_tokens, seq.block_table = s.status, s.num_computed_tokens, s.block_table
             seq.num_cached_tokens, seq.num_admission_skips = s.num_cached_tokens, s.num_admission_skips
-            seq.spec_token_ids = s.spec_token_ids
+            seq.spec_token_ids, seq.state_slots = s.spec_token_ids, s.state_slots
         for a in self.attrs.values():
             setattr(a.obj, a.name, a.value)
 

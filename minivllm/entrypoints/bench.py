@@ -13,6 +13,9 @@ share of minivllm's step time spent outside the model forward.
 `single_stream`: one request, 64 new tokens, batch 1, on the default model (SmolLM2-135M) unless
 --model: local chat speed, minivllm against HF `generate`.
 
+Both first print the CPU (model name, AMX, avx512_bf16) and the matmul form minivllm chose by
+measurement for each weight shape and row bucket (see `minivllm/layers/matmul_plan.py`).
+
     minivllm bench [--num-requests 32] [--no-hf-cb] [--model PATH]
     minivllm bench --single-stream [--model PATH]
 """
@@ -43,6 +46,11 @@ def workload(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[i
 
 def _greedy(outputs: list[int]) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+
+
+def print_matmul_plan(llm: LLM) -> None:
+    """Measure the CPU matmul forms now if the engine's warm-up has not (idempotent), and print them."""
+    print(llm.llm_engine.model.plan_matmuls().summary())
 
 
 def run_minivllm(llm: LLM, prompts, outputs, warmup) -> tuple[float, dict]:
@@ -100,6 +108,7 @@ def throughput(model: str | None = None, num_requests: int = 32, hf_cb: bool = T
         params = sum(p.numel() for p in llm.llm_engine.model.parameters()) / 1e6
         print(f"model: {spec.architecture} {params:.1f}M params, fp32, {torch.get_num_threads()} threads; "
               f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {tokens} output tokens")
+        print_matmul_plan(llm)
         t_mini, info = run_minivllm(llm, prompts, outputs, warmup)
         llm.shutdown()
         result = {"minivllm_tok_s": tokens / t_mini, "overhead": info["overhead"]}
@@ -126,6 +135,7 @@ def single_stream(model: str | None = None, new_tokens: int = 64, hf: bool = Tru
     llm = LLM(model, dtype="float32", device="cpu", enable_prefix_caching=False)
     path = llm.llm_engine.config.model
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    print_matmul_plan(llm)
     llm.generate("Once upon a time", sp, use_tqdm=False)  # warm-up
     times = []
     for _ in range(repeats):

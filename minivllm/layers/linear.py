@@ -1,12 +1,10 @@
-"""`linear(x, weight, bias)`: y = x W^T + b, with one CPU-specific choice of matmul order.
+"""`linear(x, weight, bias, plan)`: y = x W^T + b, in the matmul form the model's `MatmulPlan` chose.
 
-Decode batches are skinny: a few rows against a weight that does not fit in cache, so a decode step
-is bound by how fast the weights stream from memory. On CPU, `F.linear` on 1-64 rows streams them
-at ~10 GB/s (MKL's gemv/skinny-gemm paths); computing (W @ x^T)^T instead keeps W in its natural
-row-major order and, measured on 2 AMD EPYC cores (torch 2.13, MKL, weights not in cache), reached
-24-34 GB/s. One row is the exception that proves the rule: W @ x^T with one column falls back to
-gemv, so a single row is duplicated to make two (twice the FLOPs, a third of the time).
-Large batches and GPUs use `F.linear`.
+Decode batches are skinny: a few rows against weights that do not fit in cache, so a decode step is
+bound by how fast the weights stream from memory, and on CPU that speed depends on how the product
+is written (x W^T or (W x^T)^T) in a way that differs from one CPU to the next. `matmul_plan.py`
+times both on the machine at hand during warm-up; this module only asks the plan. Without a plan, or
+before it is measured, or on a GPU, every product is plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -15,22 +13,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_SKINNY_MAX_ROWS = 64
+from minivllm.layers.matmul_plan import MatmulForm, MatmulPlan, matmul
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.shape[0]  # x: (rows, in_features), weight: (out_features, in_features)
-    if x.device.type != "cpu" or rows > _SKINNY_MAX_ROWS:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           plan: MatmulPlan | None = None) -> torch.Tensor:  # x (rows, in), weight (out, in) -> (rows, out)
+    if plan is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    if rows == 1:
-        y = (weight @ torch.cat([x, x]).t())[:, :1].t()  # (1, out_features): gemm, not gemv
-    else:
-        y = (weight @ x.t()).t().contiguous()  # (rows, out_features)
+    form = plan.form_for(weight, x.shape[0])
+    if form is MatmulForm.LINEAR:
+        return F.linear(x, weight, bias)  # the bias fused in
+    y = matmul(x, weight, form)
     return y if bias is None else y + bias
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters, same checkpoint names) computed through `linear`."""
+    """`nn.Linear` (same parameters, same checkpoint names) computed through `linear` with the
+    model's shared `plan`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 plan: MatmulPlan | None = None) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.plan = plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.plan)

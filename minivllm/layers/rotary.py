@@ -14,10 +14,21 @@ Frequencies: f_i = theta^(-2i/d). Scaled variants:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from minivllm.models.hf_config import RopeSpec
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """A checkpoint's RoPE settings (read from config.json by `models/hf_config.py`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:  # (head_dim // 2,)

@@ -3,27 +3,57 @@
 Both generations of transformers' config keys are accepted:
   transformers 4:  "torch_dtype", "rope_theta", "rope_scaling": {"rope_type" | "type": ...}
   transformers 5:  "dtype", "rope_parameters": {"rope_type": ..., "rope_theta": ...}
+
+Hybrid checkpoints (Qwen3.5) add `layer_types` and the gated-DeltaNet numbers (`LinearAttnSpec`); their
+multimodal form (`Qwen3_5ForConditionalGeneration`) nests the decoder's keys under "text_config".
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from minivllm.layers.rotary import RopeSpec
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Gated-DeltaNet (linear attention) layers interleaved with full attention: models/qwen3_5.py, run with
+# the engine's per-request state pool (engine/state_pool.py).
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @dataclass(frozen=True)
-class RopeSpec:
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+class LinearAttnSpec:
+    """The gated-DeltaNet layers' sizes (config keys `linear_*`); see layers/gated_deltanet.py."""
+
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads: q/k head h serves v heads h*G .. h*G+G-1
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel_size: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:  # the short conv runs over q | k | v
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:  # per request, per layer
+        return (self.conv_dim, self.conv_kernel_size - 1)
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:  # per request, per layer
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
 
 @dataclass(frozen=True)
@@ -46,10 +76,32 @@ class ModelSpec:
     dtype: str | None  # the checkpoint's dtype, e.g. "bfloat16"
     eos_token_ids: tuple[int, ...]
     hidden_act: str = "silu"
+    # Hybrid models (Qwen3.5); the defaults describe a plain decoder.
+    layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; () means all full attention
+    linear_attn: LinearAttnSpec | None = None
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of each head
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: o = attention * sigmoid(gate)
 
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
+
+    @property
+    def q_proj_size(self) -> int:  # q_proj's rows: with an output gate, [q_h | gate_h] for every head h
+        return self.q_size * (2 if self.attn_output_gate else 1)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:  # the layers that own a slice of the KV cache
+        return tuple(i for i in range(self.num_hidden_layers)
+                     if not self.layer_types or self.layer_types[i] == "full_attention")
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:  # the layers that own a state-pool slot
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     @property
     def kv_size(self) -> int:
@@ -80,10 +132,13 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 def parse_model_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelSpec:
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES + HYBRID_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(f"unknown architecture {archs or '(none given)'} in config.json; "
-                         f"minivllm supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"minivllm supports {', '.join(SUPPORTED_ARCHITECTURES + HYBRID_ARCHITECTURES)}")
+    if arch in HYBRID_ARCHITECTURES and "text_config" in cfg:  # multimodal: the decoder's keys are nested;
+        # HF ties the LM head by the top-level flag
+        cfg = {**cfg, **cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
     if cfg.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     act = cfg.get("hidden_act", "silu")
@@ -92,7 +147,7 @@ def parse_model_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None 
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     eos = _ids(cfg.get("eos_token_id")) + _ids((generation_cfg or {}).get("eos_token_id"))
-    return ModelSpec(
+    spec = ModelSpec(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
@@ -111,6 +166,30 @@ def parse_model_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None 
         dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         hidden_act=act,
+    )
+    return _with_hybrid_fields(spec, cfg) if arch in HYBRID_ARCHITECTURES else spec
+
+
+def _with_hybrid_fields(spec: ModelSpec, cfg: dict[str, Any]) -> ModelSpec:
+    """Qwen3.5: every `full_attention_interval`-th layer is full attention (unless `layer_types` lists
+    them), the rest gated DeltaNet. Its attention always has the output gate and per-head q/k norms
+    (HF's Qwen3_5Attention has no switch for either) and rotates a quarter of each head by default.
+    The checkpoint's M-RoPE sections ("mrope_section") are ignored: for text, the three position
+    streams are equal and M-RoPE is plain RoPE."""
+    interval = int(cfg.get("full_attention_interval", 4))
+    layer_types = tuple(cfg.get("layer_types") or (
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(spec.num_hidden_layers)))
+    if len(layer_types) != spec.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
+        raise ValueError(f"layer_types {list(layer_types)} must give one of {LAYER_TYPES} for each of the "
+                         f"{spec.num_hidden_layers} layers; config.json is inconsistent")
+    rope = cfg.get("rope_parameters") or {}
+    return replace(
+        spec, qk_norm=True, attn_output_gate=True, layer_types=layer_types,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+        linear_attn=LinearAttnSpec(
+            num_k_heads=int(cfg["linear_num_key_heads"]), num_v_heads=int(cfg["linear_num_value_heads"]),
+            head_k_dim=int(cfg["linear_key_head_dim"]), head_v_dim=int(cfg["linear_value_head_dim"]),
+            conv_kernel_size=int(cfg.get("linear_conv_kernel_dim", 4))),
     )
 
 

@@ -8,6 +8,8 @@ The three families differ in two switches read from config.json (see `ModelSpec`
   * Qwen3: RMSNorm over each head of q and k before RoPE (`qk_norm`).
 Weights are packed as vLLM packs them: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj`
 (one matmul instead of three or two); the loader slices the checkpoint's tensors into them.
+Every `Linear` shares the model's `matmul_plan`: on CPU, warm-up (`plan_matmuls`) times two forms of
+the same product on this machine and each projection uses the faster (see `layers/matmul_plan.py`).
 There is no batch dimension and no padding: tokens of all requests are rows of one matrix.
 """
 
@@ -19,17 +21,19 @@ from torch import nn
 
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear import Linear, linear
+from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RotaryEmbedding, apply_rotary
 from minivllm.models.hf_config import ModelSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
         super().__init__()
         self.spec = spec
-        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias)
-        self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=False)
+        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias,
+                               plan=plan)
+        self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=False, plan=plan)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -49,11 +53,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
         super().__init__()
         self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias, plan=plan)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, plan=plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
@@ -61,10 +65,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
         super().__init__()
-        self.self_attn = Attention(spec)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, plan)
+        self.mlp = MLP(spec, plan)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -74,10 +78,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, plan) for _ in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -87,9 +91,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec)
+        self.matmul_plan = MatmulPlan()  # shared by every Linear; filled by `plan_matmuls` at warm-up
+        self.model = DecoderModel(spec, self.matmul_plan)
         if not spec.tie_word_embeddings:
-            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, plan=self.matmul_plan)
         self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
@@ -110,5 +115,18 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, V)
-        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight)
+        return linear(hidden, self.lm_head_weight, plan=self.matmul_plan)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # (V, hidden)
+        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    def plan_matmuls(self) -> MatmulPlan:
+        """Time the two CPU matmul forms over this model's weights, in forward order, and keep the
+        faster per shape and row bucket (once; a GPU model keeps F.linear). Called at warm-up."""
+        if self.matmul_plan.measured_with_threads is None:
+            weights = [w for layer in self.model.layers for w in (
+                layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+                layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
+            self.matmul_plan.measure(weights + [self.lm_head_weight])
+        return self.matmul_plan

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.models.hf_config import ModelSpec
+from minivllm.models.qwen3_5 import text_weight_name
 
 PACKED_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -28,7 +29,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def _shard_bounds(spec: ModelSpec, packed: str, index: int, out_rows: int) -> tuple[int, int]:
     if packed == "qkv_proj":
-        sizes = [spec.q_size, spec.kv_size, spec.kv_size]
+        sizes = [spec.q_proj_size, spec.kv_size, spec.kv_size]  # q_proj: [q_h | gate_h] per head if gated
     else:
         sizes = [out_rows // 2, out_rows // 2]
     start = sum(sizes[:index])
@@ -60,8 +61,9 @@ def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path) -> No
             f = safe_open(str(path), framework="pt")
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise ValueError(f"cannot read {path}: {e} (the checkpoint is corrupt or incomplete)") from e
-        for name in f.keys():
-            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and spec.tie_word_embeddings):
+        for ckpt_name in f.keys():
+            name = text_weight_name(ckpt_name)  # multimodal checkpoints: the text decoder's name, or None
+            if name is None or name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and spec.tie_word_embeddings):
                 continue
             target, rows = name, None
             parts = name.split(".")
@@ -72,7 +74,7 @@ def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path) -> No
                 raise ValueError(f"{path.name}: unexpected tensor {name!r} for {spec.architecture}; "
                                  "is config.json from the same checkpoint?")
             param = params[target]
-            tensor = f.get_tensor(name)
+            tensor = f.get_tensor(ckpt_name)
             if rows is None and target != name:
                 rows = _shard_bounds(spec, packed, index, param.shape[0])
             dest = param.data if rows is None else param.data[rows[0]:rows[1]]

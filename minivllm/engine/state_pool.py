@@ -1,0 +1,104 @@
+"""`StatePool`: the per-request state of a hybrid model's linear-attention layers, beside the KV pool.
+
+An attention layer's memory of a request grows with it (the paged KV cache). A gated-DeltaNet layer's
+does not: one convolution window and one recurrent matrix per request per layer, overwritten at
+every step (layers/gated_deltanet.py). So a hybrid model needs two pools: blocks for its attention
+layers, and a fixed number of STATE SLOTS for its linear-attention layers, one per running request
+(ONNX Runtime GenAI's engine design calls it the request-state pool).
+
+    running request  ->  block_table [7, 2, 9]     (full-attention layers: paged KV cache)
+                     ->  state slot pair 3         (linear-attention layers: conv + recurrent state)
+
+Transactions. A step must not change a request's state until it commits, yet a state is rewritten,
+not appended to, and is ~1 MB per layer per request: copying it aside every step would cost more
+than the step. So each request owns a PAIR of physical slots and a bit saying which holds its
+published state. The forward reads the published slot and writes its new state into the other one
+(out of place); the commit flips the bit. A failed step flips nothing: every published state is as
+it was, and the retry reads it again. Allocating and freeing pairs (admission, finish, preemption)
+goes through the step's undo log like the blocks.
+
+    pair p = physical slots (2p, 2p + 1);  published = 2p + current[p];  staging = the other one
+
+A request with n > 1 reserves n pairs at admission; its forked children take them at the fork, and
+their published state is a copy of the parent's (the only copy ever made).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.engine.kv_cache import zeros
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.undo_log import UndoLog
+from minivllm.models.hf_config import ModelSpec
+
+
+class StatePool:
+    def __init__(self, spec: ModelSpec, num_pairs: int, dtype: torch.dtype, device: torch.device) -> None:
+        la = spec.linear_attn
+        assert la is not None, "only hybrid models have linear-attention state"
+        n = 2 * num_pairs  # physical slots
+        # The conv window in the model's dtype; the recurrent state in fp32, like HF's (it accumulates).
+        # On CPU the pools are committed page by page as states are written (see engine/kv_cache.py).
+        self.conv_pools = [zeros((n, *la.conv_state_shape), dtype, device)
+                           for _ in spec.linear_attention_layers]  # (2P, conv_dim, K-1) each
+        self.recurrent_pools = [zeros((n, *la.recurrent_state_shape), torch.float32, device)
+                                for _ in spec.linear_attention_layers]  # (2P, Hv, Dk, Dv) each
+        self.num_pairs = num_pairs
+        self.current = [0] * num_pairs  # which slot of each pair holds the published state
+        self.free: list[int] = list(range(num_pairs - 1, -1, -1))  # a stack: pop() takes pair 0 first
+        self.undo: UndoLog | None = None  # the scheduler's open transaction, if any
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def bytes_per_request(self) -> int:
+        """Memory one request's state takes in every linear-attention layer (one slot)."""
+        per_layer = sum(p[0].numel() * p.element_size() for p in (*self.conv_pools[:1], *self.recurrent_pools[:1]))
+        return per_layer * len(self.conv_pools)
+
+    # --- ownership (inside the step's transaction) -----------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        return seq.state_slots is not None or len(self.free) >= 1 + seq.num_forks_pending
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` its pair, plus one for each child it will fork (n > 1)."""
+        if seq.state_slots is not None:
+            return
+        self._record(seq)
+        seq.state_slots = [self.free.pop() for _ in range(1 + seq.num_forks_pending)]
+
+    def release(self, seq: Sequence) -> None:
+        if seq.state_slots is None:
+            return
+        self._record(seq)
+        self.free.extend(reversed(seq.state_slots))
+        seq.state_slots = None
+
+    def _record(self, seq: Sequence) -> None:
+        if self.undo is not None:
+            self.undo.record_attr(self, "free")  # a list of at most max_num_seqs ints
+            self.undo.record_seq(seq)
+
+    # --- the step ----------------------------------------------------------------------------------
+    def read_slot(self, seq: Sequence) -> int:
+        pair = seq.state_slots[0]
+        return 2 * pair + self.current[pair]
+
+    def write_slot(self, seq: Sequence) -> int:
+        pair = seq.state_slots[0]
+        return 2 * pair + 1 - self.current[pair]
+
+    def publish(self, seq: Sequence) -> None:
+        """Commit: the state the step wrote into the staging slot becomes the published one."""
+        pair = seq.state_slots[0]
+        self.current[pair] ^= 1
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Hand the child one of the pairs its parent reserved, holding a copy of the parent's state."""
+        pair = parent.state_slots.pop()
+        child.state_slots = [pair]
+        src, dst = self.read_slot(parent), 2 * pair + self.current[pair]
+        for pool in (*self.conv_pools, *self.recurrent_pools):
+            pool[dst] = pool[src]

@@ -1,0 +1,219 @@
+"""`MatmulPlan`: which of two equal matmul forms each CPU linear layer uses, chosen by timing both.
+
+A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Two forms give the same y:
+
+    LINEAR       y = F.linear(x, W) = x W^T    torch's default; MKL / oneDNN picks the kernel
+    WEIGHT_LEFT  y = (W x^T)^T                 W stays the left, row-major operand; a single row is
+                                               stacked twice so the product stays a gemm, not a gemv
+
+Which one is faster is a property of the machine, not of the maths. On 2 AMD EPYC cores WEIGHT_LEFT
+streams the weights 1.5-3x faster for 1-4 rows (about even above); on an Intel Xeon Sapphire Rapids (AMX) the same trick
+made single-stream decode 2x slower (10.8 tok/s against 22.9 with F.linear). So nothing is assumed:
+`measure` times both forms on the machine at hand and keeps the faster one per `MatmulKey`
+(out_features, in_features, dtype, row bucket). `summary()` says what was chosen and why.
+
+Invariants:
+  * Unmeasured means LINEAR. No warm-up, a GPU, more than 64 rows, or weights that fit in the
+    last-level cache (nothing to stream, only noise to time): `form_for` answers LINEAR.
+  * WEIGHT_LEFT must beat LINEAR by `MARGIN` at BOTH ends of a bucket (e.g. 17 and 64 rows), so one
+    lucky row count cannot make a whole bucket slow; ties and noise keep the default.
+  * Timing runs over the model's own weights in forward order (the first layers, at least 2x the
+    last-level cache, plus one weight of every other shape): a memory-bound matmul timed on one
+    weight that sits in cache looks several times faster than it runs in a model, and the
+    comparison would be between two wrong numbers.
+  * The plan belongs to one model (`LlamaForCausalLM.matmul_plan`, handed to each of its `Linear`
+    modules); there is no process-wide cache, so what a plan says is what its model does.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+MARGIN = 0.05  # WEIGHT_LEFT must be at least 5 % faster to replace the default
+
+
+class MatmulForm(Enum):
+    LINEAR = "x W^T"
+    WEIGHT_LEFT = "(W x^T)^T"
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, form: MatmulForm) -> torch.Tensor:
+    """x (rows, in) times weight (out, in)^T -> (rows, out), computed in the given form."""
+    if form is MatmulForm.LINEAR:
+        return F.linear(x, weight)
+    if x.shape[0] == 1:  # W @ (one column) would take the gemv path: two columns, keep the first
+        return (weight @ torch.cat([x, x]).t())[:, :1].t()  # (1, out)
+    return (weight @ x.t()).t().contiguous()  # (rows, out)
+
+
+class RowBucket(NamedTuple):
+    lo: int
+    hi: int
+
+    def __str__(self) -> str:
+        return str(self.lo) if self.lo == self.hi else f"{self.lo}-{self.hi}"
+
+
+ROW_BUCKETS = (RowBucket(1, 1), RowBucket(2, 4), RowBucket(5, 16), RowBucket(17, 64))
+
+
+def row_bucket(rows: int) -> RowBucket | None:
+    """The bucket holding `rows`; None above the last one (prefill-sized: always LINEAR)."""
+    for bucket in ROW_BUCKETS:
+        if rows <= bucket.hi:
+            return bucket
+    return None
+
+
+class MatmulKey(NamedTuple):
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    bucket: RowBucket
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model_name: str
+    amx: bool  # Intel Advanced Matrix Extensions (amx_tile): oneDNN's bf16/int8 tile kernels
+    avx512_bf16: bool
+    last_level_cache_bytes: int
+
+    @classmethod
+    def read(cls) -> "CpuInfo":
+        """From /proc/cpuinfo and /sys (Linux); elsewhere `platform.processor()` and a 32 MiB guess."""
+        name, flags = platform.processor() or "unknown CPU", set()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break  # the first processor is enough
+        except OSError:
+            pass
+        return cls(name, "amx_tile" in flags, "avx512_bf16" in flags, _last_level_cache_bytes())
+
+    def __str__(self) -> str:
+        yes_no = {True: "yes", False: "no"}
+        return (f"CPU: {self.model_name} (AMX: {yes_no[self.amx]}, avx512_bf16: {yes_no[self.avx512_bf16]}, "
+                f"last-level cache {self.last_level_cache_bytes >> 20} MiB)")
+
+
+def _last_level_cache_bytes(default: int = 32 << 20) -> int:
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()  # e.g. "32768K"
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+        sizes.append(int(size.rstrip("KM")) * scale)
+    return max(sizes, default=default)
+
+
+@dataclass
+class MatmulPlan:
+    """The chosen form per `MatmulKey`, filled by `measure`; `form_for` is called by every `linear`."""
+
+    forms: dict[MatmulKey, MatmulForm] = field(default_factory=dict)
+    speedups: dict[MatmulKey, float] = field(default_factory=dict)  # LINEAR time / WEIGHT_LEFT time
+    measured_with_threads: int | None = None  # None: not measured (yet)
+    weight_bytes: int = 0  # of the weights `measure` was given
+
+    def form_for(self, weight: torch.Tensor, rows: int) -> MatmulForm:
+        bucket = row_bucket(rows)
+        if bucket is None:
+            return MatmulForm.LINEAR
+        return self.forms.get(MatmulKey(weight.shape[0], weight.shape[1], weight.dtype, bucket), MatmulForm.LINEAR)
+
+    @torch.inference_mode()
+    def measure(self, weights: list[torch.Tensor], repeats: int = 3, cache_bytes: int | None = None) -> None:
+        """Time both forms over `weights` (the model's, in forward order) for each bucket and keep the
+        faster. CPU weights only: on a GPU the plan stays empty (LINEAR). Weights that fit in the
+        last-level cache (`cache_bytes`, default: this CPU's) are not timed and keep LINEAR: the
+        trick speeds up streaming weights from memory, which such a model does not do, and timing
+        microsecond matmuls on a shared machine measures the other processes more than the forms."""
+        weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
+        if not weights:
+            return
+        cache_bytes = CpuInfo.read().last_level_cache_bytes if cache_bytes is None else cache_bytes
+        self.weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+        speedups: dict[MatmulKey, float] = {}  # the worse of the bucket's two ends
+        if self.weight_bytes >= cache_bytes:
+            sample = _cache_flushing_sample(weights, 2 * cache_bytes)
+            for bucket in ROW_BUCKETS:
+                for rows in sorted({bucket.lo, bucket.hi}):
+                    for shape, (t_linear, t_weight_left) in _time_forms(sample, rows, repeats).items():
+                        key = MatmulKey(*shape, bucket)
+                        speedups[key] = min(speedups.get(key, math.inf), t_linear / t_weight_left)
+        self.speedups = speedups
+        self.forms = {k: MatmulForm.WEIGHT_LEFT if s > 1 + MARGIN else MatmulForm.LINEAR for k, s in speedups.items()}
+        self.measured_with_threads = torch.get_num_threads()
+
+    def summary(self) -> str:
+        """The CPU, then one line per weight shape: the form chosen per row bucket and its speed-up."""
+        cpu = CpuInfo.read()
+        everywhere = f"matmul: {MatmulForm.LINEAR.value} (F.linear) everywhere"
+        if self.measured_with_threads is None:
+            return f"{cpu}\n{everywhere} (not measured: no CPU warm-up)"
+        if not self.forms:
+            return (f"{cpu}\n{everywhere}: the weights ({self.weight_bytes / 2**20:.1f} MiB) fit in the "
+                    "last-level cache, nothing to stream faster")
+        lines = [str(cpu), f"matmul form by measurement ({self.measured_with_threads} threads; above "
+                 f"{ROW_BUCKETS[-1].hi} rows always {MatmulForm.LINEAR.value}); speed-up = time of "
+                 f"{MatmulForm.LINEAR.value} / time of {MatmulForm.WEIGHT_LEFT.value}",
+                 "  weight (out x in)".ljust(26) + "".join(f"rows {b}".ljust(22) for b in ROW_BUCKETS)]
+        for out_f, in_f, dtype in dict.fromkeys((k.out_features, k.in_features, k.dtype) for k in self.forms):
+            keys = [MatmulKey(out_f, in_f, dtype, bucket) for bucket in ROW_BUCKETS]
+            cells = "".join(f"{self.forms[k].value} {self.speedups[k]:.2f}x".ljust(22) for k in keys)
+            lines.append(f"  {out_f} x {in_f} {str(dtype).removeprefix('torch.')}".ljust(26) + cells)
+        return "\n".join(lines)
+
+
+def _cache_flushing_sample(weights: list[torch.Tensor], min_bytes: int) -> list[torch.Tensor]:
+    """The weights to time, in forward order: the first ones until they hold `min_bytes`, then the
+    first of any shape not met yet (the LM head). A pass reads them all, so between two timings of one
+    weight at least `min_bytes` of others go through the cache and it has been evicted, as it is
+    when the model runs (a model smaller than that does sit in cache, in its real runs too)."""
+    sample, held, shapes = [], 0, set()
+    for w in weights:
+        shape = (w.shape[0], w.shape[1], w.dtype)
+        if held < min_bytes or shape not in shapes:
+            sample.append(w)
+            held += w.numel() * w.element_size()
+            shapes.add(shape)
+    return sample
+
+
+def _time_forms(weights: list[torch.Tensor], rows: int, repeats: int) -> dict[tuple, tuple[float, float]]:
+    """Per (out, in, dtype): the best of `repeats` passes of the summed time of its weights, for
+    (LINEAR, WEIGHT_LEFT). Passes alternate between the forms, so drift in the machine hits both alike."""
+    xs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+    forms = (MatmulForm.LINEAR, MatmulForm.WEIGHT_LEFT)
+    for w in {(w.shape[0], w.shape[1], w.dtype): w for w in weights}.values():  # first calls: set-up costs
+        for form in forms:
+            matmul(xs[w.shape[1], w.dtype], w, form)
+    best: dict[tuple, list[float]] = {}
+    for _ in range(repeats):
+        for i, form in enumerate(forms):
+            pass_time: dict[tuple, float] = {}
+            for w in weights:
+                shape = (w.shape[0], w.shape[1], w.dtype)
+                t0 = time.perf_counter()
+                matmul(xs[w.shape[1], w.dtype], w, form)
+                pass_time[shape] = pass_time.get(shape, 0.0) + time.perf_counter() - t0
+            for shape, t in pass_time.items():
+                times = best.setdefault(shape, [math.inf, math.inf])
+                times[i] = min(times[i], t)
+    return {shape: (t[0], t[1]) for shape, t in best.items()}

@@ -1,0 +1,200 @@
+"""Qwen3.5: a hybrid decoder, three gated-DeltaNet layers to one full-attention layer, on a flat varlen batch.
+
+    input_ids (T,) -> embed -> [ norm -> token mixer -> +residual -> norm -> MLP -> +residual ] x L -> norm
+    token mixer of layer i:  spec.layer_types[i] == "linear_attention" -> GatedDeltaNet   (a state slot)
+                             spec.layer_types[i] == "full_attention"   -> GatedAttention  (paged KV cache)
+
+What differs from Qwen3 (models/llama.py), all checked against HF transformers' Qwen3_5ForCausalLM:
+  * linear attention (`GatedDeltaNet`): in_proj_qkv -> causal depthwise conv (kernel 4) + SiLU -> q, k, v;
+    L2-normalised q/k; beta = sigmoid(in_proj_b x); decay g = -exp(A_log) * softplus(in_proj_a x + dt_bias);
+    the gated delta rule (layers/gated_deltanet.py); a per-head RMSNorm gated by silu(in_proj_z x); out_proj.
+  * full attention (`GatedAttention`): q_proj yields [q_h | gate_h] per head and the output is
+    attention * sigmoid(gate) before o_proj; RoPE rotates only the first rotary_dim = head_dim / 4 dims.
+  * every RMSNorm (layer norms, final norm, q/k norms) scales by (1 + w): `ZeroCenteredRMSNorm`.
+The MLP is Llama's (reused from models/llama.py). Parameter names are the checkpoint's.
+
+State: full-attention layers read and write the paged KV cache exactly like Llama. Linear-attention
+layers read their starting state through `LinearAttnMetadata` and write their new states only into
+the staging slots it names, never into a slot they read (see layers/linear_attn_metadata.py):
+`forward` returns (hidden, one LinearAttnState per linear-attention layer); the engine publishes the
+staging slots at commit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.gated_deltanet import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, l2norm,
+                                            recurrent_gated_delta_rule)
+from minivllm.layers.linear import Linear, linear
+from minivllm.layers.linear_attn_metadata import LinearAttnMetadata, LinearAttnState
+from minivllm.layers.matmul_plan import MatmulPlan
+from minivllm.layers.norm_variants import GatedRMSNorm, ZeroCenteredRMSNorm
+from minivllm.layers.rotary import RotaryEmbedding, apply_rotary
+from minivllm.models.hf_config import ModelSpec
+from minivllm.models.llama import MLP
+
+
+def text_weight_name(name: str) -> str | None:
+    """This model's name for a checkpoint tensor, or None for one it does not use. Qwen3.5 is published as
+    `Qwen3_5ForConditionalGeneration`, whose decoder lives under model.language_model (HF maps it the
+    same way when it loads such a checkpoint into its Qwen3_5ForCausalLM):
+        model.language_model.X -> model.X      lm_head.weight -> lm_head.weight
+        model.visual.*  (the vision tower)     mtp.*  (the multi-token-prediction head)  -> skipped"""
+    if name.startswith(("model.visual.", "mtp.")):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name
+
+
+class GatedAttention(nn.Module):
+    """Qwen3's attention (GQA, per-head q/k norms, paged KV) plus an output gate and partial RoPE."""
+
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
+        super().__init__()
+        self.spec = spec
+        # packed like llama.py's: q_proj (with its gate rows) | k_proj | v_proj
+        self.qkv_proj = Linear(spec.hidden_size, spec.q_proj_size + 2 * spec.kv_size, spec.attention_bias, plan)
+        self.o_proj = Linear(spec.q_size, spec.hidden_size, spec.attention_bias, plan)  # HF: o_proj has the bias too
+        self.q_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.rms_norm_eps)
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        s = self.spec
+        T, H, D, r = x.shape[0], s.num_attention_heads, s.head_dim, s.rotary_dim
+        q_gate, k, v = self.qkv_proj(x).split([s.q_proj_size, s.kv_size, s.kv_size], dim=-1)
+        q, gate = q_gate.view(T, H, 2 * D).chunk(2, dim=-1)  # (T, H, D) each: the rows interleave per head
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(T, s.num_key_value_heads, D))  # (T, Hkv, D)
+        q_rot, k_rot = apply_rotary(q[..., :r], k[..., :r], cos_sin)  # the other D - r dims carry no position
+        q, k = torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+        o = backend.forward(q, k, v.view(T, s.num_key_value_heads, D), kv_cache, meta)  # (T, H*D)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(T, H * D)))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: a short causal conv, then the gated delta rule over each request's carried state."""
+
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
+        super().__init__()
+        la = self.la = spec.linear_attn
+        self.in_proj_qkv = Linear(spec.hidden_size, la.conv_dim, False, plan)
+        self.in_proj_z = Linear(spec.hidden_size, la.value_dim, False, plan)  # the output gate
+        self.in_proj_b = Linear(spec.hidden_size, la.num_v_heads, False, plan)  # -> beta, the write strength
+        self.in_proj_a = Linear(spec.hidden_size, la.num_v_heads, False, plan)  # -> g, the decay
+        # Only its weight (conv_dim, 1, K) is used, by our causal conv functions (they carry a window).
+        self.conv1d = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel_size, groups=la.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(la.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(la.num_v_heads))  # decay rate per head, in log space
+        self.norm = GatedRMSNorm(la.head_v_dim, spec.rms_norm_eps)
+        self.out_proj = Linear(la.value_dim, spec.hidden_size, False, plan)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearAttnState
+                ) -> tuple[torch.Tensor, LinearAttnState]:  # (T, hidden) -> (T, hidden), new state
+        la, T = self.la, x.shape[0]
+        cu_seqlens = [0]
+        for n in meta.query_lens:  # the same row groups as attention's
+            cu_seqlens.append(cu_seqlens[-1] + n)
+        weight = self.conv1d.weight[:, 0]  # (conv_dim, K)
+        decode = all(n == 1 for n in meta.query_lens)  # one token per request: vectorised single steps
+        if decode:
+            mixed, conv_state = causal_conv1d_update(self.in_proj_qkv(x), weight, state.conv)  # (T, conv_dim)
+        else:
+            mixed, conv_state = causal_conv1d(self.in_proj_qkv(x), weight, state.conv, cu_seqlens)
+        q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
+        q = l2norm(q.reshape(T, la.num_k_heads, la.head_k_dim).float())  # (T, Hk, Dk)
+        k = l2norm(k.reshape(T, la.num_k_heads, la.head_k_dim).float())
+        v = v.reshape(T, la.num_v_heads, la.head_v_dim)  # (T, Hv, Dv)
+        beta = self.in_proj_b(x).sigmoid()  # (T, Hv)
+        # g <= 0: the state is multiplied by exp(g) each token (float32: exp(A_log) overflows fp16)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (T, Hv)
+        rule = recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
+        o, recurrent = rule(q, k, v, g, beta, state.recurrent, cu_seqlens)  # (T, Hv, Dv), (B, Hv, Dk, Dv)
+        o = self.norm(o, self.in_proj_z(x).view(T, la.num_v_heads, la.head_v_dim))  # per head, gated
+        new_state = LinearAttnState(conv_state.to(state.conv.dtype), recurrent.to(state.recurrent.dtype))
+        return self.out_proj(o.reshape(T, la.value_dim)), new_state
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan, layer_type: str) -> None:
+        super().__init__()
+        self.is_linear = layer_type == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(spec, plan)
+        else:
+            self.self_attn = GatedAttention(spec, plan)
+        self.mlp = MLP(spec, plan)
+        self.input_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, plan, t) for t in spec.layer_types)
+        self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """The text decoder of Qwen3.5 checkpoints (`Qwen3_5ForCausalLM`, and the `model.language_model`
+    part of `Qwen3_5ForConditionalGeneration`)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        if spec.linear_attn is None or not spec.layer_types:
+            raise ValueError(f"{spec.architecture} is not a hybrid checkpoint: no layer_types / linear_* keys")
+        self.spec = spec
+        self.matmul_plan = MatmulPlan()  # shared by every Linear; filled by `plan_matmuls` at warm-up
+        self.model = DecoderModel(spec, self.matmul_plan)
+        if not spec.tie_word_embeddings:
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, self.matmul_plan)
+        self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
+
+    def init_rotary(self, max_position: int, device: torch.device) -> None:
+        # Only the first rotary_dim dims rotate, with frequencies theta^(-2i / rotary_dim), as in HF.
+        self.rotary = RotaryEmbedding(self.spec.rotary_dim, max_position, self.spec.rope, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per FULL-attention layer: (2, num_blocks, block_size, Hkv, D)
+        backend: AttentionBackend,
+        state: LinearAttnMetadata,  # slots and pools of the linear-attention layers
+    ) -> tuple[torch.Tensor, list[LinearAttnState]]:  # (T, hidden), a new state per linear-attention layer
+        h = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions, h.dtype)  # once per step, shared by all attention layers
+        full_layer_caches = iter(kv_caches)
+        new_states: list[LinearAttnState] = []
+        for layer in self.model.layers:
+            x = layer.input_layernorm(h)
+            if layer.is_linear:
+                x, new_state = layer.linear_attn(x, meta, state.initial_state(len(new_states)))
+                state.store(len(new_states), new_state)  # into the staging slots, if the engine gave them
+                new_states.append(new_state)
+            else:
+                x = layer.self_attn(cos_sin, x, next(full_layer_caches), meta, backend)
+            h = h + x
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h), new_states
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, V)
+        return linear(hidden, self.lm_head_weight, plan=self.matmul_plan)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # (V, hidden)
+        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    def plan_matmuls(self) -> MatmulPlan:
+        """As `LlamaForCausalLM.plan_matmuls`: time the CPU matmul forms over every Linear, once."""
+        if self.matmul_plan.measured_with_threads is None:
+            weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]  # in forward order
+            self.matmul_plan.measure(weights + [self.lm_head_weight])
+        return self.matmul_plan

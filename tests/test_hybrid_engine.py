@@ -1,0 +1,113 @@
+"""A hybrid model (Qwen3.5: gated-DeltaNet + full attention) in the engine: exact against HF, with the
+linear-attention state in a per-request pool that belongs to the step's transaction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_hf_greedy, varied_prompts
+
+from minivllm import LLM, SamplingParams
+from minivllm.testing import make_tiny_model
+
+torch.set_num_threads(1)  # tiny tensors: threads only add overhead on 2 cores
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("qwen3_5"), family="qwen3_5", num_layers=4))
+
+
+@pytest.fixture(scope="module")
+def hf(hybrid_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hybrid_dir, dtype=torch.float32).eval()
+
+
+def hybrid(path: str, **kwargs) -> LLM:
+    return LLM(path, warmup=False, dtype="float32", **{"block_size": 4, "num_kv_blocks": 64, **kwargs})
+
+
+def test_greedy_matches_hf_with_chunks_mixed_batches_and_preemption(hybrid_dir, hf):
+    prompts = varied_prompts(9, 384, seed=7)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    # small budget: chunked prefill carries the state across chunks, prefills mix with decodes;
+    # a small pool preempts, and a preempted request's state is recomputed from scratch.
+    llm = hybrid(hybrid_dir, max_num_batched_tokens=12, num_kv_blocks=30)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert_hf_greedy(hf, p, o.outputs[0].token_ids)
+    stats = llm.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_mixed_steps > 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+    pool = llm.llm_engine.state_pool
+    assert pool.num_free == pool.num_pairs  # every slot released
+
+
+def test_prefix_caching_is_off_and_speculation_refused(hybrid_dir, capsys):
+    llm = hybrid(hybrid_dir)
+    assert not llm.llm_engine.config.enable_prefix_caching
+    assert "prefix caching is off" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="speculative"):
+        hybrid(hybrid_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_a_failed_step_leaves_every_published_state_as_it_was(hybrid_dir):
+    prompts = varied_prompts(6, 384, seed=2)
+    sp = SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
+    clean = hybrid(hybrid_dir, max_num_batched_tokens=12).generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    llm = hybrid(hybrid_dir, max_num_batched_tokens=12)
+    engine = llm.llm_engine
+    pool = engine.state_pool
+    original = engine.model_runner.sampler
+    calls = {"n": 0}
+
+    def flaky(logits, t):
+        calls["n"] += 1
+        if calls["n"] % 4 == 2 and logits.shape[0] >= 2:  # never one request's fault: re-runs pass
+            raise RuntimeError("flaky")
+        return original(logits, t)
+
+    engine.model_runner.sampler = flaky
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    finals, failures = {}, 0
+    while engine.has_unfinished_requests():
+        live = [st.seqs[0] for st in engine.requests.values() if st.seqs[0].state_slots]
+        published = {s.request_id: [p[pool.read_slot(s)].clone() for p in pool.recurrent_pools + pool.conv_pools]
+                     for s in live}
+        try:
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        except RuntimeError:
+            failures += 1
+            for s in live:
+                now = [p[pool.read_slot(s)] for p in pool.recurrent_pools + pool.conv_pools]
+                assert all(torch.equal(a, b) for a, b in zip(now, published[s.request_id]))
+    assert failures > 0
+    assert [finals[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))] == \
+        [o.outputs[0].token_ids for o in clean]
+
+
+def test_forked_children_start_from_a_copy_of_the_parents_state(hybrid_dir):
+    prompt = {"prompt_token_ids": list(range(40, 53))}
+    llm = hybrid(hybrid_dir)
+    forked = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)[0]
+    for i, c in enumerate(forked.outputs):
+        alone = llm.generate(prompt, SamplingParams(temperature=1.0, seed=9 + i, max_tokens=8, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == alone.token_ids
+    assert llm.llm_engine.state_pool.num_free == llm.llm_engine.state_pool.num_pairs
+
+
+def test_admission_waits_for_a_free_state_slot(hybrid_dir):
+    llm = hybrid(hybrid_dir, max_num_seqs=2)
+    sp = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7 + i]} for i in range(3)], sp, use_tqdm=False)
+    assert all(len(o.outputs) == 2 and all(len(c.token_ids) == 4 for c in o.outputs) for o in outs)
+    pool = llm.llm_engine.state_pool
+    assert pool.num_pairs == 2 and pool.num_free == 2

@@ -1,0 +1,116 @@
+"""The CPU matmul forms: both compute x W^T, the plan picks one per shape and row bucket by timing,
+and the engine's tokens do not depend on which one it picked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_hf_greedy, varied_prompts
+
+from minivllm import LLM, SamplingParams
+from minivllm.layers.linear import Linear, linear
+from minivllm.layers.matmul_plan import (MARGIN, ROW_BUCKETS, CpuInfo, MatmulForm, MatmulKey, MatmulPlan, matmul,
+                                         row_bucket)
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def test_every_row_count_up_to_64_has_one_bucket_and_larger_ones_none():
+    for rows in range(1, 65):
+        bucket = row_bucket(rows)
+        assert bucket in ROW_BUCKETS and bucket.lo <= rows <= bucket.hi
+        assert sum(b.lo <= rows <= b.hi for b in ROW_BUCKETS) == 1
+    assert row_bucket(65) is None and row_bucket(4096) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 65])
+def test_both_forms_compute_the_same_product(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    w = (torch.randn(160, 96, generator=g) / 96 ** 0.5).to(dtype)
+    bias = torch.randn(160, generator=g).to(dtype)
+    reference = F.linear(x.float(), w.float(), bias.float())
+    for form in MatmulForm:
+        y = matmul(x, w, form)
+        assert y.shape == (rows, 160) and y.dtype == dtype
+        torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), **TOLERANCE[dtype])
+        forced = MatmulPlan(forms={MatmulKey(160, 96, dtype, b): form for b in ROW_BUCKETS})
+        torch.testing.assert_close(linear(x, w, bias, forced).float(), reference, **TOLERANCE[dtype])
+
+
+def test_an_unmeasured_plan_answers_f_linear_everywhere():
+    plan, w = MatmulPlan(), torch.randn(8, 4)
+    assert all(plan.form_for(w, rows) is MatmulForm.LINEAR for rows in range(1, 200))
+    assert "not measured" in plan.summary()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
+    shapes = [(192, 64), (64, 128)] * 4 + [(384, 64)]  # a tiny "model": two layers' shapes, then a head
+    weights = [torch.randn(o, i).to(dtype) for o, i in shapes]
+    plan = MatmulPlan()
+    plan.measure(weights, repeats=1, cache_bytes=0)  # as if they streamed from memory
+    assert plan.measured_with_threads == torch.get_num_threads()
+    for out_f, in_f in set(shapes):
+        w = torch.empty(out_f, in_f, dtype=dtype)
+        for bucket in ROW_BUCKETS:
+            key = MatmulKey(out_f, in_f, dtype, bucket)
+            speedup = plan.speedups[key]
+            assert 0 < speedup < float("inf")
+            assert plan.forms[key] is (MatmulForm.WEIGHT_LEFT if speedup > 1 + MARGIN else MatmulForm.LINEAR)
+            assert {plan.form_for(w, rows) for rows in range(bucket.lo, bucket.hi + 1)} == {plan.forms[key]}
+        assert plan.form_for(w, 65) is MatmulForm.LINEAR
+    assert len(plan.forms) == len(set(shapes)) * len(ROW_BUCKETS)
+    summary = plan.summary()
+    assert CpuInfo.read().model_name in summary
+    assert all(f"{o} x {i} {str(dtype).removeprefix('torch.')}" in summary for o, i in set(shapes))
+
+
+def test_weights_that_fit_in_cache_are_not_timed_and_keep_f_linear():
+    weights = [torch.randn(64, 32) for _ in range(4)]
+    plan = MatmulPlan()
+    plan.measure(weights, cache_bytes=1 << 20)
+    assert plan.measured_with_threads is not None and plan.forms == {} and plan.weight_bytes == 4 * 64 * 32 * 4
+    assert plan.form_for(weights[0], 1) is MatmulForm.LINEAR
+    assert "fit in the last-level cache" in plan.summary()
+
+
+def test_cpu_info_reads_a_name_and_a_cache_size():
+    info = CpuInfo.read()
+    assert info.model_name and info.last_level_cache_bytes >= 1 << 20
+    assert isinstance(info.amx, bool) and isinstance(info.avx512_bf16, bool)
+    assert f"AMX: {'yes' if info.amx else 'no'}" in str(info)
+
+
+def test_the_model_shares_one_plan_and_measures_it_once(qwen3_dir):
+    llm = LLM(qwen3_dir, block_size=4, num_kv_blocks=64)
+    model = llm.llm_engine.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.plan is model.matmul_plan for m in linears)
+    plan = model.plan_matmuls()
+    assert plan is model.matmul_plan and plan.measured_with_threads is not None
+    weights = {w.data_ptr(): w for w in [m.weight for m in linears] + [model.lm_head_weight]}.values()
+    assert plan.weight_bytes == sum(w.numel() * w.element_size() for w in weights)  # each weight once
+    plan.measured_with_threads = -1
+    assert model.plan_matmuls().measured_with_threads == -1  # measured once, not again
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("form", list(MatmulForm))
+@pytest.mark.parametrize("family", ["qwen2", "llama_mha_tied_llama3"])
+def test_engine_tokens_match_hf_whichever_form_is_chosen(family, form, model_factory, hf_factory):
+    """Force one form for every shape and bucket (what measurement might pick on some CPU): batches
+    of 1-9 decode rows and prefill chunks still give HF's greedy tokens."""
+    llm = LLM(model_factory(family), block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
+    model = llm.llm_engine.model
+    weights = [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_weight]
+    model.matmul_plan.forms = {MatmulKey(*w.shape, w.dtype, b): form for w in weights for b in ROW_BUCKETS}
+    prompts = varied_prompts(9, llm.llm_engine.spec.vocab_size, seed=4)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    hf = hf_factory(family)
+    for p, out in zip(prompts, outs):
+        assert_hf_greedy(hf, p, out.outputs[0].token_ids)
+    llm.shutdown()
