@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
@@ -43,6 +44,9 @@ class EngineConfig:
     # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, ...},
     # {"model": draft_dir, "num_speculative_tokens": k}, or {"proposer": Proposer, ...}; None = off.
     speculative_config: dict | None = None
+    # Which waiting request to admit first and whom to preempt: "fcfs" (default), "priority" (lower
+    # `priority` first), or a SchedulingPolicy instance (engine/scheduling_policy.py).
+    scheduling_policy: Any = "fcfs"
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's default: 20).
     max_logprobs: int = 20
     # Tokenizer folder if not beside the weights (e.g. for a GGUF file); None = the model folder.
@@ -77,6 +81,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
+        from minivllm.engine.scheduling_policy import get_policy
+
+        get_policy(self.scheduling_policy)  # raises, naming the choices
         if self.speculative_config is not None:
             from minivllm.engine.spec_decode.config import SpeculativeConfig
 

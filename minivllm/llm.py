@@ -44,8 +44,11 @@ class LLM:
         prompts: PromptType | list[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        return self._run(self._add(prompts, sampling_params), use_tqdm)
+        """Run every prompt to completion; outputs in input order. `priority`: one int per prompt,
+        used by scheduling_policy="priority" (lower = sooner), as in vLLM."""
+        return self._run(self._add(prompts, sampling_params, priority), use_tqdm)
 
     def generate_stream(
         self,
@@ -69,7 +72,8 @@ class LLM:
                 self.llm_engine.abort_request(list(remaining), report=False)
 
     def _add(self, prompts: PromptType | list[PromptType],
-             sampling_params: SamplingParams | list[SamplingParams] | None) -> dict[str, int]:
+             sampling_params: SamplingParams | list[SamplingParams] | None,
+             priority: list[int] | None = None) -> dict[str, int]:
         """Validate every prompt, then enqueue them all: request id -> prompt index."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -81,7 +85,11 @@ class LLM:
         else:
             params = [sampling_params] * len(prompts)
         engine = self.llm_engine
-        seqs = [engine.make_sequence(f"llm-{next(self._ids)}", p, sp) for p, sp in zip(prompts, params)]
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")
+        priorities = priority if priority is not None else [0] * len(prompts)
+        seqs = [engine.make_sequence(f"llm-{next(self._ids)}", p, sp, pr)
+                for p, sp, pr in zip(prompts, params, priorities)]
         for seq in seqs:
             engine.enqueue(seq)
         return {seq.request_id: i for i, seq in enumerate(seqs)}

@@ -49,6 +49,7 @@ from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.output_processor import OutputProcessor, RequestState
 from minivllm.engine.sampling_metadata import RowGroupOutput
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from minivllm.engine.scheduling_policy import get_policy
 from minivllm.engine.spec_decode.config import SpeculativeConfig
 from minivllm.engine.state_pool import StatePool
 from minivllm.engine.spec_decode.ngram import NgramProposer
@@ -120,7 +121,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids, enable_chunked_prefill=config.enable_chunked_prefill,
             max_admission_skips=config.max_admission_skips,
             num_speculative_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
-            state_pool=self.state_pool)
+            state_pool=self.state_pool, policy=get_policy(config.scheduling_policy))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step
@@ -185,7 +186,7 @@ class LLMEngine:
         raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def make_sequence(self, request_id: str, prompt: PromptType,
-                      sampling_params: SamplingParams | None = None) -> Sequence:
+                      sampling_params: SamplingParams | None = None, priority: int = 0) -> Sequence:
         """Validate a request and build its Sequence without touching engine state (its arrival
         order and default seed are assigned by `enqueue`)."""
         sp = sampling_params if sampling_params is not None else SamplingParams()
@@ -205,7 +206,9 @@ class LLMEngine:
                                  f"{self.config.max_logprobs}; ask for fewer or raise the engine's max_logprobs")
         if sp.truncate_prompt_tokens is not None:
             ids = ids[-sp.truncate_prompt_tokens:]  # keep the end, as vLLM does
-        seq = Sequence(request_id, ids, sp, prompt=text, seed=sp.seed or 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"request {request_id!r}: priority={priority!r} must be an integer (lower = sooner)")
+        seq = Sequence(request_id, ids, sp, prompt=text, seed=sp.seed or 0, priority=priority)
         if sp.bad_words:
             seq.bad_words_token_ids = bad_words_token_ids(self.tokenizer, sp.bad_words)
         return seq
@@ -225,8 +228,10 @@ class LLMEngine:
                              "of this model; use integer token ids in that range")
         return out
 
-    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None) -> None:
-        self.enqueue(self.make_sequence(request_id, prompt, sampling_params))
+    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        """Queue a request. `priority` matters only with scheduling_policy="priority" (lower = sooner)."""
+        self.enqueue(self.make_sequence(request_id, prompt, sampling_params, priority))
 
     def enqueue(self, seq: Sequence) -> None:
         seq.arrival_index = next(self._arrivals)

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sampling_metadata import RowGroupOutput, SampledToken
+from minivllm.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.state_pool import StatePool
 from minivllm.engine.undo_log import UndoLog
@@ -113,6 +114,7 @@ class Scheduler:
         max_admission_skips: int = 8,
         num_speculative_tokens: int = 0,
         state_pool: StatePool | None = None,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -123,6 +125,7 @@ class Scheduler:
         self.max_admission_skips = max_admission_skips
         self.num_speculative_tokens = num_speculative_tokens  # draft slots per decoding sequence
         self.state_pool = state_pool  # hybrid models: a state slot per running request, too
+        self.policy = policy or FCFSPolicy()  # which waiting request to try first, whom to preempt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
         self.num_preemptions = 0
@@ -156,7 +159,8 @@ class Scheduler:
                 if spec:  # short of blocks: drop drafts first, never preempt anyone for them
                     spec -= 1
                     continue
-                victim = self.running[-1]  # newest; never one already scheduled (those are older)
+                # Never a request already scheduled in this step: candidates are seq and those after it.
+                victim = self.policy.choose_victim(self.running[i:])
                 self.preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -173,8 +177,7 @@ class Scheduler:
             return out
         still_waiting: deque[Sequence] = deque()
         hold = False  # set once a starving request must be served before anyone behind it
-        while self.waiting:
-            seq = self.waiting.popleft()
+        for seq in self.policy.admission_order(self.waiting):
             if hold or budget == 0 or len(self.running) >= self.max_num_seqs:
                 still_waiting.append(seq)
                 continue

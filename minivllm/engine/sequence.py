@@ -49,6 +49,7 @@ class Sequence:
         prompt: str | None = None,
         arrival_index: int = 0,
         seed: int = 0,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -58,6 +59,7 @@ class Sequence:
         self.sampling_params = sampling_params
         self.arrival_index = arrival_index  # order of arrival: "newest" means the largest index
         self.seed = seed  # keys the sampling noise with the token position (see layers/sampler.py)
+        self.priority = priority  # lower = more urgent, for the "priority" scheduling policy (vLLM's rule)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (first) admission
@@ -132,7 +134,7 @@ class Sequence:
         """A child with this sequence's tokens and nothing else: no blocks yet, its own seed. The
         block manager then shares the parent's blocks with it (`BlockManager.fork`)."""
         child = Sequence(f"{index}_{self.group_id}", self.token_ids, self.sampling_params, prompt=self.prompt,
-                         arrival_index=self.arrival_index, seed=seed)
+                         arrival_index=self.arrival_index, seed=seed, priority=self.priority)
         child.num_prompt_tokens, child._prompt_list = self.num_prompt_tokens, self._prompt_list
         child.group_id, child.index, child.num_forks_pending = self.group_id, index, 0
         child.status = self.status

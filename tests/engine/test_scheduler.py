@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sampling_metadata import RowGroupOutput, SampledToken
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler
+from minivllm.engine.scheduling_policy import PriorityPolicy
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
 
@@ -217,3 +218,36 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+class PriorityMachine(SchedulerMachine):
+    """The same random walk under the "priority" policy: the invariants hold for any policy."""
+
+    @initialize(num_blocks=st.integers(4, 12), block_size=st.sampled_from([1, 2, 4]),
+                budget=st.integers(2, 24), chunked=st.booleans(), seed=st.integers(0, 1000),
+                spec=st.integers(0, 2))
+    def setup(self, num_blocks, block_size, budget, chunked, seed, spec):
+        super().setup(num_blocks, block_size, budget, chunked, seed, spec)
+        self.sched.policy = PriorityPolicy()
+
+    @rule(n=st.integers(1, 20), max_tokens=st.integers(1, 12), priority=st.integers(-2, 2))
+    def add_with_priority(self, n, max_tokens, priority):
+        self.add(n, max_tokens, 1)
+        if self.sched.waiting:
+            self.sched.waiting[-1].priority = priority
+
+
+PriorityMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestPriorityMachine = PriorityMachine.TestCase
+
+
+def test_priority_policy_admits_the_most_urgent_first_and_preempts_the_least():
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    sched.policy = PriorityPolicy()
+    low, high = seq("r0", 8, max_tokens=8), seq("r1", 8, max_tokens=8)
+    low.priority, high.priority = 5, -1
+    sched.add_sequence(low)
+    sched.add_sequence(high)
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled][0] == "r1"
+    assert PriorityPolicy().choose_victim([high, low]) is low
