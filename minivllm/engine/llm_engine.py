@@ -31,7 +31,6 @@ import collections
 import gc
 import sys
 import itertools
-import operator
 import time
 import weakref
 from collections.abc import Iterable
@@ -46,44 +45,23 @@ from minivllm.engine.errors import EngineDeadError, is_fatal
 from minivllm.engine.kv_cache import num_kv_blocks_for
 from minivllm.engine.loading import build_model, resolve_device, resolve_dtype
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.input_processor import InputProcessor, PromptType
 from minivllm.engine.output_processor import OutputProcessor, RequestState
 from minivllm.engine.sampling_metadata import RowGroupOutput
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from minivllm.engine.scheduling_policy import get_policy
 from minivllm.engine.spec_decode.config import SpeculativeConfig
 from minivllm.engine.state_pool import StatePool
-from minivllm.engine.spec_decode.ngram import NgramProposer
-from minivllm.engine.spec_decode.proposer import DraftRequest, Proposer
+from minivllm.engine.spec_decode.speculator import Speculator, build_proposer
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stats import EngineStats
 from minivllm.engine.trace import StepTrace, record_step
 from minivllm.layers.attention import get_attention_backend
-from minivllm.layers.logits_processors import bad_words_token_ids
 from minivllm.layers.sampler import noise_seed
 from minivllm.models.hf_config import ModelSpec, load_model_spec
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
-PromptType = str | dict[str, Any]
-
-
-def build_proposer(cfg: SpeculativeConfig | None, engine: "LLMEngine", num_blocks: int) -> Proposer | None:
-    """The proposer a `speculative_config` asks for (None: speculative decoding is off)."""
-    if cfg is None:
-        return None
-    if cfg.method == "ngram":
-        return NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
-    if cfg.method == "custom":
-        if not isinstance(cfg.proposer, Proposer):
-            raise TypeError(f"speculative_config['proposer'] must be a minivllm Proposer, got "
-                            f"{type(cfg.proposer).__name__}")
-        return cfg.proposer
-    from minivllm.engine.spec_decode.draft_model import DraftModelProposer
-
-    c = engine.config
-    return DraftModelProposer(cfg.model, engine.spec, device=engine.device, dtype=engine.dtype, num_blocks=num_blocks,
-                              block_size=c.block_size, max_model_len=c.max_model_len,
-                              attention_backend=c.attention_backend)
 
 
 class LLMEngine:
@@ -114,7 +92,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
                             if config.speculative_config is not None else None)
-        self.proposer = build_proposer(self.spec_config, self, num_blocks)
+        self.speculator = (Speculator(self.spec_config, build_proposer(self.spec_config, self, num_blocks),
+                                      self.check_token_ids) if self.spec_config is not None else None)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
@@ -122,6 +101,7 @@ class LLMEngine:
             max_admission_skips=config.max_admission_skips,
             num_speculative_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             state_pool=self.state_pool, policy=get_policy(config.scheduling_policy))
+        self.input_processor = InputProcessor(self.tokenizer, spec, config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step
@@ -130,9 +110,6 @@ class LLMEngine:
                               step_time_s=0.0, forward_time_s=0.0, num_prompt_tokens_total=0,
                               num_generation_tokens_total=0)
         self._finished: collections.Counter[str] = collections.Counter()  # finish_reason -> requests
-        self._counters.update(num_draft_tokens=0, num_accepted_tokens=0)
-        self._spec_per_position = [[0, 0] for _ in range(self.spec_config.num_speculative_tokens
-                                                          if self.spec_config else 0)]  # [drafted, accepted]
         self.trace: list[StepTrace] = []  # filled when config.record_trace
         self._gc_frozen = False
         if config.warmup:
@@ -177,56 +154,18 @@ class LLMEngine:
 
     # --- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return self.tokenize(prompt["prompt"])
-        raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        return self.input_processor.tokenize(prompt)
 
     def make_sequence(self, request_id: str, prompt: PromptType,
                       sampling_params: SamplingParams | None = None, priority: int = 0) -> Sequence:
         """Validate a request and build its Sequence without touching engine state (its arrival
         order and default seed are assigned by `enqueue`)."""
-        sp = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(sp, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
-        ids = self.check_token_ids(request_id, "prompt_token_ids", ids)
-        for field, field_ids in sp.token_id_fields().items():
-            self.check_token_ids(request_id, field, field_ids)
-        for field in ("logprobs", "prompt_logprobs"):
-            if (getattr(sp, field) or 0) > self.config.max_logprobs:
-                raise ValueError(f"request {request_id!r}: {field}={getattr(sp, field)} exceeds max_logprobs="
-                                 f"{self.config.max_logprobs}; ask for fewer or raise the engine's max_logprobs")
-        if sp.truncate_prompt_tokens is not None:
-            ids = ids[-sp.truncate_prompt_tokens:]  # keep the end, as vLLM does
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"request {request_id!r}: priority={priority!r} must be an integer (lower = sooner)")
-        seq = Sequence(request_id, ids, sp, prompt=text, seed=sp.seed or 0, priority=priority)
-        if sp.bad_words:
-            seq.bad_words_token_ids = bad_words_token_ids(self.tokenizer, sp.bad_words)
-        return seq
+        return self.input_processor.make_sequence(request_id, prompt, sampling_params, priority)
 
     def check_token_ids(self, request_id: str, field: str, ids: Iterable[Any]) -> list[int]:
-        """Every token id a request carries must index the model's vocabulary: an id out of range
-        would fail the whole step (an embedding lookup, a logits mask) far from its cause."""
-        vocab = self.spec.vocab_size
-        out, bad = [], []
-        for t in ids:
-            if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= operator.index(t) < vocab:
-                bad.append(t)
-            else:
-                out.append(operator.index(t))  # numpy integers become Python ints here
-        if bad:
-            raise ValueError(f"request {request_id!r}: {field} {bad[:5]} are outside the vocabulary [0, {vocab}) "
-                             "of this model; use integer token ids in that range")
-        return out
+        return self.input_processor.check_token_ids(request_id, field, ids)
 
     def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> None:
@@ -248,18 +187,7 @@ class LLMEngine:
 
     def unservable_reason(self, seq: Sequence) -> str | None:
         """Which limit makes this request impossible to run, and what to change; None if it fits."""
-        cfg, n = self.config, seq.num_prompt_tokens
-        if n >= cfg.max_model_len:
-            return (f"the prompt has {n} tokens but max_model_len={cfg.max_model_len} leaves no room to "
-                    "generate; shorten the prompt or raise max_model_len")
-        max_tokens = seq.sampling_params.max_tokens
-        final_len = cfg.max_model_len if max_tokens is None else min(n + max_tokens, cfg.max_model_len)
-        needed = self.block_manager.blocks_needed(final_len - 1)  # the last token is never computed
-        if needed > self.block_manager.num_blocks:
-            return (f"the request needs {needed} KV blocks ({final_len} tokens) but the pool has only "
-                    f"{self.block_manager.num_blocks}; raise num_kv_blocks (or the KV memory budget), "
-                    "or lower max_tokens")
-        return None
+        return self.input_processor.unservable_reason(seq, self.block_manager)
 
     def abort_request(self, request_id: str | Iterable[str], *, report: bool = True) -> None:
         """Finish requests with finish_reason "abort" and free their blocks; unless `report` is
@@ -294,9 +222,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.scheduler.begin()
         plan = self.scheduler.schedule()
-        if self.proposer is not None:
+        if self.speculator is not None:
             try:
-                self._propose(plan)
+                self.speculator.propose(plan, self.scheduler)
             except BaseException:  # the proposer's failure, not a request's: undo the step, raise
                 self.scheduler.rollback()
                 self._pending = outputs + self._pending
@@ -316,8 +244,8 @@ class LLMEngine:
             raise
         self.scheduler.commit()
         committed = self._commit(plan, sampled)
-        if self.proposer is not None:
-            self._after_speculation(plan, sampled)
+        if self.speculator is not None:
+            self.speculator.after_step(plan, sampled)
         outputs.extend(committed)
         if self.config.record_trace:
             done = [o.request_id for o in committed if o.finished]
@@ -332,52 +260,6 @@ class LLMEngine:
         c["forward_time_s"] += self.model_runner.last_forward_s
         c["step_time_s"] += time.perf_counter() - t0
         return outputs
-
-    # --- speculative decoding ---------------------------------------------------------------------
-    def _propose(self, plan: SchedulerOutput) -> None:
-        """Fill the reserved draft slots with proposals (drafts are not tokens: `spec_token_ids`),
-        and shrink each row group to the drafts actually proposed."""
-        entries = [(i, s) for i, s in enumerate(plan.scheduled) if s.num_spec_tokens]
-        if not entries:
-            return
-        requests = [DraftRequest(s.seq.request_id, s.seq.token_ids, s.num_spec_tokens, tuple(s.seq.block_table),
-                                 s.seq.num_computed_tokens, s.seq.sampling_params, s.seq.seed) for _, s in entries]
-        drafts = self.proposer.propose(requests)
-        if len(drafts) != len(requests):
-            raise ValueError(f"the proposer returned {len(drafts)} drafts for {len(requests)} requests")
-        for (i, sched), draft in zip(entries, drafts):
-            ids = list(draft.token_ids)
-            if len(ids) > sched.num_spec_tokens:
-                raise ValueError(f"the proposer drafted {len(ids)} tokens for {sched.seq.request_id!r}, "
-                                 f"more than the {sched.num_spec_tokens} asked")
-            self.check_token_ids(sched.seq.request_id, "draft token_ids", ids)
-            self.scheduler.undo.record_seq(sched.seq)
-            sched.seq.spec_token_ids = ids
-            unused = sched.num_spec_tokens - len(ids)
-            plan.scheduled[i] = ScheduledSequence(sched.seq, sched.start, sched.num_new_tokens - unused, len(ids))
-            if draft.probs is not None and ids:
-                plan.draft_probs[sched.seq.request_id] = draft.probs[:len(ids)]
-
-    def _after_speculation(self, plan: SchedulerOutput, sampled: list[RowGroupOutput]) -> None:
-        """Count drafts and acceptances; tell the proposer what the target verified."""
-        c, ids, computed = self._counters, [], []
-        for sched, out in zip(plan.scheduled, sampled):
-            seq = sched.seq
-            if sched.num_spec_tokens:
-                accepted = max(0, len(out.tokens) - 1)
-                c["num_draft_tokens"] += sched.num_spec_tokens
-                c["num_accepted_tokens"] += accepted
-                for j in range(sched.num_spec_tokens):
-                    self._spec_per_position[j][0] += 1
-                    self._spec_per_position[j][1] += j < accepted
-            if seq.is_finished:
-                self.proposer.on_free(seq.request_id)
-            else:
-                ids.append(seq.request_id)
-                computed.append(seq.num_computed_tokens)
-        for seq in plan.preempted:
-            self.proposer.on_free(seq.request_id)
-        self.proposer.on_commit(ids, computed)
 
     # --- failures ----------------------------------------------------------------------------------
     def _recover(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -473,8 +355,14 @@ class LLMEngine:
             step_time_s=c["step_time_s"], forward_time_s=c["forward_time_s"],
             num_prompt_tokens_total=c["num_prompt_tokens_total"],
             num_generation_tokens_total=c["num_generation_tokens_total"], finished_requests=dict(self._finished),
-            num_draft_tokens=c["num_draft_tokens"], num_accepted_tokens=c["num_accepted_tokens"],
-            acceptance_per_position=tuple(a / d if d else 0.0 for d, a in self._spec_per_position))
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict[str, Any]:
+        sp = self.speculator
+        if sp is None:
+            return {}
+        return dict(num_draft_tokens=sp.num_draft_tokens, num_accepted_tokens=sp.num_accepted_tokens,
+                    acceptance_per_position=sp.acceptance_per_position)
 
     def shutdown(self) -> None:
         """Abort what is left and undo gc.freeze() (which moved the heap out of the collector's sight)."""
