@@ -131,13 +131,13 @@ class SamplingParams:
                 bias[operator.index(key)] = min(100.0, max(-100.0, float(v)))  # OpenAI's range
             setfield("logit_bias", bias)
         if self.allowed_token_ids is not None:
-            ids = self.allowed_token_ids
-            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            allowed = self.allowed_token_ids
+            if isinstance(allowed, (str, bytes)) or not hasattr(allowed, "__iter__"):
                 raise bad("allowed_token_ids", "must be a non-empty list of token ids")
-            ids = [as_int("allowed_token_ids", "must be a non-empty list of token ids", t, lo=0) for t in ids]
-            if not ids:
+            allowed = [as_int("allowed_token_ids", "must be a non-empty list of token ids", t, lo=0) for t in allowed]
+            if not allowed:
                 raise bad("allowed_token_ids", "must be a non-empty list of token ids")
-            setfield("allowed_token_ids", ids)
+            setfield("allowed_token_ids", allowed)
         if self.bad_words is not None:
             words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
             if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in words):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
+
+from minivllm.config import EngineConfig
+from minivllm.entrypoints.engine_args import describe, engine_kwargs
 
 
 def run(*args: str, stdin: str | None = None, env: dict | None = None, timeout: int = 300):
@@ -72,3 +77,95 @@ def test_bench_runs_without_hf(qwen3_dir):
     r = run("bench", "--model", qwen3_dir, "--num-requests", "4", "--no-hf")
     assert r.returncode == 0, r.stderr
     assert "minivllm" in r.stdout and "tok/s" in r.stdout
+
+
+# --- the engine flags, generated from EngineConfig ---------------------------------------------------
+
+def engine_actions(parser) -> dict[str, object]:
+    """dest -> argparse action, for the engine options group of a subcommand's parser."""
+    [group] = [g for g in parser._action_groups if g.title.startswith("engine options")]
+    return {a.dest: a for a in group._group_actions if a.help != argparse.SUPPRESS}
+
+
+@pytest.mark.parametrize("sub", ["serve", "generate", "chat", "bench"])
+def test_every_config_field_is_a_flag_with_help(sub):
+    from minivllm.entrypoints import cli
+
+    parser = cli.build_parser()._subparsers._group_actions[0].choices[sub]
+    actions = engine_actions(parser)
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    assert set(actions) == set(fields)
+    for name, action in actions.items():
+        assert action.option_strings[0] == "--" + name.replace("_", "-")
+        assert describe(name), f"EngineConfig.{name} has no description: add it to engine_args.HELP"
+        assert f"(default: {fields[name].default})" in action.help  # read from the dataclass, never restated
+        assert isinstance(action, argparse.BooleanOptionalAction) == (type(fields[name].default) is bool)
+
+
+def test_flags_parse_to_config_values_and_only_given_ones_are_passed():
+    from minivllm.entrypoints import cli
+
+    parse = cli.build_parser().parse_args
+    assert engine_kwargs(parse(["serve"])) == {}  # EngineConfig applies its own defaults
+    args = parse(["serve", "--max-model-len", "128", "--gpu-memory-utilization", "0.5", "--no-enable-chunked-prefill",
+                  "--no-prefix-caching", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                  "--tokenizer", "tok", "--record-trace"])
+    assert engine_kwargs(args) == {"max_model_len": 128, "gpu_memory_utilization": 0.5, "enable_chunked_prefill": False,
+                                   "enable_prefix_caching": False, "tokenizer": "tok", "record_trace": True,
+                                   "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    EngineConfig(model="m", **engine_kwargs(args))  # a valid config
+
+
+@pytest.mark.parametrize("value,needle", [("{not json", "not valid JSON"), ("[1, 2]", "must be a JSON object")])
+def test_bad_json_flag_is_one_clear_error(value, needle):
+    r = run("serve", "--speculative-config", value)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_engine_flags_reach_the_engine_of_every_command(qwen3_dir, monkeypatch):
+    from minivllm import llm
+    from minivllm.entrypoints import bench, cli
+    from minivllm.entrypoints.openai import server
+
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append(kwargs)
+        raise ValueError("recorded")  # stop here: the command reports it as one line, status 1
+
+    monkeypatch.setattr(llm, "LLM", record)
+    monkeypatch.setattr(server, "run_server", record)
+    monkeypatch.setattr(bench, "throughput", record)
+    flags = ["--max-num-seqs", "4", "--seed", "7"]
+    assert cli.main(["generate", "hi", *flags]) == 1
+    assert cli.main(["chat", *flags]) == 1
+    assert cli.main(["serve", *flags, "--api-key", "k"]) == 1
+    assert cli.main(["bench", *flags]) == 1
+    assert cli.main(["bench"]) == 1
+    engine = {"max_num_seqs": 4, "seed": 7}
+    assert seen[:3] == [engine, engine, {"api_key": "k", "max_request_bytes": None, **engine}]
+    assert seen[3] == {"hf_cb": True, "hf": True, **engine} and seen[4] == {"hf_cb": True, "hf": True}
+
+
+def test_serve_flags_configure_the_served_engine(qwen3_dir, monkeypatch):
+    import httpx
+    import uvicorn
+    from server_helpers import serving
+
+    from minivllm.engine.async_engine import AsyncLLMEngine
+    from minivllm.entrypoints import cli
+
+    apps, engines = [], []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **_: apps.append(app))
+    monkeypatch.setattr(AsyncLLMEngine, "shutdown", lambda self: engines.append(self))  # kept running, for below
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    assert cli.main(["serve", "--model", qwen3_dir, "--num-kv-blocks", "16", "--max-logprobs", "3",
+                     "--speculative-config", spec, "--no-warmup"]) == 0
+    monkeypatch.undo()
+    try:
+        with serving(apps[0]) as url:
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 4})
+            assert r.status_code == 400 and "max_logprobs=3" in r.json()["error"]["message"]
+            assert "vllm:spec_decode_num_draft_tokens_total" in httpx.get(f"{url}/metrics").text
+    finally:
+        engines[0].shutdown()

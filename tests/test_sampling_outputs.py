@@ -130,7 +130,7 @@ def test_processing_reaches_the_engine(model_factory):
     assert biased.outputs[0].token_ids[0] != first
     allowed = gen(llm, SamplingParams(temperature=0.9, seed=1, max_tokens=8, ignore_eos=True,
                                       allowed_token_ids=[40, 41, 42]))
-    assert set(allowed.outputs[0].token_ids) <= {40, 41, 42}
+    assert set(allowed.outputs[0].token_ids) <= {40, 41, 42} and len(allowed.outputs[0].token_ids) == 8
     # A strong repetition penalty: greedy never repeats a token of the prompt or output here.
     rep = gen(llm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1e6))
     ids = rep.outputs[0].token_ids

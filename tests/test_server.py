@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,17 +12,12 @@ import time
 import httpx
 import openai
 import pytest
+from server_helpers import free_port, metric, scrape
 
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.openai.loadgen import percentile, run_load
 
 MODEL = "tiny-qwen3"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +118,7 @@ def test_extras_and_seed(client):
     ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "hi", "n": 2}, 400, "n > 1"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "word " * 400}, 400, "max_model_len"),
     ({"prompt": ""}, 400, "empty"),
     ({"prompt": [1, 99999]}, 400, "vocabulary"),
@@ -171,15 +165,6 @@ def test_malformed_json_and_server_keeps_serving(server, client):
     assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=2).choices[0].text is not None
 
 
-def metrics(server) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{server}/metrics").text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def test_load_with_disconnects_frees_every_block(server, offline, capsys):
     prompts = [f"Tell me fact number {i} about the sea." for i in range(32)]
     results, elapsed = asyncio.run(run_load(server, prompts, max_tokens=24, disconnect_every=4, timeout_s=240))
@@ -191,14 +176,15 @@ def test_load_with_disconnects_frees_every_block(server, offline, capsys):
         assert r.text == greedy_text(offline, chat_prompt(offline, messages), 24)
     deadline = time.time() + 20
     while time.time() < deadline:
-        m = metrics(server)
-        if m["minivllm:num_requests_running"] == m["minivllm:num_requests_waiting"] == 0 \
-                and m["minivllm:kv_cache_usage_perc"] == 0:
+        m = scrape(server)
+        running, waiting, used = (metric(m, f"vllm:{name}") for name in
+                                  ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+        if running == waiting == used == 0:
             break
         time.sleep(0.2)
-    assert m["minivllm:kv_cache_usage_perc"] == 0.0, "KV blocks leaked after disconnects"
-    assert m["minivllm:num_requests_running"] == 0 and m["minivllm:num_requests_waiting"] == 0
-    assert m["minivllm:time_to_first_token_seconds_count"] >= 24
+    assert used == 0.0, "KV blocks leaked after disconnects"
+    assert running == 0 and waiting == 0
+    assert metric(m, "vllm:time_to_first_token_seconds_count", model_name=MODEL) >= 24
     assert httpx.get(f"{server}/health").status_code == 200
     ttfts = [r.ttft for r in results if r.ttft is not None]
     with capsys.disabled():
@@ -207,12 +193,13 @@ def test_load_with_disconnects_frees_every_block(server, offline, capsys):
 
 
 def test_request_defaults_come_from_generation_config():
-    from minivllm.entrypoints.openai.protocol import CompletionRequest
+    from minivllm.entrypoints.openai.protocol import CompletionRequest, Limits
 
-    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
-    sp = CompletionRequest(prompt="x").sampling_params(defaults, 16)
-    assert (sp.temperature, sp.top_p, sp.top_k) == (0.6, 0.9, 20)
-    sp = CompletionRequest(prompt="x", temperature=0.0, top_k=5).sampling_params(defaults, 16)
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
+    limits = Limits(max_logprobs=20, vocab_size=384, priority_scheduling=False)
+    sp = CompletionRequest(prompt="x").sampling_params(defaults, limits)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty) == (0.6, 0.9, 20, 1.1)
+    sp = CompletionRequest(prompt="x", temperature=0.0, top_k=5).sampling_params(defaults, limits)
     assert (sp.temperature, sp.top_p, sp.top_k) == (0.0, 0.9, 5)  # what the request says wins
 
 

@@ -5,10 +5,8 @@ so that faults can be injected into its engine."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import socket
 import threading
 import time
 
@@ -16,6 +14,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from server_helpers import events, serving
 
 from minivllm import LLMEngine
 from minivllm.config import EngineConfig
@@ -33,44 +32,10 @@ def engine(qwen3_dir):
     engine.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(app):
-    # log_config=None: uvicorn's records reach pytest's caplog (a traceback would be seen there).
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_config=None,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 10
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture()
 def url(engine):
     with serving(build_app(engine, "tiny")) as url:
         yield url
-
-
-def events(response: httpx.Response) -> list:
-    """The `data:` payloads of an SSE response, JSON-decoded except `[DONE]`."""
-    out = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def fail_rows(engine, marker: str, message: str) -> None:

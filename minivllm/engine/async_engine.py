@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from minivllm.engine.errors import EngineDeadError, StepFailedError
 from minivllm.engine.llm_engine import LLMEngine, PromptType
@@ -58,6 +58,7 @@ class AddRequest(NamedTuple):
     prompt: PromptType
     sampling_params: SamplingParams | None
     stream: _Stream
+    priority: int = 0  # lower = sooner, with scheduling_policy="priority"
 
 
 class AbortRequest(NamedTuple):
@@ -65,6 +66,8 @@ class AbortRequest(NamedTuple):
 
 
 Command = AddRequest | AbortRequest
+# What a latency observer is told: time to first token, between outputs, or arrival to finish.
+LatencyKind = Literal["ttft", "itl", "e2e"]
 
 
 class AsyncLLMEngine:
@@ -78,7 +81,7 @@ class AsyncLLMEngine:
         # Orders "queue a command" against "die and fail what is queued": no add slips in between.
         self._lock = threading.Lock()
         self.stats: EngineStats = engine.get_stats()  # refreshed by the worker after every step
-        self.latency_observers: list[Callable[[str, float], Any]] = []  # (kind, seconds): "ttft" / "itl"
+        self.latency_observers: list[Callable[[LatencyKind, float], Any]] = []  # (kind, seconds)
         self.last_step_error: BaseException | None = None  # the latest failed step's exception
         self.dead_error: EngineDeadError | None = None  # set once, when the engine can no longer serve
         self._worker = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
@@ -86,7 +89,7 @@ class AsyncLLMEngine:
 
     # --- caller side (event loop) ----------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as they change (cumulative text); the last one is finished.
 
         Raises ValueError/TypeError for a request that can never run, before yielding anything;
@@ -96,7 +99,7 @@ class AsyncLLMEngine:
         stream = _Stream(loop, asyncio.Queue(), loop.create_future())
         finished = False
         try:  # the add is inside: a caller cancelled while its add is still queued is aborted too
-            self._send(AddRequest(rid, prompt, sampling_params, stream))
+            self._send(AddRequest(rid, prompt, sampling_params, stream, priority))
             await stream.added  # validation happens in the worker; a refusal raises here
             while not finished:
                 out = await stream.outputs.get()
@@ -191,7 +194,7 @@ class AsyncLLMEngine:
     def _add(self, command: AddRequest) -> None:
         rid, stream = command.request_id, command.stream
         try:
-            seq = self.engine.make_sequence(rid, command.prompt, command.sampling_params)
+            seq = self.engine.make_sequence(rid, command.prompt, command.sampling_params, command.priority)
             # The sync engine reports an unservable request as an "error" output; a caller of ours
             # learns it before any output, like any other refusal.
             reason = self.engine.unservable_reason(seq)
@@ -231,13 +234,19 @@ class AsyncLLMEngine:
 
     def _record_latency(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)
-        if stream is None or not out.outputs[0].token_ids:
+        if stream is None:
             return
-        kind, since = ("ttft", stream.arrival) if stream.first_token is None else ("itl", stream.last_token)
-        stream.first_token = stream.first_token or now
-        stream.last_token = now
-        for observe in self.latency_observers:
-            observe(kind, now - since)
+        observed: list[tuple[LatencyKind, float]] = []
+        if any(c.token_ids for c in out.outputs):
+            first = stream.first_token is None
+            observed.append(("ttft", now - stream.arrival) if first else ("itl", now - stream.last_token))
+            stream.first_token = stream.first_token or now
+            stream.last_token = now
+        if out.finished:
+            observed.append(("e2e", now - stream.arrival))
+        for kind, seconds in observed:
+            for observe in self.latency_observers:
+                observe(kind, seconds)
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(rid)

@@ -17,8 +17,9 @@ cached prefix. The hash must be collision-resistant: a collision would serve one
 prompt's K/V (vLLM moved from Python's 64-bit `hash()` to SHA-256 after a cache-poisoning report;
 anyone who can send prompts could search for `hash()` collisions). SHA-256 of 64 bytes costs ~1 us.
 
-A freed block keeps its hash and stays findable until it is reused: `free_blocks` is an LRU queue (an OrderedDict, oldest first), and taking a block from it evicts its hash. A hit on a
-free cached block simply takes it out of the queue again.
+A freed block keeps its hash and stays findable until it is reused: `free_blocks` is an LRU queue
+(an OrderedDict, oldest first), and taking a block from it evicts its hash. A hit on a free cached
+block simply takes it out of the queue again.
 
 At least one prompt token is always computed (at most `(num_tokens - 1) // B` blocks can hit), so
 the last prompt position produces the logits to sample from.

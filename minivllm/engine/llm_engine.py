@@ -18,6 +18,8 @@ A request can only fail itself (the failure model, engine/errors.py):
     others continue with exactly the tokens they would have drawn without it (seeded noise);
   * a failure that no single request reproduces is rolled back and re-raised, as is;
   * device errors (CUDA) and failed collectives raise `EngineDeadError`: nothing is re-run;
+    under tensor parallelism, so does any failure while the ranks run a step together (a worker that
+    dies, raises or hangs: distributed/executor.py);
   * the commit (appending tokens, detokenizing, stop strings) runs request by request: an exception
     there finishes that request with an error and leaves no half-finished entry behind.
 
@@ -33,17 +35,18 @@ import sys
 import itertools
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import AutoTokenizer
 
 from minivllm.config import EngineConfig
+from minivllm.distributed.executor import MultiprocExecutor
+from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.errors import EngineDeadError, is_fatal
-from minivllm.engine.kv_cache import num_kv_blocks_for
-from minivllm.engine.loading import build_model, resolve_device, resolve_dtype
+from minivllm.engine.loading import RankModel, load_rank, resolve_device, resolve_dtype
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.input_processor import InputProcessor, PromptType
 from minivllm.engine.output_processor import OutputProcessor, RequestState
@@ -56,12 +59,13 @@ from minivllm.engine.spec_decode.speculator import Speculator, build_proposer
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.stats import EngineStats
 from minivllm.engine.trace import StepTrace, record_step
-from minivllm.layers.attention import get_attention_backend
 from minivllm.layers.sampler import noise_seed
 from minivllm.models.hf_config import ModelSpec, load_model_spec
+from minivllm.models.sharding import check_shardable
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+T = TypeVar("T")
 
 
 class LLMEngine:
@@ -71,6 +75,7 @@ class LLMEngine:
             raise FileNotFoundError(f"model folder {config.model!r} does not exist; pass a local Hugging Face "
                                     "checkpoint folder (config.json + *.safetensors + tokenizer files)")
         self.spec = spec = load_model_spec(model_dir)
+        check_shardable(spec, config.tensor_parallel_size)  # before any process is started
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, spec, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
@@ -79,21 +84,27 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.config = config = self._resolve_limits(self._hybrid_limits(config, spec))
-        self.model = build_model(spec, model_dir, self.device, self.dtype, config.max_model_len)
-        num_blocks = num_kv_blocks_for(config, spec, self.device, self.dtype)
-        backend = get_attention_backend(config.attention_backend, self.device, spec.num_attention_heads,
-                                        spec.num_key_value_heads, spec.head_dim, config.block_size)
-        # Hybrid models: the linear-attention layers' state pool, one slot pair per running request.
-        self.state_pool = (StatePool(spec, config.max_num_seqs, self.dtype, self.device)
-                           if spec.linear_attn is not None else None)
-        self.model_runner = ModelRunner(self.model, spec, backend, num_blocks=num_blocks,
-                                        block_size=config.block_size, dtype=self.dtype, device=self.device,
-                                        eos_token_ids=self.eos_token_ids, state_pool=self.state_pool)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
-                            if config.speculative_config is not None else None)
-        self.speculator = (Speculator(self.spec_config, build_proposer(self.spec_config, self, num_blocks),
-                                      self.check_token_ids) if self.spec_config is not None else None)
+        # Tensor parallelism: start the workers (this process is rank 0); None with one rank.
+        self.executor = MultiprocExecutor(config, self.device) if config.tensor_parallel_size > 1 else None
+        try:
+            rank = self._load_rank(config, spec)  # this rank's shard (its heads) and the KV pool's size
+            self.model, num_blocks = rank.model, rank.num_blocks
+            # Hybrid models: the linear-attention layers' state pool, one slot pair per running request.
+            self.state_pool = (StatePool(spec, config.max_num_seqs, self.dtype, self.device)
+                               if spec.linear_attn is not None else None)
+            self.model_runner = ModelRunner(self.model, rank.spec, rank.backend, num_blocks=num_blocks,
+                                            block_size=config.block_size, dtype=self.dtype, device=self.device,
+                                            eos_token_ids=self.eos_token_ids, state_pool=self.state_pool,
+                                            executor=self.executor)
+            self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
+                                if config.speculative_config is not None else None)
+            self.speculator = (Speculator(self.spec_config, build_proposer(self.spec_config, self, num_blocks),
+                                          self.check_token_ids) if self.spec_config is not None else None)
+        except BaseException:  # e.g. a draft model that fails to load: the workers must not outlive us
+            if self.executor is not None:
+                self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
@@ -123,6 +134,11 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: Any) -> "LLMEngine":
         return cls(EngineConfig(model=model, **kwargs))
+
+    def _load_rank(self, config: EngineConfig, spec: ModelSpec) -> RankModel:
+        if self.executor is not None:  # every worker builds its own shard at the same time
+            return self.executor.load_rank(config, spec, self.dtype)
+        return load_rank(config, spec, self.device, self.dtype, ParallelContext())
 
     @staticmethod
     def _hybrid_limits(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
@@ -268,7 +284,7 @@ class LLMEngine:
         written = self.model_runner.written_blocks(plan)  # the trial runs write only these slots too
         try:
             if is_fatal(error):
-                raise EngineDeadError(f"the engine hit a device error and must be restarted: {error}") from error
+                raise _dead(error) from error
             culprits = self._blame(plan.scheduled)
         finally:
             self.scheduler.rollback(written)
@@ -290,7 +306,7 @@ class LLMEngine:
             return []
         except Exception as error:
             if is_fatal(error):
-                raise EngineDeadError(f"the engine hit a device error and must be restarted: {error}") from error
+                raise _dead(error) from error
             if len(group) == 1:
                 return [(group[0], error)]
         mid = len(group) // 2
@@ -336,6 +352,8 @@ class LLMEngine:
                     self._count_tokens(current, num_new, first)
                 if result.updated:
                     changed[state.request_id] = state
+            except EngineDeadError:  # copy-on-write on the workers failed: fatal, not this request's fault
+                raise
             except Exception as e:
                 self.scheduler.finish(current, "error", error=f"committing this request's token failed: "
                                                               f"{type(e).__name__}: {e}")
@@ -361,13 +379,32 @@ class LLMEngine:
         sp = self.speculator
         if sp is None:
             return {}
-        return dict(num_draft_tokens=sp.num_draft_tokens, num_accepted_tokens=sp.num_accepted_tokens,
+        return dict(num_drafts=sp.per_position[0][0] if sp.per_position else 0,
+                    num_draft_tokens=sp.num_draft_tokens, num_accepted_tokens=sp.num_accepted_tokens,
+                    num_accepted_tokens_per_pos=tuple(a for _, a in sp.per_position),
                     acceptance_per_position=sp.acceptance_per_position)
 
+    def collective_rpc(self, method: Callable[[int, ModelRunner], T]) -> list[T]:
+        """Run `method(rank, model_runner)` on every rank, results in rank order (vLLM's name): e.g. to
+        look at each rank's shard. `method` must pickle (a module-level function) and must not raise:
+        like a step, an exception on any rank ends a tensor-parallel engine (EngineDeadError)."""
+        if self.executor is None:
+            return [method(0, self.model_runner)]
+        return self.executor.collective_rpc(method, lambda: method(0, self.model_runner))
+
     def shutdown(self) -> None:
-        """Abort what is left and undo gc.freeze() (which moved the heap out of the collector's sight)."""
+        """Abort what is left, undo gc.freeze() (which moved the heap out of the collector's sight),
+        and end the tensor-parallel workers. Safe to call twice."""
         self.abort_request(list(self.requests), report=False)
         self._pending.clear()
         if self._gc_frozen:
             self._unfreeze()
             self._gc_frozen = False
+        if self.executor is not None:
+            self.executor.shutdown()
+
+
+def _dead(error: Exception) -> EngineDeadError:
+    if isinstance(error, EngineDeadError):
+        return error  # it says what happened already (e.g. which worker failed, and how)
+    return EngineDeadError(f"the engine hit a device error and must be restarted: {error}")

@@ -26,8 +26,10 @@ class EngineStats:
     finished_requests: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
     # Speculative decoding (0 when off): drafts verified, drafts accepted, and per draft position
     # the share accepted (position 0 = the first draft after the last token).
+    num_drafts: int = 0  # verifications with at least one draft (vLLM's spec_decode_num_drafts)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
     acceptance_per_position: tuple[float, ...] = ()
 
     @property

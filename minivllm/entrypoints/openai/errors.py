@@ -2,7 +2,7 @@
 
     status  when                                                              error.type
     400     a bad value, an empty prompt, a prompt too long, a chat-template  invalid_request_error
-            error, NaN/inf, n > 1
+            error, NaN/inf, a field this server does not implement
     401     /v1/* without the right `Authorization: Bearer <key>`             invalid_request_error
     404     an unknown model                                                  not_found_error
     413     a body over --max-request-bytes                                   invalid_request_error
@@ -18,6 +18,7 @@ raises `APIError` on it).
 from __future__ import annotations
 
 import json
+import re
 
 from jinja2 import TemplateError
 
@@ -70,8 +71,10 @@ def api_error(e: Exception, prompt_param: str = "prompt") -> ApiError:
 
 
 def _field(message: str, prompt_param: str) -> str | None:
-    """SamplingParams names its field ("SamplingParams.top_p=0 is invalid: ..."); the engine's
-    refusals are about the prompt (empty, out of the vocabulary, too long)."""
+    """SamplingParams names its field ("SamplingParams.top_p=0 is invalid: ..."), the engine a token-id
+    field out of the vocabulary ("request 'x': logit_bias [99999] are outside ..."); the engine's
+    other refusals are about the prompt (empty, out of the vocabulary, too long)."""
     if message.startswith("SamplingParams."):
         return message.removeprefix("SamplingParams.").split("=")[0]
-    return prompt_param
+    named = re.match(r"request '[^']*': (logit_bias|allowed_token_ids|stop_token_ids) ", message)
+    return named.group(1) if named else prompt_param

@@ -1,38 +1,84 @@
-"""From an OpenAI request to what the engine runs: chat template, tokens, and the length check.
+"""From an OpenAI request to what the engine runs: checks, chat template, tokens, the length check.
 
-Everything here costs time in the prompt's length, so the server calls it once per request, in a
-worker thread (`asyncio.to_thread`), never on the event loop. The result is a prompt the engine
-never re-tokenizes: {"prompt": text, "prompt_token_ids": ids}, which `LLMEngine.tokenize` takes as is.
+    ServingContext.admit(req, render)
+      ├─ model name (404), engine alive (503)
+      ├─ req.check_fields(): refused and unknown fields (protocol.py)        400
+      ├─ req.sampling_params(): values SamplingParams refuses, logprobs cap   400
+      └─ worker thread: render (chat template + tokenize, once) + fits?       400 context_length_exceeded
+
+Rendering costs time in the prompt's length, so it runs once per request, in a worker thread
+(`asyncio.to_thread`), never on the event loop. The result is a prompt the engine never
+re-tokenizes: {"prompt": text, "prompt_token_ids": ids}, which `LLMEngine.tokenize` takes as is.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from minivllm.engine.async_engine import AsyncLLMEngine
-from minivllm.entrypoints.openai.errors import ApiError
-from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from minivllm.entrypoints.openai.errors import ApiError, api_error
+from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from minivllm.sampling_params import SamplingParams
 
 TokensPrompt = dict[str, Any]  # {"prompt": text | None, "prompt_token_ids": [...]}
+Request = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What every endpoint needs: the engine, the name clients use, the request defaults."""
+    engine: AsyncLLMEngine
+    model_name: str
+    defaults: dict[str, Any]  # from the model's generation_config.json
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.engine.tokenizer
+
+    @property
+    def limits(self) -> Limits:
+        engine = self.engine.engine
+        return Limits(engine.config.max_logprobs, engine.spec.vocab_size, engine.scheduler.policy.name != "fcfs")
+
+    async def admit(self, req: Request, render: Callable[[], list[TokensPrompt]]
+                    ) -> tuple[list[TokensPrompt], SamplingParams]:
+        """Check the request and tokenize it (once, off the event loop); raises ApiError."""
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"The model `{req.model}` does not exist; this server serves `{self.model_name}`.",
+                           "model", "model_not_found")
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        try:
+            self.engine.check_health()
+            limits = self.limits
+            req.check_fields(limits)
+            sp = req.sampling_params(self.defaults, limits)
+            return await asyncio.to_thread(render_and_check, self.engine, render, sp, param), sp
+        except Exception as e:
+            raise api_error(e, param) from e
 
 
 def completion_prompts(tokenizer: Any, req: CompletionRequest) -> list[TokensPrompt]:
-    # A str is tokenized exactly as LLMEngine.tokenize would (special tokens added); ids pass as they are.
-    return [{"prompt": p, "prompt_token_ids": tokenizer(p).input_ids} if isinstance(p, str) else p
-            for p in req.prompts()]
+    # A str is tokenized as LLMEngine.tokenize would (special tokens added, unless the request
+    # says add_special_tokens: false); token ids pass as they are.
+    return [{"prompt": p, "prompt_token_ids": tokenizer(p, add_special_tokens=req.add_special_tokens).input_ids}
+            if isinstance(p, str) else p for p in req.prompts()]
 
 
 def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> TokensPrompt:
-    text = tokenizer.apply_chat_template(req.conversation(), tokenize=False, add_generation_prompt=True)
-    # The template already wrote the special tokens (BOS, role markers): add none twice.
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+    text = tokenizer.apply_chat_template(req.conversation(), tokenize=False,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         continue_final_message=req.continue_final_message,
+                                         **(req.chat_template_kwargs or {}))
+    # The template already wrote the special tokens (BOS, role markers): add none twice by default.
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids}
 
 
 def render_and_check(engine: AsyncLLMEngine, render: Callable[[], list[TokensPrompt]], sp: SamplingParams,
                      param: str) -> list[TokensPrompt]:
-    """The prompts `render` builds, once each checked to fit (a 400 now, rather than a stream that
+    """The prompts `render` builds, each checked to fit (a 400 now, rather than a stream that
     would fail after its 200 was sent)."""
     prompts = render()
     for p in prompts:

@@ -1,26 +1,85 @@
-"""The OpenAI request shapes we accept, and how they become `SamplingParams` and prompts.
+"""The OpenAI request shapes we accept and how they become `SamplingParams`; the small shapes of
+the answers (ids, usage, the error body).
 
-Unknown fields are ignored (clients send many), the extras vLLM takes through `extra_body`
-(`top_k`, `min_p`, `ignore_eos`) are accepted at the top level, and fields the request leaves out
-fall back to the model's `generation_config.json` (temperature, top_p, top_k, min_p), then to
-OpenAI's defaults. Numbers must be finite (NaN and ±inf are refused, naming the field). What pydantic
-cannot check (an empty prompt list, a content part that is not text, a lone UTF-16 surrogate) raises
-`RequestError` naming the field, which the server answers with 400.
+Every field of OpenAI's and vLLM's request schemas is in one of three groups, so nothing a client
+asks for is silently dropped:
+
+    implemented     declared on the models below; it reaches SamplingParams, the prompt or the answer
+    REFUSED         not implemented: any value but its default is a 400 naming the field and saying why
+    NO_EFFECT       OpenAI's bookkeeping (`user`, `metadata`, `store`, ...): accepted, changes nothing
+
+A field in neither schema is logged (one warning line naming such fields) and ignored, as vLLM does.
+vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `prompt_logprobs`, ...) are top-level fields,
+which is where the openai client's `extra_body` puts them.
+
+Fields left out fall back to the model's `generation_config.json` (temperature, top_p, top_k, min_p,
+repetition_penalty), then to OpenAI's defaults. Numbers must be finite (NaN and ±inf are refused,
+naming the field). What pydantic cannot check raises `RequestError` naming the field (400).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+log = logging.getLogger("minivllm.server")
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+_BEAM = "it applies to beam search, which is not implemented; use n > 1 with sampling"
+_TOOLS = "tool calling is not implemented (there is no tool-call parser)"
+_STRUCTURED = "structured output (guided decoding, JSON mode or schema) is not implemented"
+_TEXT = "this server takes and produces text only"
+# field: (the values that mean "not asked for", why anything else is refused). None always means "not asked for".
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), _BEAM),
+    "length_penalty": ((1.0,), _BEAM),
+    "early_stopping": ((False,), _BEAM),
+    "tools": (([],), _TOOLS),
+    "tool_choice": (("none", "auto"), _TOOLS),  # without tools, "auto" is "none"
+    "parallel_tool_calls": ((True,), _TOOLS),
+    "functions": (([],), _TOOLS),
+    "function_call": (("none", "auto"), _TOOLS),
+    "response_format": (({"type": "text"},), _STRUCTURED),
+    "structured_outputs": ((), _STRUCTURED),
+    "guided_json": ((), _STRUCTURED),
+    "guided_regex": ((), _STRUCTURED),
+    "guided_choice": ((), _STRUCTURED),
+    "guided_grammar": ((), _STRUCTURED),
+    "guided_decoding_backend": ((), _STRUCTURED),
+    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "prompt_embeds": ((), _TEXT),
+    "mm_processor_kwargs": ((), _TEXT),
+    "modalities": ((["text"],), _TEXT),
+    "audio": ((), _TEXT),
+    "suffix": ((), "inserting text before a suffix (fill-in-the-middle) is not implemented"),
+    "logits_processors": ((), "custom logits processors cannot be sent to this server"),
+    "lora_request": ((), "LoRA adapters are not implemented"),
+    "spaces_between_special_tokens": ((True,), "the detokenizer always decodes as the tokenizer does"),
+    "truncation_side": (("left",), "truncate_prompt_tokens keeps the prompt's last tokens only"),
+    "cache_salt": ((), "prefix-cache isolation between users is not implemented"),
+    "kv_transfer_params": ((), "disaggregated prefill (KV transfer) is not implemented"),
+    "vllm_xargs": ((), "this server takes no custom sampling extensions"),
+    "chat_template": ((), "a request's own chat template is not accepted (vLLM also refuses it unless "
+                          "started with --trust-request-chat-template); the model's template is used"),
+    "documents": ((), "retrieval documents for the chat template are not implemented"),
+    "prediction": ((), "predicted outputs are not implemented"),
+    "reasoning_effort": ((), "reasoning control is not implemented; a template's switch (e.g. Qwen3's "
+                             "enable_thinking) can be set through chat_template_kwargs"),
+    "include_reasoning": ((True,), "there is no reasoning parser: reasoning stays in the content"),
+    "web_search_options": ((), "web search is not implemented"),
+    "verbosity": ((), "verbosity control is not implemented"),
+}
+NO_EFFECT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+# chat_template_kwargs may not set what the server decides itself.
+_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                  "chat_template", "tools", "documents", "return_dict"}
+_INT64 = 2**63
 
 
 class RequestError(ValueError):
@@ -31,44 +90,138 @@ class RequestError(ValueError):
         self.param = param
 
 
+class Limits(NamedTuple):
+    """What this engine allows, for the checks at the door."""
+    max_logprobs: int  # EngineConfig.max_logprobs (`--max-logprobs`)
+    vocab_size: int  # what -1 ("every token") means for logprobs
+    priority_scheduling: bool  # a request's priority matters (not with --scheduling-policy fcfs)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False  # a last chunk with the request's usage and no choices
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage on every chunk too
+
+
 class _Common(BaseModel):
     # Python's json accepts NaN and Infinity; no sampling field means anything with them.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # extra="allow": fields we do not declare are kept, to be refused or reported by check_fields().
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
+    best_of: int | None = None  # accepted when it equals n (no server-side ranking)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # vLLM-style extras
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token id -> bias
+    # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    return_token_ids: bool = False  # add the prompt's and each choice's token ids to the answer
+    return_tokens_as_token_ids: bool = False  # write logprobs' tokens as "token_id:<id>"
+    request_id: str | None = None  # becomes the answer's id
+    priority: int = 0  # lower = sooner, with --scheduling-policy priority
 
-    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None) -> SamplingParams:
-        """Raises ValueError naming the bad field (mapped to HTTP 400)."""
+    def check_fields(self, limits: Limits) -> None:
+        """Refuse what is asked for but not implemented; report fields that no schema has."""
+        unknown = []
+        for name, value in (self.model_extra or {}).items():
+            if name in REFUSED:
+                defaults, why = REFUSED[name]
+                if value is not None and value not in defaults:
+                    raise RequestError(name, f"not supported by this server: {why}; leave it out")
+            elif name not in NO_EFFECT:
+                unknown.append(name)
+        if unknown:
+            log.warning("ignored request fields that are not in OpenAI's or vLLM's API: %s", ", ".join(unknown))
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of", f"best_of={self.best_of} != n={self.n} is not supported: ranking "
+                                          "completions on the server is not implemented; use n")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options", "only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs", "not available when stream is true (as in vLLM)")
+        if self.priority != 0 and not limits.priority_scheduling:
+            raise RequestError("priority", "not supported by this server's scheduling policy (fcfs: first come, "
+                                           "first served); start it with --scheduling-policy priority")
+
+    def sampling_params(self, defaults: dict[str, Any], limits: Limits) -> SamplingParams:
+        """Raises ValueError naming the bad field (answered with 400)."""
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
 
         return SamplingParams(
             temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
-            min_p=pick("min_p", 0.0), seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
+            min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0), seed=self.seed,
+            max_tokens=self.max_new_tokens(), min_tokens=self.min_tokens, n=self.n, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, logprobs=self.num_logprobs(limits),
+            prompt_logprobs=_count("prompt_logprobs", self.num_prompt_logprobs(), limits))
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self, limits: Limits) -> int | None:
+        raise NotImplementedError
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+
+def _count(param: str, value: int | None, limits: Limits) -> int | None:
+    """A number of logprobs: None, 0..max_logprobs, or -1 for the whole vocabulary (vLLM's)."""
+    if value is None:
+        return None
+    n = limits.vocab_size if value == -1 else value
+    if n < 0:
+        raise RequestError(param, f"{value} is invalid: give a number of logprobs >= 0, or -1 for all")
+    if n > limits.max_logprobs:
+        raise RequestError(param, f"{value} asks for {n} logprobs, more than this server's max_logprobs="
+                                  f"{limits.max_logprobs}; ask for fewer or start it with a larger --max-logprobs")
+    return n
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
     max_tokens: int | None = 16
+    logprobs: int | None = None  # the top-N per token, N in 0..max_logprobs (OpenAI's cap is 5)
+    add_special_tokens: bool = True
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: score the prompt, generate nothing (lm-eval's loglikelihood)."""
+        return self.echo and self.max_tokens == 0
+
+    def max_new_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens  # the one token is computed, then dropped
+
+    def num_logprobs(self, limits: Limits) -> int | None:
+        return _count("logprobs", self.logprobs, limits)
+
+    def num_prompt_logprobs(self) -> int | None:
+        # echo with logprobs returns the prompt's tokens first, with their logprobs (vLLM's rule).
+        return self.logprobs if self.prompt_logprobs is None and self.echo else self.prompt_logprobs
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """One engine prompt per completion: a str, or {"prompt_token_ids": [...]}."""
@@ -84,17 +237,19 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # Fields besides role and content (name, tool_calls, ...) go to the chat template as they are.
+    model_config = ConfigDict(extra="allow")
+    role: str  # any role: the chat template decides which it accepts
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self, where: str) -> dict[str, str]:
+    def for_template(self, where: str) -> dict[str, Any]:
         """This message for the chat template; `where` ("messages[2]") names it in errors."""
         content = self.content
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             content = "".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
         content = _encodable(content or "", f"{where}.content")
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        role = "system" if self.role == "developer" else self.role  # OpenAI's new name for system
+        return {**(self.model_extra or {}), "role": role, "content": content}
 
 
 def _part_text(part: dict[str, Any], where: str) -> str:
@@ -120,28 +275,60 @@ def _encodable(text: str, where: str) -> str:
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: the N most likely tokens at each position
+    # vLLM's chat extras
+    add_generation_prompt: bool = True  # end the prompt with the assistant's turn opening
+    continue_final_message: bool = False  # leave the last (assistant) message open and continue it
+    add_special_tokens: bool = False  # the template already wrote them
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
 
-    def limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them."""
+    def check_fields(self, limits: Limits) -> None:
+        super().check_fields(limits)
         if not self.messages:
             raise RequestError("messages", "the list is empty; send at least one message")
-        return [m.text(f"messages[{i}]") for i, m in enumerate(self.messages)]
+        if self.add_generation_prompt and self.continue_final_message:
+            raise RequestError("continue_final_message", "cannot be true together with add_generation_prompt "
+                                                         "(which is true unless set to false)")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs", "needs logprobs: true")
+        taken = _TEMPLATE_ARGS & set(self.chat_template_kwargs or {})
+        if taken:
+            raise RequestError("chat_template_kwargs", f"{sorted(taken)} are set by the server; use the "
+                                                       "request's own fields")
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self, limits: Limits) -> int | None:
+        return _count("top_logprobs", self.top_logprobs or 0, limits) if self.logprobs else None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them."""
+        return [m.for_template(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    def echoed(self) -> str:
+        """With echo, the answer repeats the last message first when it is the assistant's (vLLM's)."""
+        if not self.echo or self.messages[-1].role != "assistant":
+            return ""
+        return self.conversation()[-1]["content"]
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, request_id: str | None = None) -> str:
+    return f"{prefix}-{request_id or uuid.uuid4().hex[:24]}"
 
 
 def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's usage of these requests (one per prompt): each prompt counted once, every
+    completion's tokens, and the prompt tokens the prefix cache served."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -1,4 +1,5 @@
-"""Consuming an HTTP request's engine outputs: to the end, interleaved, or as server-sent events.
+"""Consuming an HTTP request's engine outputs: to the end, interleaved, as server-sent events, and
+as per-choice deltas.
 
 The one rule: whatever ends the consumer (the client leaving, one of its requests failing, the
 handler being cancelled), every generator it holds is closed, and closing a generator aborts its
@@ -6,6 +7,12 @@ request in the engine. Hence `aclosing` around every `async for` over a generato
 
 A request the engine failed on its own (finish_reason "error") raises `RequestFailed` here, so the
 client gets an error (500, or an error event in a stream) and not a silently truncated answer.
+
+Outputs are cumulative (everything so far, per completion); `ChoiceTracker` turns them into what
+each choice gained since its last chunk. A whole answer is the same thing taken once, at the end:
+
+    prompt 1's RequestOutput(outputs=[c0, c1])  ──deltas(1, out)──>  [Delta(index=2), Delta(index=3)]
+    (n = 2; a choice's index = prompt index * n + completion index, vLLM's order)
 """
 
 from __future__ import annotations
@@ -14,18 +21,68 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import NamedTuple
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from minivllm.entrypoints.openai.errors import RequestFailed, api_error
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import RequestOutput, SampleLogprobs
 
 log = logging.getLogger("minivllm.server")
 
+_FINISH = {"stop": "stop", "length": "length"}
+
 
 def raise_if_failed(out: RequestOutput) -> None:
-    if out.finished and out.outputs[0].finish_reason == "error":
+    """One failed completion fails the request: its answer would be incomplete."""
+    if any(c.finish_reason == "error" for c in out.outputs):
         raise RequestFailed(out.error or "no reason was given")
+
+
+class Delta(NamedTuple):
+    """What one choice gained since its last chunk (everything, for a whole answer)."""
+    index: int  # the choice's index in the answer
+    output: RequestOutput  # the request it belongs to: prompt, prompt logprobs, token counts
+    first: bool  # the choice's first delta: echo and prompt details go here
+    text: str
+    token_ids: list[int]
+    logprobs: SampleLogprobs | None  # one dict per token in token_ids, when asked
+    finish_reason: str | None  # "stop" | "length", in the choice's last delta only
+    stop_reason: int | str | None  # the stop string or token id that ended it (vLLM's)
+
+
+class ChoiceTracker:
+    """Per choice, how much text and how many tokens were already sent. A delta is made when a
+    choice has new text, or finishes; tokens whose text is still held back (part of a character,
+    a possible stop string) ride with the next delta, so no token is sent twice or lost."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
+        self._finished: set[int] = set()
+
+    def deltas(self, prompt_index: int, out: RequestOutput) -> list[Delta]:
+        deltas = []
+        for c in out.outputs:
+            i = prompt_index * self.n + c.index
+            first = i not in self._sent
+            chars, tokens = self._sent.get(i, (0, 0))
+            if i in self._finished or (len(c.text) == chars and not c.finished):
+                continue
+            self._sent[i] = (len(c.text), len(c.token_ids))
+            if c.finished:
+                self._finished.add(i)
+            deltas.append(Delta(i, out, first, c.text[chars:], c.token_ids[tokens:],
+                                None if c.logprobs is None else c.logprobs[tokens:],
+                                _FINISH.get(c.finish_reason, "stop") if c.finished else None,  # abort: nobody reads it
+                                c.stop_reason))
+        return deltas
+
+
+def client_left(rid: str) -> Response:
+    log.info("%s: the client disconnected; its request was aborted", rid)
+    return Response(status_code=499)  # nginx's "client closed request": nobody will read it
 
 
 async def sse(rid: str, events: AsyncIterator[str]) -> AsyncIterator[str]:

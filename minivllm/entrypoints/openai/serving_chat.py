@@ -1,0 +1,97 @@
+"""POST /v1/chat/completions: the messages through the model's chat template, one engine request
+with n completions, one choice per completion.
+
+    choice = {"index", "message": {"role": "assistant", "content"}, "logprobs", "finish_reason", "stop_reason"}
+    answer = {..., "choices", "usage", "prompt_logprobs" (vLLM's)}
+
+- logprobs: true (+ top_logprobs: N) gives each token's logprob and its N most likely alternatives.
+- add_generation_prompt / continue_final_message (vLLM's): open a new assistant turn (the default),
+  or leave the final assistant message open and continue it ("prefill" the answer's start).
+- echo (vLLM's): the answer repeats the last message first, when that message is the assistant's.
+- Streaming: a first chunk per choice with the role, then a chunk per choice that gained text, the
+  choice's last one with its finish_reason; usage as for completions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from sse_starlette.sse import EventSourceResponse
+
+from minivllm.entrypoints.openai import streams
+from minivllm.entrypoints.openai.errors import ApiError
+from minivllm.entrypoints.openai.logprobs import TokenText, chat_logprobs, prompt_logprobs
+from minivllm.entrypoints.openai.preprocess import ServingContext, chat_prompt
+from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, new_id, now, usage
+from minivllm.entrypoints.openai.streams import ChoiceTracker, Delta
+from minivllm.outputs import RequestOutput
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Any:
+    if getattr(ctx.tokenizer, "chat_template", None) is None:
+        raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    [prompt], sp = await ctx.admit(req, lambda: [chat_prompt(ctx.tokenizer, req)])
+    rid, created = new_id("chatcmpl", req.request_id), now()
+    gen = ctx.engine.generate(prompt, sp, new_id(rid), req.priority)  # unique even if clients reuse request_id
+    text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
+    tracker, echoed = ChoiceTracker(sp.n), req.echoed()
+
+    def logprobs(d: Delta) -> dict[str, list] | None:
+        return None if d.logprobs is None else chat_logprobs(d.token_ids, d.logprobs, sp.logprobs, text)
+
+    def whole_choice(d: Delta) -> dict[str, Any]:
+        choice = {"index": d.index, "message": {"role": "assistant", "content": echoed + d.text},
+                  "logprobs": logprobs(d), "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = d.token_ids
+        return choice
+
+    if not req.stream:
+        finals = await streams.finals([gen], raw)
+        if finals is None:
+            return streams.client_left(rid)
+        out = finals[0]
+        answer = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+                  "choices": [whole_choice(d) for d in tracker.deltas(0, out)], "usage": usage(finals),
+                  "prompt_logprobs": None if sp.prompt_logprobs is None else prompt_logprobs(out.prompt_logprobs)}
+        if req.return_token_ids:
+            answer["prompt_token_ids"] = out.prompt_token_ids
+        return answer
+
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and bool(options.continuous_usage_stats)
+    num_prompt_tokens = len(prompt["prompt_token_ids"])  # before the first output: for continuous usage
+
+    def chunk(index: int, delta: dict[str, str], logprobs: Any = None, finish: str | None = None,
+              extra: dict[str, Any] | None = None, out: RequestOutput | None = None) -> str:
+        body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish, **(extra or {})}]}
+        if continuous:  # before the first output (role, echo): nothing generated yet
+            body["usage"] = usage([out]) if out is not None else {
+                "prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens}
+        return json.dumps(body)
+
+    async def body() -> AsyncIterator[str]:
+        for i in range(sp.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+            if echoed:
+                yield chunk(i, {"content": echoed})
+        final = None
+        async with aclosing(streams.merge([gen])) as outputs:
+            async for _, out in outputs:
+                final = out
+                for d in tracker.deltas(0, out):
+                    extra = {"stop_reason": d.stop_reason} if d.finish_reason else {}
+                    if req.return_token_ids:
+                        extra["token_ids"] = d.token_ids
+                    yield chunk(d.index, {"content": d.text}, logprobs(d), d.finish_reason, extra, out)
+        if include_usage:
+            yield json.dumps({**head, "choices": [], "usage": usage([final])})
+
+    return EventSourceResponse(streams.sse(rid, body()), ping=600)

@@ -1,0 +1,119 @@
+"""GET /metrics: vLLM's metric names, labels and meanings (so a vLLM dashboard works), counters that
+equal the engine's commit-time totals and never go down, and the speculative-decoding counters."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from server_helpers import metric, scrape, serving
+
+from minivllm import LLMEngine
+from minivllm.config import EngineConfig
+from minivllm.engine.async_engine import AsyncLLMEngine
+from minivllm.engine.stats import EngineStats
+from minivllm.entrypoints.openai.metrics import EngineCollector
+from minivllm.entrypoints.openai.server import build_app
+
+MODEL = "tiny"
+
+
+def serve(model_dir: str, **config):
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, max_model_len=256, **config)))
+    return engine, serving(build_app(engine, MODEL))
+
+
+def test_vllm_names_labels_and_meanings(qwen3_dir):
+    engine, server = serve(qwen3_dir)
+    with server as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        no_eos = {"ignore_eos": True}
+        answers = [
+            client.completions.create(model=MODEL, prompt=["Hello there", "Paged attention"], max_tokens=5,
+                                      extra_body=no_eos),  # two requests
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           n=2, extra_body=no_eos),  # one request, two completions
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=5,  # stops at its first token
+                                      extra_body={"allowed_token_ids": [65], "stop_token_ids": [65]})]
+        prompt = "A scheduler decides which requests run in each step of the engine. " * 2
+        answers += [client.completions.create(model=MODEL, prompt=prompt, max_tokens=1) for _ in range(2)]
+        m, s = scrape(url), engine.stats
+    engine.shutdown()
+    labels = {"model_name": MODEL, "engine": "0"}
+    assert metric(m, "vllm:prompt_tokens_total", **labels) == s.num_prompt_tokens_total \
+        == sum(a.usage.prompt_tokens for a in answers)
+    assert metric(m, "vllm:generation_tokens_total", **labels) == s.num_generation_tokens_total \
+        == sum(a.usage.completion_tokens for a in answers)
+    assert metric(m, "vllm:prefix_cache_queries_total", **labels) == s.prefix_cache_queries
+    assert metric(m, "vllm:prefix_cache_hits_total", **labels) == s.prefix_cache_hits >= 16  # the repeated prompt
+    assert metric(m, "vllm:num_preemptions_total", **labels) == 0
+    finished = {reason: metric(m, "vllm:request_success_total", finished_reason=reason, **labels)
+                for reason in ("stop", "length", "abort", "error")}
+    assert finished == {"stop": 1, "length": 5, "abort": 0, "error": 0}  # requests (n=2 is one request)
+    assert metric(m, "vllm:e2e_request_latency_seconds_count", **labels) == 6
+    assert metric(m, "vllm:time_to_first_token_seconds_count", **labels) == 6
+    assert metric(m, "vllm:inter_token_latency_seconds_count", **labels) >= 2 * 4 + 2
+    assert metric(m, "vllm:num_requests_running", **labels) == metric(m, "vllm:num_requests_waiting", **labels) == 0
+    assert metric(m, "vllm:kv_cache_usage_perc", **labels) == 1 - s.num_free_blocks / s.num_total_blocks
+    assert not any("spec_decode" in series for series in m)  # only with speculative decoding on
+
+
+def test_counters_never_go_down(qwen3_dir):
+    """A failed step is rolled back with its counts; a Prometheus counter must not follow it down."""
+    stats = EngineStats(0, 0, 0, 0, 0, prefix_cache_queries=40, prefix_cache_hits=16, num_free_blocks=8,
+                        num_total_blocks=8, num_running=0, num_waiting=0, step_time_s=0, forward_time_s=0,
+                        num_prompt_tokens_total=40, finished_requests={"stop": 2})
+    engine = SimpleNamespace(stats=stats, engine=SimpleNamespace(spec_config=None))
+    collector = EngineCollector(engine, ("m", "0"))
+
+    def counters() -> dict[str, float]:
+        return {f"{family.name}{sample.labels.get('finished_reason', '')}": sample.value
+                for family in collector.collect() if family.type == "counter" for sample in family.samples}
+
+    assert counters()["vllm:prefix_cache_queries"] == 40 and counters()["vllm:request_successstop"] == 2
+    engine.stats = dataclasses.replace(stats, prefix_cache_queries=24, num_prompt_tokens_total=30)  # rolled back
+    assert counters()["vllm:prefix_cache_queries"] == 40 and counters()["vllm:prompt_tokens"] == 40
+    engine.stats = dataclasses.replace(stats, prefix_cache_queries=56, finished_requests={"stop": 3})  # redone, more
+    assert counters()["vllm:prefix_cache_queries"] == 56 and counters()["vllm:request_successstop"] == 3
+
+
+@pytest.fixture(scope="module")
+def spec_decode_server(qwen3_dir):
+    # The model as its own draft: (nearly) every draft token is accepted.
+    engine, server = serve(qwen3_dir, speculative_config={"model": qwen3_dir, "num_speculative_tokens": 3})
+    with server as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        client.completions.create(model=MODEL, prompt=[5, 6, 7, 8, 9, 10], max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True})
+        yield engine, scrape(url)
+    engine.shutdown()
+
+
+def test_spec_decode_counters(spec_decode_server):
+    engine, m = spec_decode_server
+    s = engine.stats
+    assert metric(m, "vllm:spec_decode_num_draft_tokens_total") == s.num_draft_tokens > 0
+    assert metric(m, "vllm:spec_decode_num_accepted_tokens_total") == s.num_accepted_tokens > 0
+    per_position = [metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos))
+                    for pos in range(3)]
+    assert per_position == sorted(per_position, reverse=True)  # accepting position j needs all before it
+    assert metric(m, "vllm:spec_decode_num_drafts_total", model_name=MODEL) >= 0
+
+
+def test_spec_decode_drafts_and_acceptance_per_position(spec_decode_server):
+    engine, m = spec_decode_server
+    s = engine.stats
+    drafts = metric(m, "vllm:spec_decode_num_drafts_total")
+    per_position = [metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos))
+                    for pos in range(3)]
+    assert drafts == s.num_drafts > 0 and sum(per_position) == s.num_accepted_tokens
+
+
+def test_metrics_need_no_api_key(qwen3_dir):
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=qwen3_dir, num_kv_blocks=16, max_model_len=64)))
+    with serving(build_app(engine, MODEL, api_key="k")) as url:
+        assert "vllm:num_requests_running" in httpx.get(f"{url}/metrics").text
+    engine.shutdown()
