@@ -60,3 +60,35 @@ def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, 
         p = torch.where(p >= min_p * p.max(), p, 0.0)
         p = p / p.sum()
     return p
+
+
+def run_with_flaky_sampler(engine, requests, every: int, phase: int, before_step=None, on_failure=None):
+    """Drive `engine` over `requests` ({id: (prompt ids, SamplingParams)}) while its sampler raises on
+    every `every`-th call (offset `phase`) over two or more rows: a failure no single request
+    reproduces, so each one is rolled back and re-raised. `before_step()` runs before each step and
+    `on_failure(state)` after each failure, with what `before_step` returned. Returns (finals, failures)."""
+    original = engine.model_runner.sampler
+    calls = {"n": 0}
+
+    def flaky(logits, t):
+        calls["n"] += 1
+        if calls["n"] % every == phase and logits.shape[0] >= 2:
+            raise RuntimeError("flaky")
+        return original(logits, t)
+
+    engine.model_runner.sampler = flaky
+    for rid, (prompt, sp) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+    finals, failures = {}, 0
+    while engine.has_unfinished_requests():
+        state = before_step() if before_step else None
+        try:
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        except RuntimeError:
+            failures += 1
+            if on_failure:
+                on_failure(state)
+    engine.model_runner.sampler = original
+    return finals, failures

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_hf_greedy, varied_prompts
+from helpers import assert_hf_greedy, run_with_flaky_sampler, varied_prompts
 
 from minivllm import LLM, SamplingParams
 from minivllm.testing import make_tiny_model
@@ -61,32 +61,21 @@ def test_a_failed_step_leaves_every_published_state_as_it_was(hybrid_dir):
     llm = hybrid(hybrid_dir, max_num_batched_tokens=12)
     engine = llm.llm_engine
     pool = engine.state_pool
-    original = engine.model_runner.sampler
-    calls = {"n": 0}
+    def slots(s):  # a sequence's published states, every linear-attention layer
+        return [p[pool.read_slot(s)] for p in pool.recurrent_pools + pool.conv_pools]
 
-    def flaky(logits, t):
-        calls["n"] += 1
-        if calls["n"] % 4 == 2 and logits.shape[0] >= 2:  # never one request's fault: re-runs pass
-            raise RuntimeError("flaky")
-        return original(logits, t)
+    def published():
+        return {s.request_id: [t.clone() for t in slots(s)]
+                for s in (st.seqs[0] for st in engine.requests.values()) if s.state_slots}
 
-    engine.model_runner.sampler = flaky
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
-    finals, failures = {}, 0
-    while engine.has_unfinished_requests():
-        live = [st.seqs[0] for st in engine.requests.values() if st.seqs[0].state_slots]
-        published = {s.request_id: [p[pool.read_slot(s)].clone() for p in pool.recurrent_pools + pool.conv_pools]
-                     for s in live}
-        try:
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        except RuntimeError:
-            failures += 1
-            for s in live:
-                now = [p[pool.read_slot(s)] for p in pool.recurrent_pools + pool.conv_pools]
-                assert all(torch.equal(a, b) for a, b in zip(now, published[s.request_id]))
+    def unchanged(before):
+        for s in (st.seqs[0] for st in engine.requests.values()):
+            if s.request_id in before:
+                assert all(torch.equal(a, b) for a, b in zip(slots(s), before[s.request_id]))
+
+    requests = {f"r{i}": (p, sp) for i, p in enumerate(prompts)}
+    finals, failures = run_with_flaky_sampler(engine, requests, every=4, phase=2, before_step=published,
+                                              on_failure=unchanged)
     assert failures > 0
     assert [finals[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))] == \
         [o.outputs[0].token_ids for o in clean]

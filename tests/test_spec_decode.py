@@ -4,7 +4,7 @@ and rejected drafts leaving no trace."""
 from __future__ import annotations
 
 import pytest
-from helpers import assert_hf_greedy
+from helpers import assert_hf_greedy, run_with_flaky_sampler
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.spec_decode.ngram import ngram_lookup
@@ -158,29 +158,14 @@ def test_a_failed_verification_step_rolls_back(model_factory, reference):
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = llm_for(model_factory, oracle)
     engine = llm.llm_engine
-    original = engine.model_runner.sampler
-    calls = {"n": 0}
 
-    def flaky(logits, t):  # fails now and then, and never again when re-run: no request is to blame
-        calls["n"] += 1
-        if calls["n"] % 5 == 1 and logits.shape[0] >= 2:
-            raise RuntimeError("flaky")
-        return original(logits, t)
+    def rolled_back(_):
+        for state in engine.requests.values():
+            assert not state.seqs[0].spec_token_ids  # the drafts went with the step
+        engine.block_manager.check_invariants(engine.scheduler.live_sequences)
 
-    engine.model_runner.sampler = flaky
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
-    finals, failures = {}, 0
-    while engine.has_unfinished_requests():
-        try:
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        except RuntimeError:
-            failures += 1
-            for state in engine.requests.values():
-                assert not state.seqs[0].spec_token_ids  # rolled back with the step
-            engine.block_manager.check_invariants(engine.scheduler.live_sequences)
+    requests = {f"r{i}": (p, sp) for i, p in enumerate(PROMPTS)}
+    finals, failures = run_with_flaky_sampler(engine, requests, every=5, phase=1, on_failure=rolled_back)
     assert failures > 0
     for i, p in enumerate(PROMPTS):
         assert p + finals[f"r{i}"].outputs[0].token_ids == reference[tuple(p)]
