@@ -3,7 +3,8 @@
     pytest exercises/          # every exercise, checked against the engine
     # or, in a notebook:  from minivllm.exercises import check; check("blocks_needed", blocks_needed)
 
-Each function says which notebook it belongs to. Leave the signatures as they are.
+Each function says which notebook it belongs to. Leave the signatures as they are. A wrong answer
+is reported with the rule it broke and the smallest case that shows it.
 """
 
 from __future__ import annotations
@@ -79,4 +80,24 @@ def overhead_fraction(step_time_s: float, forward_time_s: float) -> float:
 # 10 · serving ----------------------------------------------------------------------------------------
 def sse_text(lines: list[str]) -> str:
     """The assistant text carried by a chat-completions SSE stream (its raw lines)."""
+    raise NotImplementedError
+
+
+# 12 · sampling outputs -------------------------------------------------------------------------------
+def blocks_after_fork(prompt_len: int, block_size: int, n: int) -> int:
+    """Physical KV blocks in use right after a computed prompt of prompt_len tokens forks into n
+    sequences (n = 1: no fork), with free blocks to spare."""
+    raise NotImplementedError
+
+
+def penalized_logits(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], repetition_penalty: float,
+                     frequency_penalty: float, presence_penalty: float) -> torch.Tensor:
+    """The logits after the repetition, frequency and presence penalties (vLLM's formulas and order)."""
+    raise NotImplementedError
+
+
+# 13 · speculative decoding ---------------------------------------------------------------------------
+def greedy_accept(draft_ids: list[int], target_ids: list[int]) -> list[int]:
+    """Greedy verification. target_ids[j] is the target's argmax after the last token and the first j
+    drafts (len(draft_ids) + 1 of them). Return the tokens the step emits."""
     raise NotImplementedError

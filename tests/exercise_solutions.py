@@ -69,3 +69,27 @@ def sse_text(lines):
         if line.startswith("data: ") and line != "data: [DONE]":
             text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
     return text
+
+
+def blocks_after_fork(prompt_len, block_size, n):
+    full, partial = divmod(prompt_len, block_size)
+    return full + (n if partial else 0)
+
+
+def penalized_logits(logits, prompt_ids, output_ids, repetition_penalty, frequency_penalty, presence_penalty):
+    x = logits.clone()
+    seen = set(prompt_ids) | set(output_ids)
+    for t in seen:
+        x[t] = x[t] / repetition_penalty if x[t] > 0 else x[t] * repetition_penalty
+    for t in set(output_ids):
+        x[t] -= frequency_penalty * output_ids.count(t) + presence_penalty
+    return x
+
+
+def greedy_accept(draft_ids, target_ids):
+    out = []
+    for d, t in zip(draft_ids, target_ids):
+        if d != t:
+            return out + [t]
+        out.append(d)
+    return out + [target_ids[len(draft_ids)]]

@@ -1,5 +1,6 @@
-"""The notebooks and the docs site: notebooks committed clean, the site built --strict (which executes
-every notebook, failing on any error), and two pages checked in headless Chromium."""
+"""The notebooks and the docs site: notebooks committed clean and in the house shape, the figures
+readable, the site built --strict (which executes every notebook, failing on any error), and three
+pages checked in headless Chromium (one of them a new notebook, screenshot kept as an artifact)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def test_ten_notebooks_committed_without_outputs_and_in_shape():
-    assert len(NOTEBOOKS) >= 10
+MAX_CODE_LINE = 88  # what a code cell shows at the site's width (1280 px screen) without scrolling
+
+
+def test_notebooks_committed_without_outputs_and_in_shape():
+    assert len(NOTEBOOKS) >= 13
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
         code = [c for c in nb["cells"] if c["cell_type"] == "code"]
@@ -28,6 +32,58 @@ def test_ten_notebooks_committed_without_outputs_and_in_shape():
         for section in ("What you will learn", "## Experiment", "## Exercises"):
             assert section in text, f"{path.name} lacks '{section}'"
         assert "from minivllm" in text, f"{path.name} must call the package"
+        long = [line for c in code for line in "".join(c["source"]).splitlines() if len(line) > MAX_CODE_LINE]
+        assert not long, f"{path.name}: code lines over {MAX_CODE_LINE} characters are cut on the site: {long[:2]}"
+
+
+def _fake_trace():
+    from minivllm.engine.trace import ScheduledTrace, StepTrace
+
+    def step(i, scheduled, preempted=()):
+        return StepTrace(i, tuple(scheduled), tuple(preempted), (), {"a": (0, 1), "b": (2,)}, (3, 4), frozenset({0}), 6)
+
+    return [step(0, [ScheduledTrace("a", 0, 5, True, True), ScheduledTrace("b", 0, 3, True, True)]),
+            step(1, [ScheduledTrace("a", 5, 5, False, True, 4, 2)], preempted=["b"]),
+            step(2, [ScheduledTrace("a", 8, 1, False, True)]),
+            step(3, [ScheduledTrace("a", 9, 5, False, True, 4, 4), ScheduledTrace("b", 0, 4, True, True)])]
+
+
+def test_figures_are_readable_at_the_site_width():
+    """Every picture of minivllm.viz: text of 8 pt or more, steps on integer ticks, 8 inches wide."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from minivllm import viz
+
+    class Seq:
+        def __init__(self, rid, table, n):
+            self.request_id, self.block_table, self.num_tokens = rid, table, n
+
+    trace = _fake_trace()
+    drawings = {
+        "timeline": lambda: viz.plot_timeline(trace),
+        "block_map": lambda: viz.plot_block_map(trace[1]),
+        "acceptance": lambda: viz.plot_acceptance(trace),
+        "static": lambda: viz.plot_static_batches([3, 7, 2, 5, 4], 2),
+        "slots": lambda: viz.plot_slot_map([12, 13, 36], [0, 1, 8], [2, 1], ["a", "b"], 16, 4),
+        "tables": lambda: viz.plot_block_tables([Seq("p", [7, 2, 9], 11), Seq("c", [7, 2, 4], 11)],
+                                                [0, 0, 2, 0, 1, 0, 0, 2, 0, 1], 4, {4: 9}),
+        "distributions": lambda: viz.plot_distributions({"p": [0.5, 0.5], "q": [0.9, 0.1]}, ["x", "y"]),
+    }
+    for name, draw in drawings.items():
+        ax = draw()
+        fig = ax.figure
+        fig.canvas.draw()
+        assert abs(fig.get_figwidth() - viz.WIDTH) < 1e-6, name
+        sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_text().strip() and t.get_visible()]
+        assert sizes and min(sizes) >= 8, f"{name}: text of {min(sizes)} pt"
+        if ax.get_xlabel() == "step":
+            labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+            assert labels and all(lbl.lstrip("−-").isdigit() for lbl in labels), f"{name}: step ticks {labels}"
+        plt.close(fig)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +102,16 @@ def site(tmp_path_factory) -> Path:
 def test_site_has_every_section(site):
     for page in ("index.html", "getting-started/index.html", "architecture/index.html",
                  "concepts/paged-kv/index.html", "guides/server/index.html", "reference/engine/index.html",
-                 "teachers/index.html", "notebooks/01_request_life/index.html", "notebooks/10_serving/index.html"):
+                 "teachers/index.html", "syllabus/index.html", "answer-key/index.html",
+                 "notebooks/01_request_life/index.html", "notebooks/13_speculative_decoding/index.html"):
         assert (site / page).is_file(), page
     engine_ref = (site / "reference/engine/index.html").read_text()
     assert "check_invariants" in engine_ref  # mkdocstrings rendered the docstrings
     for nb in NOTEBOOKS:
         html = (site / "notebooks" / nb.stem / "index.html").read_text()
         assert "data:image/png;base64" in html, f"{nb.stem} rendered no figure"
+        # tqdm.auto's warning without ipywidgets (filtered in each notebook's first cell)
+        assert "Please update jupyter and ipywidgets" not in html, f"{nb.stem} shows tqdm's IProgress warning"
 
 
 def _chromium() -> str | None:
@@ -94,6 +153,14 @@ def test_pages_render_in_headless_chromium(site, tmp_path):
         assert "data:image/png;base64" in page  # the scheduler timeline figure
         shot = artifacts / "notebook-04-scheduler.png"
         subprocess.run([browser, *flags, f"--screenshot={shot}", f"{base}/notebooks/04_scheduler/"],
+                       capture_output=True, timeout=120)
+        assert shot.is_file() and shot.stat().st_size > 10_000
+        # A new notebook page: the speculative-decoding walk-through, with its figures.
+        page = dom(f"{base}/notebooks/13_speculative_decoding/")
+        assert "<h1" in page and "Speculative decoding" in page and "Exercises" in page
+        assert page.count("data:image/png;base64") >= 2  # the histogram and the acceptance per step
+        shot = artifacts / "notebook-13-speculative-decoding.png"
+        subprocess.run([browser, *flags, f"--screenshot={shot}", f"{base}/notebooks/13_speculative_decoding/"],
                        capture_output=True, timeout=120)
         assert shot.is_file() and shot.stat().st_size > 10_000
     finally:

@@ -1,6 +1,11 @@
-"""The exercise checks: they accept correct answers, reject wrong ones, and match the engine."""
+"""The exercise checks: they accept correct answers, reject wrong ones naming the rule broken, and match
+the engine. The capstone's grader: passes the built-in policies, fails broken ones."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import exercise_solutions as solutions
 import pytest
@@ -9,9 +14,12 @@ import torch
 from minivllm import LLMEngine
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
 from minivllm.engine.sequence import Sequence
-from minivllm.exercises import REFERENCES, check
+from minivllm.exercises import REFERENCES, RULES, PolicyContractError, check, check_policy_matches_hf, grade_policy
 from minivllm.sampling_params import SamplingParams
+
+CAPSTONE = Path(__file__).resolve().parent.parent / "exercises" / "capstone"
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
@@ -19,16 +27,28 @@ def test_correct_solutions_pass(name):
     check(name, getattr(solutions, name))
 
 
-@pytest.mark.parametrize("name,wrong", [
-    ("blocks_needed", lambda n, b: n // b),
-    ("cacheable_tokens", lambda n, b: n // b * b),  # forgets that one token must be computed
-    ("plan_step", lambda r, w, b: [min(n, b) for n in r + w]),  # ignores the shared budget
-    ("causal_mask", lambda q, c: torch.ones(q, c, dtype=torch.bool)),
-    ("top_p_keep", lambda p, t: p.cumsum(0) <= t),
+@pytest.mark.parametrize("name,wrong,rule", [
+    ("blocks_needed", lambda n, b: n // b, "round UP"),
+    ("cacheable_tokens", lambda n, b: n // b * b, "at least one prompt token is always computed"),
+    ("plan_step", lambda r, w, b: [min(n, b) for n in r + w], "one token budget is shared"),
+    ("causal_mask", lambda q, c: torch.ones(q, c, dtype=torch.bool), "lower-triangular"),
+    ("top_p_keep", lambda p, t: p.cumsum(0) <= t, "most likely token is always kept"),
+    ("min_p_keep", lambda p, m: p >= m, "min-p is relative"),
+    ("can_ever_run", lambda p, m, nb, bs, ml: p < ml and -(-(p + m) // bs) <= nb, "caps the final length"),
+    ("is_decode", lambda s, n, p: n == 1, "starts inside the prompt"),
+    ("blocks_after_fork", lambda p, b, n: -(-p // b) * n, "whole blocks has no partial block"),
+    ("blocks_after_fork", lambda p, b, n: -(-p // b), "full blocks are SHARED"),
+    ("penalized_logits", lambda lg, p, o, r, f, pr: lg, "repetition penalty"),
+    ("greedy_accept", lambda d, t: [x for x, y in zip(d, t) if x == y], "always emits one token"),
 ])
-def test_wrong_solutions_fail(name, wrong):
-    with pytest.raises(AssertionError, match="the engine says"):
+def test_wrong_solutions_fail_naming_the_rule(name, wrong, rule):
+    with pytest.raises(AssertionError, match="the engine says") as err:
         check(name, wrong)
+    assert "Rule broken: " in str(err.value) and rule in str(err.value)
+
+
+def test_every_exercise_has_rules():
+    assert set(RULES) == set(REFERENCES)
 
 
 def test_references_match_the_running_engine(qwen3_dir):
@@ -48,3 +68,47 @@ def test_references_match_the_running_engine(qwen3_dir):
     for prompt_len, max_tokens in [(10, 5), (63, 1), (64, 1), (20, 200), (3, 150)]:
         seq = engine.make_sequence("x", {"prompt_token_ids": [5] * prompt_len}, SamplingParams(max_tokens=max_tokens))
         assert (engine.unservable_reason(seq) is None) == REFERENCES["can_ever_run"](prompt_len, max_tokens, 40, 4, 64)
+
+
+# --- the capstone's grader ----------------------------------------------------------------------------
+class DropsNonUrgent(FCFSPolicy):
+    """Broken: filters instead of sorting, so a request with priority > 0 is never admitted."""
+
+    def admission_order(self, waiting):
+        return [s for s in waiting if s.priority <= 0]
+
+
+class StaleVictim(FCFSPolicy):
+    """Broken: remembers the first candidates it was offered and keeps preempting from them."""
+
+    def __init__(self):
+        self.first = None
+
+    def choose_victim(self, candidates):
+        self.first = self.first or list(candidates)
+        return self.first[-1]
+
+
+@pytest.mark.parametrize("policy", [FCFSPolicy, PriorityPolicy])
+def test_capstone_grader_passes_the_built_in_policies(policy, qwen3_dir):
+    grade_policy(policy, max_examples=25, hf=False)
+    assert check_policy_matches_hf(policy, qwen3_dir) > 0  # the check ran under memory pressure
+
+
+@pytest.mark.parametrize("policy,rule", [(DropsNonUrgent, "admission_order must return every waiting request"),
+                                         (StaleVictim, "choose_victim must return one of `candidates`")])
+def test_capstone_grader_fails_a_broken_policy(policy, rule):
+    with pytest.raises(PolicyContractError, match=rule):
+        grade_policy(policy, max_examples=100, hf=False, shrink=False)
+
+
+def test_capstone_grader_command(tmp_path):
+    """The student's command: the starter is "not written yet" (2); a correct policy passes (0)."""
+    grade = [sys.executable, str(CAPSTONE / "grade.py")]
+    r = subprocess.run(grade, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "not written yet" in r.stdout, r.stdout + r.stderr
+    mine = tmp_path / "mine.py"
+    mine.write_text("from minivllm.engine.scheduling_policy import PriorityPolicy\n\n\n"
+                    "class Mine(PriorityPolicy):\n    name = 'mine'\n")
+    r = subprocess.run([*grade, str(mine), "--examples", "10", "--no-hf"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Mine passed" in r.stdout, r.stdout + r.stderr

@@ -21,7 +21,8 @@ with chunked prefill every request can start with a chunk of whatever budget is 
 Requests that can never run are refused at `add_sequence` by the engine (see `LLMEngine`), so every
 request admitted here fits in the pool on its own and the loop cannot hang.
 
-Mapping onto the small teaching API of MinivLLM's docs (same method names):
+Mapping onto the small teaching API of MinivLLM (github.com/Wenyueh/MinivLLM — a separate study
+project built on nano-vllm, whose guide writes a scheduler with these method names; not this project):
   add_sequence(seq)             -> same
   schedule() -> (seqs, is_prefill)
                                 -> schedule() -> SchedulerOutput; `is_prefill` is per request
@@ -149,7 +150,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
-        # 1. running requests, oldest first; preempt the newest when blocks run out.
+        # 1. running requests, oldest first; preempt (the policy's victim: fcfs = last admitted) when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

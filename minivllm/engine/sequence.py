@@ -57,7 +57,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self._prompt_list = self.token_ids.tolist()  # the prompt never changes: convert once
         self.sampling_params = sampling_params
-        self.arrival_index = arrival_index  # order of arrival: "newest" means the largest index
+        self.arrival_index = arrival_index  # order of arrival (the "newest" RUNNING one is the last admitted)
         self.seed = seed  # keys the sampling noise with the token position (see layers/sampler.py)
         self.priority = priority  # lower = more urgent, for the "priority" scheduling policy (vLLM's rule)
         self.status = SequenceStatus.WAITING

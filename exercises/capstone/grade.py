@@ -1,0 +1,64 @@
+"""Grade a scheduling policy (the capstone).
+
+    python exercises/capstone/grade.py [exercises/capstone/my_policy.py] [--examples N] [--no-hf]
+
+The file must define exactly one `SchedulingPolicy` subclass. Two parts, in order:
+  1. the scheduler's hypothesis state machine (the one the project's own tests run) under the policy:
+     random arrivals, steps, aborts, failed steps, drafts and forks; the seam's contract on every call,
+     the block manager's invariants after every action, and every request finishing at the end;
+  2. an engine scheduling with the policy on a tiny random model, under memory pressure (so requests
+     are preempted and recomputed) and with mixed priorities: its greedy output must equal HF
+     transformers' (teacher-forced).
+Exit status: 0 passed, 1 failed (the rule broken is printed, with hypothesis's smallest failing run),
+2 not written yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+from minivllm.engine.scheduling_policy import SchedulingPolicy
+from minivllm.exercises import grade_policy
+
+HERE = Path(__file__).resolve().parent
+
+
+def load_policy(path: str | Path) -> type[SchedulingPolicy]:
+    """The one SchedulingPolicy subclass defined in the file at `path`."""
+    spec = importlib.util.spec_from_file_location("student_policy", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    found = [c for c in vars(module).values()
+             if inspect.isclass(c) and issubclass(c, SchedulingPolicy) and c.__module__ == spec.name]
+    if len(found) != 1:
+        raise SystemExit(f"{path}: define exactly one SchedulingPolicy subclass (found {[c.__name__ for c in found]})")
+    return found[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", nargs="?", default=str(HERE / "my_policy.py"))
+    p.add_argument("--examples", type=int, default=100, help="random runs of the state machine")
+    p.add_argument("--no-hf", action="store_true", help="skip part 2 (the comparison with HF transformers)")
+    args = p.parse_args(argv)
+    policy = load_policy(args.path)
+    try:
+        grade_policy(policy, max_examples=args.examples, hf=not args.no_hf)
+    except NotImplementedError:
+        print(f"{policy.__name__} is not written yet: fill in the TODOs in {args.path}")
+        return 2
+    except AssertionError as error:
+        steps = "\n".join(getattr(error, "__notes__", []))  # hypothesis: the smallest failing run
+        print(f"✗ {policy.__name__} failed.\n{error}\n{steps}")
+        return 1
+    print(f"{policy.__name__} passed.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The capstone: your own scheduling policy, behind the engine's policy seam.
+
+Write ONE of these (or another idea your teacher agrees to):
+
+  * priority with aging: like vLLM's "priority" policy (a lower `seq.priority` goes first), but a
+    request's effective priority improves the longer it waits, so a stream of urgent requests can
+    no longer keep a low-priority one waiting forever;
+  * fair share: treat `seq.priority` as a tenant id; admit the request of the tenant that has been
+    served least so far first, and preempt from the tenant that holds the most running requests.
+
+The seam (minivllm/engine/scheduling_policy.py) asks your policy two questions in each step:
+
+  admission_order(waiting)    every waiting request exactly once, most urgent first
+  choose_victim(candidates)   one of `candidates`: whom to preempt when the KV pool runs out
+
+Everything else stays in the Scheduler and holds for any policy: the token budget, chunked
+prefill, the anti-starvation hold, never preempting a request already scheduled in the step.
+Read `FCFSPolicy` and `PriorityPolicy` there first: each is four lines.
+
+What a `Sequence` (minivllm/engine/sequence.py) tells you: `request_id`, `priority`,
+`arrival_index` (0, 1, 2, ... in arrival order), `num_tokens`, `num_output_tokens`,
+`num_computed_tokens`, `num_admission_skips`, `status`. Your policy object lives as long as the
+engine, so it may keep state of its own (e.g. how many steps each request has waited).
+
+Grade it:   python exercises/capstone/grade.py exercises/capstone/my_policy.py
+            (or: pytest exercises/capstone)
+Use it:     LLM(scheduling_policy=MyPolicy()).generate(prompts, params, priority=[...])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+from minivllm.engine.scheduling_policy import SchedulingPolicy
+from minivllm.engine.sequence import Sequence
+
+
+class MyPolicy(SchedulingPolicy):
+    name = "my-policy"
+
+    def __init__(self) -> None:
+        # TODO: the state your policy keeps between steps, if any.
+        pass
+
+    def admission_order(self, waiting: SequenceABC[Sequence]) -> list[Sequence]:
+        # TODO: every request of `waiting` exactly once, the one to try first at the front.
+        # (`waiting` is in arrival order, with preempted requests in front.)
+        raise NotImplementedError
+
+    def choose_victim(self, candidates: SequenceABC[Sequence]) -> Sequence:
+        # TODO: one of `candidates`. candidates[0] is the running request that needs a block; the
+        # others were admitted after it (the last one most recently). Preempting candidates[0]
+        # itself is allowed: it then waits for the others to free blocks.
+        raise NotImplementedError
