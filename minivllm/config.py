@@ -20,6 +20,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
+_QUANTIZATIONS = (None, "int8")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,15 @@ class EngineConfig:
     warmup: bool = True
     # Keep a per-step StepTrace (engine/trace.py) for pictures and teaching; costs a copy per step.
     record_trace: bool = False
+    # Tensor parallelism: split every layer's weights over this many processes (rank 0 is the engine,
+    # the others are workers it starts); see docs/concepts/tensor-parallelism.md.
+    tensor_parallel_size: int = 1
+    # Seconds a collective may wait for the other ranks before the engine gives up (EngineDeadError): a
+    # worker that hangs is found out this late at most (gloo's own default is 30 minutes).
+    distributed_timeout_s: float = 60.0
+    # "int8": the decoder's linear layers run int8 weights with per-token dynamic int8 activations (CPU
+    # only; layers/quantization.py); None: the weights stay in `dtype`. vLLM's name.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -71,7 +81,7 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is invalid: choose one of {_BACKENDS}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes",
-                     "max_admission_skips", "max_logprobs"):
+                     "max_admission_skips", "max_logprobs", "tensor_parallel_size"):
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")
@@ -79,6 +89,17 @@ class EngineConfig:
             positive("num_kv_blocks")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"distributed_timeout_s={t!r} is invalid: it must be a positive number of seconds")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size}: rank r "
+                             "runs on cuda:r (of the node), so pass device='cuda' (or 'auto')")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is invalid: choose one of {_QUANTIZATIONS}")
+        if self.quantization is not None and (self.device.startswith("cuda") or self.tensor_parallel_size > 1):
+            raise ValueError(f"quantization={self.quantization!r} runs on CPU and one rank only (fbgemm's int8 "
+                             "kernels); use device='cpu' and tensor_parallel_size=1, or drop quantization")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         from minivllm.engine.scheduling_policy import get_policy

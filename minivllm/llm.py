@@ -7,14 +7,18 @@
 `generate` adds every prompt to the engine, then steps until all are done and returns the outputs in
 input order. `generate_stream` yields outputs as they grow instead (streaming without a server).
 All prompts are validated before any is added, so a bad one leaves the engine as it was.
+
+`LLM(model, tensor_parallel_size=N)` splits the model over N processes (this one is rank 0; the
+workers are started and ended with the LLM: use `with LLM(...) as llm:` or call `shutdown()`).
+Scripts that do this need the usual `if __name__ == "__main__":` guard (the workers are spawned).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -27,6 +31,7 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 Message = dict[str, Any]
+T = TypeVar("T")
 
 
 class LLM:
@@ -147,7 +152,13 @@ class LLM:
             raise ValueError("no trace is recorded: create the LLM with record_trace=True")
         return list(self.llm_engine.trace)
 
+    def collective_rpc(self, method: Callable[[int, Any], T]) -> list[T]:
+        """`method(rank, model_runner)` on every tensor-parallel rank, results in rank order (see
+        `LLMEngine.collective_rpc`)."""
+        return self.llm_engine.collective_rpc(method)
+
     def shutdown(self) -> None:
+        """End the engine (and its tensor-parallel workers, if any)."""
         self.llm_engine.shutdown()
 
     def __enter__(self) -> "LLM":

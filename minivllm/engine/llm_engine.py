@@ -78,6 +78,8 @@ class LLMEngine:
         check_shardable(spec, config.tensor_parallel_size)  # before any process is started
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, spec, self.device)
+        print(f"minivllm: dtype {str(self.dtype).removeprefix('torch.')} (dtype={config.dtype!r}, checkpoint "
+              f"{spec.dtype}, {self.device.type}), quantization {config.quantization}", file=sys.stderr)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         eos = set(spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -1,19 +1,32 @@
 """Start-up: pick device and dtype, build the model from a checkpoint folder, size the KV pool.
 
 Defaults: device "auto" is CUDA when available, else CPU. dtype "auto" is the checkpoint's dtype on
-CUDA (bfloat16 if it names none) and float32 on CPU, where half-precision matmuls are slow.
+CUDA (bfloat16 if it names none); on CPU bfloat16 for a 16-bit checkpoint when the CPU computes bf16
+in hardware (AMX or avx512_bf16), float32 otherwise (`resolve_dtype`).
+
+`load_rank` is what every rank runs at start-up, rank 0 (the engine) and each tensor-parallel
+worker alike, in the same order, because its last steps are collectives: build this rank's shard of
+the model, agree with the other ranks on the KV pool's size, pick the attention backend for this
+rank's heads. With one rank it is simply "build the model, size the pool".
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from minivllm.config import EngineConfig
+from minivllm.distributed.parallel_state import ParallelContext
+from minivllm.engine.kv_cache import num_kv_blocks_for
+from minivllm.layers.attention import AttentionBackend, get_attention_backend
+from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.layers.quantization import quantize_model
 from minivllm.models import MODEL_REGISTRY
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.loader import load_weights
+from minivllm.models.sharding import ShardLayout
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -27,20 +40,53 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return device
 
 
-def resolve_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device) -> torch.dtype:
+def resolve_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device,
+                  cpu: CpuInfo | None = None) -> torch.dtype:
+    """dtype "auto": on CUDA the checkpoint's dtype (bfloat16 if it names none). On CPU bfloat16 when
+    the checkpoint is 16-bit and the CPU computes bf16 natively (`cpu`, default: this one), else float32:
+    decode streams every weight once per token, so bf16 halves its bytes, but only hardware bf16 turns
+    that into speed, and an fp32 checkpoint (the tests' tiny models) keeps its precision."""
     if config.dtype != "auto":
         return _TORCH_DTYPES[config.dtype]
-    if device.type == "cpu":
-        return torch.float32
-    return _TORCH_DTYPES.get(str(spec.dtype).removeprefix("torch."), torch.bfloat16)
+    checkpoint = _TORCH_DTYPES.get(str(spec.dtype).removeprefix("torch."))
+    if device.type != "cpu":
+        return checkpoint or torch.bfloat16
+    sixteen_bit = checkpoint in (torch.float16, torch.bfloat16)  # fp16 too: CPUs compute bf16, not fp16
+    return torch.bfloat16 if sixteen_bit and (cpu or CpuInfo.read()).native_bf16 else torch.float32
 
 
 def build_model(spec: ModelSpec, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-                max_position: int) -> torch.nn.Module:
-    """Create the model without initialising weights (meta device), then fill it from disk."""
+                max_position: int, tp: ParallelContext | None = None) -> torch.nn.Module:
+    """Create the model without initialising weights (meta device), then fill it from disk; with `tp`
+    of several ranks, only this rank's shard (only the Llama decoder is sharded: models/sharding.py)."""
+    sharded = tp is not None and tp.world_size > 1
     with torch.device("meta"):
-        model = MODEL_REGISTRY[spec.architecture](spec)
+        model_cls = MODEL_REGISTRY[spec.architecture]
+        model = model_cls(spec, tp) if sharded else model_cls(spec)
     model = model.to_empty(device=device).to(dtype)
-    load_weights(model, spec, model_dir)
+    load_weights(model, spec, model_dir, ShardLayout.of(spec, tp.rank, tp.world_size) if sharded else None)
     model.init_rotary(max_position, device)
     return model.eval()
+
+
+class RankModel(NamedTuple):
+    """What one rank runs."""
+
+    model: torch.nn.Module
+    spec: ModelSpec  # the model as this rank sees it: its heads, its share of the MLP (models/sharding.py)
+    num_blocks: int  # the KV pool's size, the same on every rank
+    backend: AttentionBackend
+
+
+def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+              tp: ParallelContext) -> RankModel:
+    """This rank's model, KV pool size and attention backend (`config.max_model_len` resolved)."""
+    model = build_model(spec, config.model, device, dtype, config.max_model_len, tp)
+    if config.quantization is not None:  # after loading: the checkpoint's weights are quantized here
+        quantize_model(model, config.quantization, device)
+    rank_spec = ShardLayout.of(spec, tp.rank, tp.world_size).rank_spec(spec)  # `spec` itself on one rank
+    # Each rank sizes the pool from its own free memory; the smallest wins (a collective).
+    num_blocks = tp.min_over_ranks(num_kv_blocks_for(config, rank_spec, device, dtype))
+    backend = get_attention_backend(config.attention_backend, device, rank_spec.num_attention_heads,
+                                    rank_spec.num_key_value_heads, rank_spec.head_dim, config.block_size)
+    return RankModel(model, rank_spec, num_blocks, backend)

@@ -18,16 +18,25 @@ One step, three phases:
 
 It keeps no per-request state: everything comes from the `SchedulerOutput`, so a failed step
 leaves nothing behind here (the K/V it wrote land in slots the engine treats as uncomputed).
+
+Tensor parallelism: this runner is rank 0's. Between packing and sampling, `executor.run` sends the
+packed batch (`StepInputs`) to the workers, which run the same forward on their shards; the model's
+collectives keep the ranks in step and `compute_logits` gathers the whole vocabulary here
+(distributed/executor.py). Packing and sampling stay on rank 0 alone.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from array import array
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from minivllm.distributed.communication import CopyBlocks, StepInputs
 from minivllm.engine.kv_cache import allocate_kv_cache
 from minivllm.engine.sampling_metadata import PromptLogprob, RowGroupOutput, SamplingBatch, gather_logprobs
 from minivllm.engine.spec_decode.rejection_sampler import RejectionSampler, TritonRejectionSampler, verify_drafts
@@ -40,6 +49,9 @@ from minivllm.layers.logits_processors import apply_logits_processing
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
 from minivllm.models.hf_config import ModelSpec
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.distributed.executor import MultiprocExecutor
 
 
 @dataclass
@@ -55,11 +67,13 @@ class StepBatch:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device,
-                 eos_token_ids: frozenset[int] = frozenset(), state_pool: StatePool | None = None) -> None:
-        self.model, self.spec, self.backend = model, spec, backend
+                 eos_token_ids: frozenset[int] = frozenset(), state_pool: StatePool | None = None,
+                 executor: MultiprocExecutor | None = None) -> None:
+        self.model, self.spec, self.backend = model, spec, backend  # spec: this rank's view (its heads)
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
         self.state_pool = state_pool  # hybrid models only (engine/state_pool.py)
+        self.executor = executor  # tensor parallelism: rank 0's handle on the workers (None: one rank)
         self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))  # per layer (2, num_blocks, bs, Hkv, D)
         triton = backend.name == "triton"
@@ -119,15 +133,16 @@ class ModelRunner:
         batch = self.prepare_inputs(out)
         sb = batch.sampling_batch
         t0 = time.perf_counter()
-        if self.state_pool is not None:  # hybrid: linear-attention layers read/write state slots
-            state = self._linear_attn_metadata(out)
-            hidden, _ = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
-                                   self.backend, state)  # (T, hidden); new states are in the staging slots
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
-                                self.backend)  # (T, hidden)
+        with self._on_every_rank(batch):  # tensor parallelism: the workers run this forward too
+            if self.state_pool is not None:  # hybrid: linear-attention layers read/write state slots
+                state = self._linear_attn_metadata(out)
+                hidden, _ = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
+                                       self.backend, state)  # (T, hidden); new states are in the staging slots
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
+                                    self.backend)  # (T, hidden)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S + P, V)
         result = [RowGroupOutput() for _ in out.scheduled]
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S + P, V)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - t0
@@ -150,6 +165,12 @@ class ModelRunner:
             (result[r.entry].fork_tokens if r.is_fork else result[r.entry].tokens).append(tok)
         return result
 
+    def _on_every_rank(self, batch: StepBatch) -> AbstractContextManager[None]:
+        if self.executor is None:
+            return nullcontext()
+        return self.executor.run(StepInputs.pack(batch.input_ids, batch.positions, batch.attn_metadata,
+                                                 batch.logits_indices))
+
     @staticmethod
     def _record_prompt_logprobs(logits: torch.Tensor, sb: SamplingBatch, result: list[RowGroupOutput]) -> None:
         lp = logits.log_softmax(-1)  # (P, V)
@@ -169,6 +190,9 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write for forked sequences: block dst gets block src's K/V in every layer."""
         if pairs:
+            if self.executor is not None:  # every rank holds its own heads of these blocks
+                with self.executor.run(CopyBlocks(pairs)):
+                    pass
             src = torch.tensor([p[0] for p in pairs], device=self.device)
             dst = torch.tensor([p[1] for p in pairs], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (L, 2, n, bs, Hkv, D)
@@ -180,8 +204,11 @@ class ModelRunner:
                 for b in s.seq.block_table[s.start // bs:(s.start + s.num_new_tokens - 1) // bs + 1]}
 
     def warmup(self, num_tokens: int = 8) -> None:
-        """One small prefill through the whole stack (writes only free, uncached blocks), so lazy
-        initialisation happens before the first request is timed."""
+        """Choose the CPU matmul forms by timing them here (layers/matmul_plan.py; logged at INFO, and
+        printed by `minivllm bench`), then one small prefill through the whole stack (writes only free,
+        uncached blocks), so lazy initialisation happens before the first request is timed."""
+        if hasattr(self.model, "plan_matmuls"):
+            logging.getLogger("minivllm").info("%s", self.model.plan_matmuls().summary())
         num_tokens = min(num_tokens, self.kv_cache.shape[2] * self.block_size)
         seq = Sequence("warmup", [0] * num_tokens, SamplingParams(temperature=1.0, top_p=0.9))
         seq.block_table = list(range(-(-num_tokens // self.block_size)))

@@ -11,6 +11,11 @@ Weights are packed as vLLM packs them: q/k/v in one `qkv_proj`, gate/up in one `
 Every `Linear` shares the model's `matmul_plan`: on CPU, warm-up (`plan_matmuls`) times two forms of
 the same product on this machine and each projection uses the faster (see `layers/matmul_plan.py`).
 There is no batch dimension and no padding: tokens of all requests are rows of one matrix.
+
+Tensor parallelism (`tp`, a `ParallelContext` of N ranks): the layers are built from `rank_spec`, the
+model as one rank sees it (its heads, its share of the MLP: models/sharding.py), so qkv_proj and
+gate_up_proj are column-parallel simply by being smaller; o_proj and down_proj are row-parallel (an
+all-reduce), the embedding and the LM head vocab-parallel (layers/parallel_linear.py).
 """
 
 from __future__ import annotations
@@ -19,21 +24,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear import Linear, linear
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
+from minivllm.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
 from minivllm.layers.rotary import RotaryEmbedding, apply_rotary
 from minivllm.models.hf_config import ModelSpec
+from minivllm.models.sharding import ShardLayout
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan, tp: ParallelContext) -> None:
         super().__init__()
-        self.spec = spec
+        self.spec = spec  # this rank's view: its heads only
         self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias,
-                               plan=plan)
-        self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=False, plan=plan)
+                               plan=plan)  # column-parallel: this rank's heads
+        self.o_proj = RowParallelLinear(spec.q_size, spec.hidden_size, bias=False, plan=plan, tp=tp)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -53,11 +61,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan, tp: ParallelContext = ParallelContext()) -> None:
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias, plan=plan)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, plan=plan)
+        self.intermediate_size = spec.intermediate_size  # this rank's share
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias,
+                                   plan=plan)  # column-parallel
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, plan=plan,
+                                           tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
@@ -65,10 +75,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan, tp: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, plan)
-        self.mlp = MLP(spec, plan)
+        self.self_attn = Attention(spec, plan, tp)
+        self.mlp = MLP(spec, plan, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -78,23 +88,25 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan, layout: ShardLayout, tp: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, plan) for _ in range(spec.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(layout.vocab_size, spec.hidden_size, layout.vocab_start, tp)
+        self.layers = nn.ModuleList(DecoderLayer(spec, plan, tp) for _ in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Also serves Qwen2 and Qwen3 (their switches live in `spec`)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: ParallelContext | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.tp = tp = tp if tp is not None else ParallelContext()
+        self.shard_layout = layout = ShardLayout.of(spec, tp.rank, tp.world_size)
         self.matmul_plan = MatmulPlan()  # shared by every Linear; filled by `plan_matmuls` at warm-up
-        self.model = DecoderModel(spec, self.matmul_plan)
-        if not spec.tie_word_embeddings:
-            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, plan=self.matmul_plan)
+        self.model = DecoderModel(layout.rank_spec(spec), self.matmul_plan, layout, tp)
+        if not spec.tie_word_embeddings:  # vocab-parallel: this rank's rows
+            self.lm_head = Linear(spec.hidden_size, layout.vocab_size, bias=False, plan=self.matmul_plan)
         self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
@@ -114,19 +126,20 @@ class LlamaForCausalLM(nn.Module):
             h = layer(cos_sin, h, kv_cache, meta, backend)
         return self.model.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, V)
-        return linear(hidden, self.lm_head_weight, plan=self.matmul_plan)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (S, hidden) -> (S, V)
+        """The logits of the rows in `hidden`; under tensor parallelism on rank 0 only (None elsewhere):
+        each rank computes its vocabulary slice (S, V/N), gathered on rank 0, which samples."""
+        return self.tp.gather_last_dim(linear(hidden, self.lm_head_weight, plan=self.matmul_plan))
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:  # (V, hidden)
+    def lm_head_weight(self) -> torch.Tensor:  # (V / N, hidden): this rank's rows
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
     def plan_matmuls(self) -> MatmulPlan:
         """Time the two CPU matmul forms over this model's weights, in forward order, and keep the
         faster per shape and row bucket (once; a GPU model keeps F.linear). Called at warm-up."""
         if self.matmul_plan.measured_with_threads is None:
-            weights = [w for layer in self.model.layers for w in (
-                layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-                layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
+            # In forward order; an int8 layer (layers/quantization.py) is no `Linear`: nothing to time.
+            weights = [m.weight for m in self.model.layers.modules() if isinstance(m, Linear)]
             self.matmul_plan.measure(weights + [self.lm_head_weight])
         return self.matmul_plan

@@ -1,0 +1,128 @@
+"""Tensor parallelism's failure model: a worker that dies, hangs or raises ends the engine with a clear
+`EngineDeadError` on rank 0, in bounded time, and no process is left behind. Also: the ranks of
+"another node" started by hand (`python -m minivllm.distributed`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from tp_helpers import child_pids, interrupt_rank_0, raise_on_workers, shard_summary
+
+from minivllm import LLM, SamplingParams
+from minivllm.engine.errors import EngineDeadError
+
+PROMPTS = [{"prompt_token_ids": [5, 17, 33, 80]}, {"prompt_token_ids": list(range(40, 61))}]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+ENGINE = dict(block_size=4, num_kv_blocks=64, warmup=False)
+
+
+def generate(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def worker_pid(llm: LLM) -> int:
+    (process,) = llm.llm_engine.executor.worker_processes
+    return process.pid
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_ends_the_engine_at_once(qwen3_dir, one_thread_per_rank):
+    before = child_pids()
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, distributed_timeout_s=30, **ENGINE)
+    assert generate(llm)
+    os.kill(worker_pid(llm), signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"(?s)worker rank 1 .*SIGKILL"):
+        generate(llm)
+    assert time.monotonic() - start < 10, "a dead peer closes its connections: no need to wait for the timeout"
+    with pytest.raises(EngineDeadError, match="SIGKILL"):  # dead for good, and still says why
+        generate(llm)
+    assert not llm.llm_engine.requests  # the failed requests were aborted by generate()
+    llm.shutdown()
+    assert not child_pids() - before
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_worker_ends_the_engine_after_the_timeout(qwen3_dir, one_thread_per_rank):
+    before = child_pids()
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, distributed_timeout_s=3, **ENGINE)
+    assert generate(llm)
+    time.sleep(4)  # idling longer than the timeout is no failure: the workers wait on the wake group
+    assert generate(llm)
+    pid = worker_pid(llm)
+    os.kill(pid, signal.SIGSTOP)  # alive, holding its connections, answering nothing
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"(?s)Timed out.*distributed_timeout_s=3 s"):
+        generate(llm)
+    assert 3 <= time.monotonic() - start < 3 + 10
+    assert pid not in child_pids(), "the hung worker was killed"
+    llm.shutdown()
+    assert not child_pids() - before
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_waits_for_the_step_and_a_worker_that_raises_reports_its_traceback(qwen3_dir, one_thread_per_rank):
+    before = child_pids()
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, distributed_timeout_s=30, **ENGINE)
+    with pytest.raises(TypeError, match="module-level function"):  # refused before anything is sent
+        llm.collective_rpc(lambda rank, runner: rank)
+    with pytest.raises(KeyboardInterrupt):  # raised once the ranks are done: they stay in step
+        llm.collective_rpc(interrupt_rank_0)
+    assert generate(llm) and llm.collective_rpc(shard_summary)[1]["rank"] == 1  # alive and well
+    with pytest.raises(EngineDeadError, match=r"(?s)worker rank 1 .*raised.*ValueError: injected failure on rank 1"):
+        llm.collective_rpc(raise_on_workers)
+    with pytest.raises(EngineDeadError, match="injected failure"):
+        generate(llm)
+    llm.shutdown()
+    llm.shutdown()  # twice is fine
+    assert not child_pids() - before
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_ranks_started_by_hand_as_on_another_node(qwen3_dir, monkeypatch, one_thread_per_rank):
+    """Rank 0 starts no worker (LOCAL_WORLD_SIZE=1); rank 1 joins through MASTER_ADDR / MASTER_PORT."""
+    expected = generate(LLM(qwen3_dir, **ENGINE))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "RANK": "1", "LOCAL_WORLD_SIZE": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    node = subprocess.Popen([sys.executable, "-m", "minivllm.distributed", "--device", "cpu"], env=env)
+    try:
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.setenv(var, env[var])
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        with LLM(qwen3_dir, tensor_parallel_size=2, **ENGINE) as llm:
+            assert llm.llm_engine.executor.worker_processes == []
+            assert generate(llm) == expected
+            assert [s["rank"] for s in llm.collective_rpc(shard_summary)] == [0, 1]
+        assert node.wait(timeout=30) == 0  # Shutdown reached the other "node": its ranks left cleanly
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+
+
+@pytest.mark.timeout(120)
+def test_the_interpreter_exit_ends_the_workers(qwen3_dir):
+    """A script that never calls shutdown(): its workers must not outlive it."""
+    script = ("import torch\nfrom minivllm import LLM\nif __name__ == '__main__':\n"
+              "    torch.set_num_threads(1)\n"
+              f"    llm = LLM({qwen3_dir!r}, tensor_parallel_size=2, block_size=4, num_kv_blocks=16)\n"
+              "    print(llm.llm_engine.executor.worker_processes[0].pid, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[-1])
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
