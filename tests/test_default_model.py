@@ -33,13 +33,23 @@ def test_chat_answers_paris(default_llm):
     assert out.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, the EOS of the chat template
 
 
-def test_matches_hf_reading_the_same_gguf(default_llm):
-    """HF transformers dequantizes the GGUF itself: every greedy token is its argmax too."""
+def test_runs_bf16_by_default_where_the_cpu_computes_it(default_llm):
+    """The GGUF is quantized (config.json says bfloat16), so dtype "auto" picks bf16 on such a CPU."""
+    from minivllm.layers.matmul_plan import CpuInfo
+
+    assert default_llm.llm_engine.spec.dtype == "bfloat16"
+    assert default_llm.llm_engine.dtype == (torch.bfloat16 if CpuInfo.read().native_bf16 else torch.float32)
+
+
+def test_matches_hf_reading_the_same_gguf():
+    """HF transformers dequantizes the GGUF itself: in fp32, every greedy token is its argmax too."""
     gguf = installed_gguf() or default_model_dir().parent.parent / "gguf" / GGUF_NAME
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    prompt = default_llm.get_tokenizer()("The history of Rome").input_ids
-    out = default_llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12,
-                                                                          ignore_eos=True), use_tqdm=False)[0]
+    llm = LLM(dtype="float32")
+    prompt = llm.get_tokenizer()("The history of Rome").input_ids
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    llm.shutdown()
     assert_hf_greedy(hf, prompt, out.outputs[0].token_ids, tol=1e-3)
 
 

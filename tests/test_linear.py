@@ -59,10 +59,13 @@ def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
             key = MatmulKey(out_f, in_f, dtype, bucket)
             speedup = plan.speedups[key]
             assert 0 < speedup < float("inf")
-            assert plan.forms[key] is (MatmulForm.WEIGHT_LEFT if speedup > 1 + MARGIN else MatmulForm.LINEAR)
+            assert (plan.forms[key] is MatmulForm.LINEAR) == (speedup <= 1 + MARGIN)
             assert {plan.form_for(w, rows) for rows in range(bucket.lo, bucket.hi + 1)} == {plan.forms[key]}
         assert plan.form_for(w, 65) is MatmulForm.LINEAR
     assert len(plan.forms) == len(set(shapes)) * len(ROW_BUCKETS)
+    packed = {(k.out_features, k.in_features) for k, f in plan.forms.items() if f is MatmulForm.PACKED}
+    for w, shape in zip(weights, shapes):  # a packed copy exactly where some bucket runs packed
+        assert (getattr(w, "packed", None) is not None) == (shape in packed)
     summary = plan.summary()
     assert CpuInfo.read().model_name in summary
     assert all(f"{o} x {i} {str(dtype).removeprefix('torch.')}" in summary for o, i in set(shapes))

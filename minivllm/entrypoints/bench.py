@@ -11,13 +11,16 @@ Each system first runs a warm-up workload of the same shape with other tokens. A
 share of minivllm's step time spent outside the model forward.
 
 `single_stream`: one request, 64 new tokens, batch 1, on the default model (SmolLM2-135M) unless
---model: local chat speed, minivllm against HF `generate`.
+--model: local chat speed, minivllm with its defaults (dtype "auto") against HF `generate` in fp32.
 
-Both first print the CPU (model name, AMX, avx512_bf16) and the matmul form minivllm chose by
-measurement for each weight shape and row bucket (see `minivllm/layers/matmul_plan.py`).
+Both first print the CPU (model name, AMX, avx512_bf16), the dtype, and the matmul form minivllm chose
+by measurement for each weight shape and row bucket (see `minivllm/layers/matmul_plan.py`); after the
+run, the achieved weight bandwidth and matmul FLOP/s against the machine's peaks, measured at start
+(`roofline.py`). Every engine flag is passed on: `--dtype bfloat16`, `--quantization int8`,
+`--speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'`, ...
 
-    minivllm bench [--num-requests 32] [--no-hf-cb] [--model PATH]
-    minivllm bench --single-stream [--model PATH]
+    minivllm bench [--num-requests 32] [--no-hf-cb] [--model PATH] [engine flags]
+    minivllm bench --single-stream [--model PATH] [engine flags]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from minivllm import LLM, SamplingParams
+from minivllm.entrypoints.roofline import matmul_weights, measure_peaks, report
 from minivllm.testing import make_tiny_model
 
 BENCH_MODEL = dict(family="qwen3", vocab_size=32000, hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2,
@@ -63,8 +67,9 @@ def run_minivllm(llm: LLM, prompts, outputs, warmup) -> tuple[float, dict]:
     after = llm.get_stats()
     step = after.step_time_s - before.step_time_s
     fwd = after.forward_time_s - before.forward_time_s
+    rows = (after.num_prefill_tokens + after.num_decode_tokens) - (before.num_prefill_tokens + before.num_decode_tokens)
     return elapsed, {"steps": after.num_steps - before.num_steps, "overhead": 1 - fwd / step,
-                     "outside_step": 1 - step / elapsed}
+                     "outside_step": 1 - step / elapsed, "rows": rows}
 
 
 @torch.inference_mode()
@@ -97,30 +102,37 @@ def run_hf_continuous(model, prompts, outputs) -> float:
     return time.perf_counter() - t0
 
 
-def throughput(model: str | None = None, num_requests: int = 32, hf_cb: bool = True, hf: bool = True) -> dict:
+def throughput(model: str | None = None, num_requests: int = 32, hf_cb: bool = True, hf: bool = True,
+               **engine_kwargs) -> dict:
+    """`engine_kwargs` (the CLI's engine flags: --dtype, --quantization, --speculative-config ...) go to
+    `LLM`; HF runs in the dtype the engine resolved."""
     with tempfile.TemporaryDirectory() as tmp:
         path = model or str(make_tiny_model(tmp, **BENCH_MODEL))
-        llm = LLM(path, dtype="float32", device="cpu")
-        spec = llm.llm_engine.spec
+        llm = LLM(path, **{"device": "cpu", **engine_kwargs})
+        spec, dtype = llm.llm_engine.spec, llm.llm_engine.dtype
         prompts, outputs = workload(num_requests, spec.vocab_size)
         warmup = workload(num_requests, spec.vocab_size, seed=1)  # same shape, other tokens: no cache hits
         tokens = sum(outputs)
-        params = sum(p.numel() for p in llm.llm_engine.model.parameters()) / 1e6
-        print(f"model: {spec.architecture} {params:.1f}M params, fp32, {torch.get_num_threads()} threads; "
-              f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {tokens} output tokens")
+        weights = matmul_weights(llm.llm_engine.model)
+        print(f"model: {spec.architecture} {(weights.decoder_params + weights.lm_head_params) / 1e6:.1f}M matmul "
+              f"params, {_describe(llm)}, {torch.get_num_threads()} threads; {len(prompts)} requests, "
+              f"{sum(map(len, prompts))} prompt tokens, {tokens} output tokens")
         print_matmul_plan(llm)
+        peaks = measure_peaks(dtype)
         t_mini, info = run_minivllm(llm, prompts, outputs, warmup)
         llm.shutdown()
-        result = {"minivllm_tok_s": tokens / t_mini, "overhead": info["overhead"]}
+        result = {"minivllm_tok_s": tokens / t_mini, "overhead": info["overhead"], "dtype": dtype}
         print(f"minivllm        {tokens / t_mini:8.1f} tok/s  ({t_mini:.2f} s, {info['steps']} steps; "
               f"{100 * info['overhead']:.1f}% of step time outside the model forward, "
               f"{100 * info['outside_step']:.1f}% of wall time outside step())")
+        print(report(peaks, weights, t_mini, info["steps"], info["rows"], tokens))
         if not hf:
             return result
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         t_gen = run_hf_generate(hf_model, prompts, outputs, warmup)
         result["vs_hf_generate"] = t_gen / t_mini
-        print(f"HF generate     {tokens / t_gen:8.1f} tok/s  ({t_gen:.2f} s)   minivllm is {t_gen / t_mini:.2f}x")
+        print(f"HF generate     {tokens / t_gen:8.1f} tok/s  ({t_gen:.2f} s, {_name(dtype)})   "
+              f"minivllm is {t_gen / t_mini:.2f}x")
         if hf_cb:
             t_cb = run_hf_continuous(hf_model, prompts, outputs)
             result["vs_hf_continuous"] = t_cb / t_mini
@@ -129,13 +141,16 @@ def throughput(model: str | None = None, num_requests: int = 32, hf_cb: bool = T
 
 
 def single_stream(model: str | None = None, new_tokens: int = 64, hf: bool = True,
-                  prompt: str = "The capital of France is", repeats: int = 3) -> dict:
+                  prompt: str = "The capital of France is", repeats: int = 3, **engine_kwargs) -> dict:
     """Each system: one warm-up generation of the same length (another prompt), then the median of
-    `repeats` timed runs (prefix caching is switched off so every run computes its prompt)."""
-    llm = LLM(model, dtype="float32", device="cpu", enable_prefix_caching=False)
+    `repeats` timed runs (prefix caching is switched off so every run computes its prompt). minivllm
+    runs with its defaults (dtype "auto") and `engine_kwargs`; HF `generate` in fp32, its CPU default."""
+    llm = LLM(model, **{"device": "cpu", "enable_prefix_caching": False, **engine_kwargs})
     path = llm.llm_engine.config.model
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     print_matmul_plan(llm)
+    weights = matmul_weights(llm.llm_engine.model)
+    peaks = measure_peaks(llm.llm_engine.dtype)
     llm.generate("Once upon a time", sp, use_tqdm=False)  # warm-up
     times = []
     for _ in range(repeats):
@@ -143,11 +158,12 @@ def single_stream(model: str | None = None, new_tokens: int = 64, hf: bool = Tru
         llm.generate(prompt, sp, use_tqdm=False)
         times.append(time.perf_counter() - t0)
     t_mini = sorted(times)[len(times) // 2]
+    print(f"single stream, batch 1, {new_tokens} new tokens, {torch.get_num_threads()} threads, median of {repeats}")
+    print(f"minivllm        {new_tokens / t_mini:6.1f} tok/s  ({_describe(llm)})")
+    print(report(peaks, weights, t_mini, new_tokens, new_tokens + len(llm.get_tokenizer()(prompt).input_ids),
+                 new_tokens))
     llm.shutdown()
-    print(f"single stream, batch 1, {new_tokens} new tokens, fp32, {torch.get_num_threads()} threads, "
-          f"median of {repeats}")
-    print(f"minivllm        {new_tokens / t_mini:6.1f} tok/s")
-    result = {"minivllm_tok_s": new_tokens / t_mini}
+    result = {"minivllm_tok_s": new_tokens / t_mini, "dtype": llm.llm_engine.dtype}
     if hf:
         tok = AutoTokenizer.from_pretrained(path)
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -163,8 +179,19 @@ def single_stream(model: str | None = None, new_tokens: int = 64, hf: bool = Tru
                 times.append(time.perf_counter() - t0)
         t_hf = sorted(times)[len(times) // 2]
         result["vs_hf_generate"] = t_hf / t_mini
-        print(f"HF generate     {new_tokens / t_hf:6.1f} tok/s   minivllm is {t_hf / t_mini:.2f}x")
+        print(f"HF generate     {new_tokens / t_hf:6.1f} tok/s  (float32)   minivllm is {t_hf / t_mini:.2f}x")
     return result
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(llm: LLM) -> str:
+    """The precision the engine runs in, e.g. "bfloat16 (dtype auto)" or "bfloat16, int8 weights"."""
+    config = llm.llm_engine.config
+    quantized = f", {config.quantization} weights" if config.quantization else ""
+    return f"{_name(llm.llm_engine.dtype)} (dtype {config.dtype}){quantized}"
 
 
 def set_threads(threads: int | None) -> None:

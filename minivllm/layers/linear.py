@@ -2,9 +2,9 @@
 
 Decode batches are skinny: a few rows against weights that do not fit in cache, so a decode step is
 bound by how fast the weights stream from memory, and on CPU that speed depends on how the product
-is written (x W^T or (W x^T)^T) in a way that differs from one CPU to the next. `matmul_plan.py`
-times both on the machine at hand during warm-up; this module only asks the plan. Without a plan, or
-before it is measured, or on a GPU, every product is plain `F.linear`.
+is written (x W^T, (W x^T)^T, or x W^T with W prepacked for oneDNN) in a way that differs from one CPU
+to the next. `matmul_plan.py` times the forms on the machine at hand during warm-up; this module only
+asks the plan. Without a plan, or before it is measured, or on a GPU, every product is plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.matmul_plan import MatmulForm, MatmulPlan, matmul
+from minivllm.layers.matmul_plan import MatmulForm, MatmulPlan, matmul, packed_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -23,6 +23,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     form = plan.form_for(weight, x.shape[0])
     if form is MatmulForm.LINEAR:
         return F.linear(x, weight, bias)  # the bias fused in
+    if form is MatmulForm.PACKED:
+        return packed_linear(x, weight, bias)  # here too
     y = matmul(x, weight, form)
     return y if bias is None else y + bias
 

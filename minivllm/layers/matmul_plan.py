@@ -1,22 +1,30 @@
-"""`MatmulPlan`: which of two equal matmul forms each CPU linear layer uses, chosen by timing both.
+"""`MatmulPlan`: which of three equal matmul forms each CPU linear layer uses, chosen by timing them.
 
-A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Two forms give the same y:
+A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Three forms give the same y:
 
     LINEAR       y = F.linear(x, W) = x W^T    torch's default; MKL / oneDNN picks the kernel
     WEIGHT_LEFT  y = (W x^T)^T                 W stays the left, row-major operand; a single row is
                                                stacked twice so the product stays a gemm, not a gemv
+    PACKED       y = x W^T, W reordered once   oneDNN's blocked weight layout, made at warm-up
+                 into oneDNN's blocked layout  (`pack`), as vLLM's CPU backend and Inductor's
+                                               freezing pass prepack theirs
 
 Which one is faster is a property of the machine, not of the maths. On 2 AMD EPYC cores WEIGHT_LEFT
-streams the weights 1.5-3x faster for 1-4 rows (about even above); on an Intel Xeon Sapphire Rapids (AMX) the same trick
-made single-stream decode 2x slower (10.8 tok/s against 22.9 with F.linear). So nothing is assumed:
-`measure` times both forms on the machine at hand and keeps the faster one per `MatmulKey`
-(out_features, in_features, dtype, row bucket). `summary()` says what was chosen and why.
+streams fp32 weights 1.5-3x faster for 1-4 rows (about even above) and PACKED is 1.2-1.6x faster
+than F.linear in bf16 at every row count (plain bf16 F.linear made bf16 decode slower than fp32); on
+an Intel Xeon Sapphire Rapids (AMX) WEIGHT_LEFT made single-stream decode 2x slower (10.8 tok/s
+against 22.9 with F.linear). So nothing is assumed: `measure` times the forms on the machine at hand
+and keeps the fastest per `MatmulKey` (out_features, in_features, dtype, row bucket). `summary()` says
+what was chosen and why.
 
 Invariants:
   * Unmeasured means LINEAR. No warm-up, a GPU, more than 64 rows, or weights that fit in the
     last-level cache (nothing to stream, only noise to time): `form_for` answers LINEAR.
-  * WEIGHT_LEFT must beat LINEAR by `MARGIN` at BOTH ends of a bucket (e.g. 17 and 64 rows), so one
+  * Another form must beat LINEAR by `MARGIN` at BOTH ends of a bucket (e.g. 17 and 64 rows), so one
     lucky row count cannot make a whole bucket slow; ties and noise keep the default.
+  * A packed copy is kept (as `weight.packed`) only for the weights of a shape that PACKED won in
+    some bucket; the plain weight stays too (the other buckets, the tied embedding), so such a
+    layer holds its weight twice in RAM, though a step streams only one of the two.
   * Timing runs over the model's own weights in forward order (the first layers, at least 2x the
     last-level cache, plus one weight of every other shape): a memory-bound matmul timed on one
     weight that sits in cache looks several times faster than it runs in a model, and the
@@ -38,21 +46,43 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-MARGIN = 0.05  # WEIGHT_LEFT must be at least 5 % faster to replace the default
+MARGIN = 0.05  # another form must be at least 5 % faster to replace the default
 
 
 class MatmulForm(Enum):
     LINEAR = "x W^T"
     WEIGHT_LEFT = "(W x^T)^T"
+    PACKED = "packed"
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, form: MatmulForm) -> torch.Tensor:
     """x (rows, in) times weight (out, in)^T -> (rows, out), computed in the given form."""
     if form is MatmulForm.LINEAR:
         return F.linear(x, weight)
+    if form is MatmulForm.PACKED:
+        return packed_linear(x, weight)
     if x.shape[0] == 1:  # W @ (one column) would take the gemv path: two columns, keep the first
         return (weight @ torch.cat([x, x]).t())[:, :1].t()  # (1, out)
     return (weight @ x.t()).t().contiguous()  # (rows, out)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
+
+
+def pack(weight: torch.Tensor) -> None:
+    """Keep a copy of `weight` in oneDNN's blocked layout as `weight.packed` (an opaque mkldnn tensor,
+    only for `packed_linear`), the way vLLM sets attributes on its parameters."""
+    with torch.no_grad():
+        weight.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b through oneDNN with the packed copy of W (packed now, once, if the plan has not)."""
+    if getattr(weight, "packed", None) is None:
+        pack(weight)
+    return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")  # (rows, out)
 
 
 class RowBucket(NamedTuple):
@@ -87,6 +117,13 @@ class CpuInfo:
     amx: bool  # Intel Advanced Matrix Extensions (amx_tile): oneDNN's bf16/int8 tile kernels
     avx512_bf16: bool
     last_level_cache_bytes: int
+    vnni: bool = False  # int8 dot products summed in 32 bits (avx512_vnni / avx_vnni): fbgemm's int8 kernels
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether the CPU computes bf16 in hardware (AMX tiles or AVX-512 BF16 dot products); without
+        either, oneDNN converts bf16 to fp32 in software and bf16 gains nothing but half the bytes."""
+        return self.amx or self.avx512_bf16
 
     @classmethod
     def read(cls) -> "CpuInfo":
@@ -102,7 +139,8 @@ class CpuInfo:
                     break  # the first processor is enough
         except OSError:
             pass
-        return cls(name, "amx_tile" in flags, "avx512_bf16" in flags, _last_level_cache_bytes())
+        return cls(name, "amx_tile" in flags, "avx512_bf16" in flags, _last_level_cache_bytes(),
+                   vnni=bool(flags & {"avx512_vnni", "avx_vnni"}))
 
     def __str__(self) -> str:
         yes_no = {True: "yes", False: "no"}
@@ -127,7 +165,7 @@ class MatmulPlan:
     """The chosen form per `MatmulKey`, filled by `measure`; `form_for` is called by every `linear`."""
 
     forms: dict[MatmulKey, MatmulForm] = field(default_factory=dict)
-    speedups: dict[MatmulKey, float] = field(default_factory=dict)  # LINEAR time / WEIGHT_LEFT time
+    speedups: dict[MatmulKey, float] = field(default_factory=dict)  # LINEAR time / fastest other form's
     measured_with_threads: int | None = None  # None: not measured (yet)
     weight_bytes: int = 0  # of the weights `measure` was given
 
@@ -138,27 +176,43 @@ class MatmulPlan:
         return self.forms.get(MatmulKey(weight.shape[0], weight.shape[1], weight.dtype, bucket), MatmulForm.LINEAR)
 
     @torch.inference_mode()
-    def measure(self, weights: list[torch.Tensor], repeats: int = 3, cache_bytes: int | None = None) -> None:
-        """Time both forms over `weights` (the model's, in forward order) for each bucket and keep the
-        faster. CPU weights only: on a GPU the plan stays empty (LINEAR). Weights that fit in the
+    def measure(self, weights: list[torch.Tensor], repeats: int = 5, cache_bytes: int | None = None) -> None:
+        """Time the forms over `weights` (the model's, in forward order) for each bucket and keep the
+        fastest. CPU weights only: on a GPU the plan stays empty (LINEAR). Weights that fit in the
         last-level cache (`cache_bytes`, default: this CPU's) are not timed and keep LINEAR: the
-        trick speeds up streaming weights from memory, which such a model does not do, and timing
+        other forms speed up streaming weights from memory, which such a model does not do, and timing
         microsecond matmuls on a shared machine measures the other processes more than the forms."""
         weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
         if not weights:
             return
         cache_bytes = CpuInfo.read().last_level_cache_bytes if cache_bytes is None else cache_bytes
         self.weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-        speedups: dict[MatmulKey, float] = {}  # the worse of the bucket's two ends
+        # per key and form: LINEAR time / that form's time, the worse of the bucket's two ends
+        speedups: dict[MatmulKey, dict[MatmulForm, float]] = {}
         if self.weight_bytes >= cache_bytes:
             sample = _cache_flushing_sample(weights, 2 * cache_bytes)
+            for w in sample:
+                if can_pack(w):
+                    pack(w)
             for bucket in ROW_BUCKETS:
                 for rows in sorted({bucket.lo, bucket.hi}):
-                    for shape, (t_linear, t_weight_left) in _time_forms(sample, rows, repeats).items():
-                        key = MatmulKey(*shape, bucket)
-                        speedups[key] = min(speedups.get(key, math.inf), t_linear / t_weight_left)
-        self.speedups = speedups
-        self.forms = {k: MatmulForm.WEIGHT_LEFT if s > 1 + MARGIN else MatmulForm.LINEAR for k, s in speedups.items()}
+                    for shape, times in _time_forms(sample, rows, repeats).items():
+                        worst = speedups.setdefault(MatmulKey(*shape, bucket), {})
+                        for form, t in times.items():
+                            if form is not MatmulForm.LINEAR:
+                                worst[form] = min(worst.get(form, math.inf), times[MatmulForm.LINEAR] / t)
+        self.forms, self.speedups = {}, {}
+        for key, by_form in speedups.items():
+            best = max(by_form, key=by_form.get)
+            self.speedups[key] = by_form[best]
+            self.forms[key] = best if by_form[best] > 1 + MARGIN else MatmulForm.LINEAR
+        packed_shapes = {(k.out_features, k.in_features, k.dtype) for k, f in self.forms.items() if f is MatmulForm.PACKED}
+        for w in weights:  # every weight of a shape that runs packed somewhere, and no other
+            if (w.shape[0], w.shape[1], w.dtype) in packed_shapes:
+                if getattr(w, "packed", None) is None:
+                    pack(w)
+            elif getattr(w, "packed", None) is not None:
+                del w.packed
         self.measured_with_threads = torch.get_num_threads()
 
     def summary(self) -> str:
@@ -172,7 +226,8 @@ class MatmulPlan:
                     "last-level cache, nothing to stream faster")
         lines = [str(cpu), f"matmul form by measurement ({self.measured_with_threads} threads; above "
                  f"{ROW_BUCKETS[-1].hi} rows always {MatmulForm.LINEAR.value}); speed-up = time of "
-                 f"{MatmulForm.LINEAR.value} / time of {MatmulForm.WEIGHT_LEFT.value}",
+                 f"{MatmulForm.LINEAR.value} / time of the fastest other form ({MatmulForm.WEIGHT_LEFT.value} "
+                 f"or {MatmulForm.PACKED.value}: oneDNN's prepacked weight)",
                  "  weight (out x in)".ljust(26) + "".join(f"rows {b}".ljust(22) for b in ROW_BUCKETS)]
         for out_f, in_f, dtype in dict.fromkeys((k.out_features, k.in_features, k.dtype) for k in self.forms):
             keys = [MatmulKey(out_f, in_f, dtype, bucket) for bucket in ROW_BUCKETS]
@@ -196,17 +251,19 @@ def _cache_flushing_sample(weights: list[torch.Tensor], min_bytes: int) -> list[
     return sample
 
 
-def _time_forms(weights: list[torch.Tensor], rows: int, repeats: int) -> dict[tuple, tuple[float, float]]:
-    """Per (out, in, dtype): the best of `repeats` passes of the summed time of its weights, for
-    (LINEAR, WEIGHT_LEFT). Passes alternate between the forms, so drift in the machine hits both alike."""
+def _time_forms(weights: list[torch.Tensor], rows: int, repeats: int) -> dict[tuple, dict[MatmulForm, float]]:
+    """Per (out, in, dtype): the best of `repeats` passes of the summed time of its weights, per form
+    (PACKED only for weights `pack` has packed). Passes alternate between the forms, so drift in the
+    machine hits them all alike."""
     xs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-    forms = (MatmulForm.LINEAR, MatmulForm.WEIGHT_LEFT)
+    packed = all(getattr(w, "packed", None) is not None for w in weights)
+    forms = list(MatmulForm) if packed else [MatmulForm.LINEAR, MatmulForm.WEIGHT_LEFT]
     for w in {(w.shape[0], w.shape[1], w.dtype): w for w in weights}.values():  # first calls: set-up costs
         for form in forms:
             matmul(xs[w.shape[1], w.dtype], w, form)
-    best: dict[tuple, list[float]] = {}
+    best: dict[tuple, dict[MatmulForm, float]] = {}
     for _ in range(repeats):
-        for i, form in enumerate(forms):
+        for form in forms:
             pass_time: dict[tuple, float] = {}
             for w in weights:
                 shape = (w.shape[0], w.shape[1], w.dtype)
@@ -214,6 +271,6 @@ def _time_forms(weights: list[torch.Tensor], rows: int, repeats: int) -> dict[tu
                 matmul(xs[w.shape[1], w.dtype], w, form)
                 pass_time[shape] = pass_time.get(shape, 0.0) + time.perf_counter() - t0
             for shape, t in pass_time.items():
-                times = best.setdefault(shape, [math.inf, math.inf])
-                times[i] = min(times[i], t)
-    return {shape: (t[0], t[1]) for shape, t in best.items()}
+                times = best.setdefault(shape, {})
+                times[form] = min(times.get(form, math.inf), t)
+    return best

@@ -1,0 +1,113 @@
+"""quantization="int8": int8 weights (per output row) with per-token dynamic int8 activations, close to
+the float model, refused where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minivllm import LLM, SamplingParams
+from minivllm.config import EngineConfig
+from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.linear import Linear
+from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.layers.quantization import Int8Linear, quantize_model
+
+VNNI = CpuInfo.read().vnni
+
+
+def relative_error(y: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:  # per row
+    return (y.float() - reference).norm(dim=-1) / reference.norm(dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int8_linear_is_close_to_the_float_product(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(192, 128, generator=g) / 128 ** 0.5
+    bias = torch.randn(192, generator=g)
+    x = torch.randn(rows, 128, generator=g).to(dtype)
+    layer = Int8Linear(w.to(dtype), bias.to(dtype), reduce_range=not VNNI)
+    y = layer(x)
+    assert y.shape == (rows, 192) and y.dtype == dtype
+    reference = F.linear(x.float(), w.to(dtype).float(), bias.to(dtype).float())
+    assert relative_error(y, reference).max() < 0.03  # 8-bit weights and activations: ~1 % here
+
+
+def test_each_token_gets_its_own_scale():
+    """A row 1000x larger in the same batch leaves the others as precise as alone (one scale for the
+    whole batch would round them to a few levels)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 128, generator=g) / 128 ** 0.5
+    x = torch.randn(4, 128, generator=g)
+    layer = Int8Linear(w, None, reduce_range=not VNNI)
+    alone = relative_error(layer(x), F.linear(x, w))
+    batch = torch.cat([x, 1000 * torch.randn(1, 128, generator=g)])
+    with_outlier = relative_error(layer(batch)[:4], F.linear(x, w))
+    assert with_outlier.max() < 0.03 and with_outlier.max() < 2 * alone.max()
+
+
+def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # (len(ids), V): teacher-forced
+    runner = llm.llm_engine.model_runner
+    seq = Sequence("probe", ids, SamplingParams())
+    seq.block_table = list(range(-(-len(ids) // runner.block_size)))
+    batch = runner.prepare_inputs(SchedulerOutput([ScheduledSequence(seq, 0, len(ids))]))
+    with torch.inference_mode():
+        hidden = runner.model(batch.input_ids, batch.positions, batch.attn_metadata, runner.kv_caches, runner.backend)
+        return runner.model.compute_logits(hidden).float()
+
+
+@pytest.fixture(scope="module")
+def fp32_and_int8(qwen3_dir):
+    fp32 = LLM(qwen3_dir, num_kv_blocks=32)
+    int8 = LLM(qwen3_dir, num_kv_blocks=32, quantization="int8")
+    yield fp32, int8
+    fp32.shutdown(), int8.shutdown()
+
+
+def test_the_decoder_linears_are_int8_and_the_lm_head_is_not(fp32_and_int8):
+    _, int8 = fp32_and_int8
+    model = int8.llm_engine.model
+    int8_layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(int8_layers) == 4 * model.spec.num_hidden_layers  # qkv, o, gate_up, down
+    assert not any(isinstance(m, Linear) for m in model.model.layers.modules())
+    assert model.lm_head_weight.dtype == torch.float32
+
+
+def test_int8_engine_agrees_with_fp32_teacher_forced(fp32_and_int8):
+    fp32, int8 = fp32_and_int8
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, fp32.llm_engine.spec.vocab_size, (96,), generator=g).tolist()
+    reference, quantized = prompt_logits(fp32, ids), prompt_logits(int8, ids)
+    agreement = (reference.argmax(-1) == quantized.argmax(-1)).float().mean().item()
+    assert agreement >= 0.9
+    assert relative_error(quantized, reference).max() < 0.1
+
+
+def test_int8_engine_generates(fp32_and_int8):
+    _, int8 = fp32_and_int8
+    out = int8.generate([{"prompt_token_ids": [5, 9, 77, 200]}] * 2,
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(quantization="int4"), "choose one of"),
+    (dict(quantization="int8", device="cuda"), "CPU"),
+    (dict(quantization="int8", device="cuda:0"), "CPU"),
+    (dict(quantization="int8", tensor_parallel_size=2), "one rank"),
+])
+def test_unsupported_quantization_is_refused_with_what_to_change(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig(model="m", **kwargs)
+
+
+def test_quantizing_a_model_on_cuda_is_refused():
+    """device="auto" resolves to CUDA after the config is checked: the loader refuses there too."""
+    model = torch.nn.Sequential(Linear(8, 8))
+    with pytest.raises(ValueError, match="CPU only"):
+        quantize_model(model, "int8", torch.device("cuda"))
+    assert isinstance(model[0], Linear)  # untouched
