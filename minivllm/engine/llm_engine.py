@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import logging
 import sys
 import itertools
 import time
@@ -78,8 +79,14 @@ class LLMEngine:
         check_shardable(spec, config.tensor_parallel_size)  # before any process is started
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, spec, self.device)
-        print(f"minivllm: dtype {str(self.dtype).removeprefix('torch.')} (dtype={config.dtype!r}, checkpoint "
-              f"{spec.dtype}, {self.device.type}), quantization {config.quantization}", file=sys.stderr)
+        chosen = (f"minivllm: dtype {str(self.dtype).removeprefix('torch.')} (dtype={config.dtype!r}, checkpoint "
+                  f"{spec.dtype}, {self.device.type}), quantization {config.quantization}")
+        # Say it on stderr when the machine made the choice (auto picked other than the checkpoint's).
+        machine_choice = config.dtype == "auto" and str(self.dtype).removeprefix("torch.") != str(spec.dtype)
+        if machine_choice or config.quantization:
+            print(chosen, file=sys.stderr)
+        else:
+            logging.getLogger("minivllm").info(chosen)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         eos = set(spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
