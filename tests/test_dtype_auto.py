@@ -57,12 +57,21 @@ def test_an_explicit_dtype_and_cuda_are_untouched_by_the_cpu_rule(spec):
     assert auto(spec, None, NOT_NATIVE, cuda) == torch.bfloat16
 
 
-def test_the_engine_prints_the_dtype_it_chose_once(qwen3_dir, capsys):
+def test_the_engine_says_the_dtype_once_and_prints_it_when_the_machine_chose(qwen3_dir, capsys, caplog):
+    """The checkpoint's own dtype is only logged; quantization (or a dtype "auto" picked on this CPU
+    other than the checkpoint's) is printed on stderr, once."""
+    import logging
+
     from minivllm import LLM
 
-    LLM(qwen3_dir, num_kv_blocks=8, warmup=False)
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        LLM(qwen3_dir, num_kv_blocks=8, warmup=False)
+    assert not [line for line in capsys.readouterr().err.splitlines() if "dtype" in line]
+    assert [r.getMessage() for r in caplog.records if "dtype" in r.getMessage()] == [
+        "minivllm: dtype float32 (dtype='auto', checkpoint float32, cpu), quantization None"]
+    LLM(qwen3_dir, num_kv_blocks=8, warmup=False, quantization="int8")
     lines = [line for line in capsys.readouterr().err.splitlines() if "dtype" in line]
-    assert lines == ["minivllm: dtype float32 (dtype='auto', checkpoint float32, cpu), quantization None"]
+    assert lines == ["minivllm: dtype float32 (dtype='auto', checkpoint float32, cpu), quantization int8"]
 
 
 def test_a_converted_gguf_records_the_precision_it_holds(tmp_path, monkeypatch, model_factory):
