@@ -206,7 +206,8 @@ class MatmulPlan:
             best = max(by_form, key=by_form.get)
             self.speedups[key] = by_form[best]
             self.forms[key] = best if by_form[best] > 1 + MARGIN else MatmulForm.LINEAR
-        packed_shapes = {(k.out_features, k.in_features, k.dtype) for k, f in self.forms.items() if f is MatmulForm.PACKED}
+        packed_shapes = {(k.out_features, k.in_features, k.dtype)
+                         for k, f in self.forms.items() if f is MatmulForm.PACKED}
         for w in weights:  # every weight of a shape that runs packed somewhere, and no other
             if (w.shape[0], w.shape[1], w.dtype) in packed_shapes:
                 if getattr(w, "packed", None) is None:
