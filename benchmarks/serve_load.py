@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from minivllm.entrypoints.openai.loadgen import percentile, run_load
+from loadgen import percentile, run_load  # benchmarks/loadgen.py, next to this script
 
 
 def main() -> None:

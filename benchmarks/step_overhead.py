@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from minivllm import LLM, SamplingParams
-from minivllm.testing import make_tiny_model
+from minivllm.teaching.checkpoints import make_tiny_model
 
 
 def overhead_per_step_ms(model: str, num_blocks: int, requests: int, max_tokens: int) -> float:

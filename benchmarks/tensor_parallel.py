@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
     for (t, h), s in sorted(all_reduce_times(shapes, args.repeats).items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(f"  T={t:5d} hidden={h:5d} ({t * h * 4 / 1024:8.1f} KiB): {s * 1e6:8.0f} us")
 
-    from minivllm.testing import make_tiny_model
+    from minivllm.teaching.checkpoints import make_tiny_model
 
     with tempfile.TemporaryDirectory() as d:
         model = str(make_tiny_model(d, family="qwen3", hidden_size=512, intermediate_size=1536, num_layers=4,

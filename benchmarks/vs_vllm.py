@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     from minivllm.default_model import default_model_dir
     from minivllm.entrypoints.bench import BENCH_MODEL, workload as make_workload
     from minivllm.layers.matmul_plan import CpuInfo
-    from minivllm.testing import make_tiny_model
+    from minivllm.teaching.checkpoints import make_tiny_model
 
     print(f"{CpuInfo.read()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at start")
     python = ensure_venv(Path(args.venv).resolve(), args.skip_install)

@@ -1,7 +1,7 @@
 """Your answers to the notebooks' exercises. Fill in each function, then run
 
     pytest exercises/          # every exercise, checked against the engine
-    # or, in a notebook:  from minivllm.exercises import check; check("blocks_needed", blocks_needed)
+    # or, in a notebook:  from minivllm.teaching.exercises import check; check("blocks_needed", blocks_needed)
 
 Each function says which notebook it belongs to. Leave the signatures as they are. A wrong answer
 is reported with the rule it broke and the smallest case that shows it.
@@ -100,4 +100,11 @@ def penalized_logits(logits: torch.Tensor, prompt_ids: list[int], output_ids: li
 def greedy_accept(draft_ids: list[int], target_ids: list[int]) -> list[int]:
     """Greedy verification. target_ids[j] is the target's argmax after the last token and the first j
     drafts (len(draft_ids) + 1 of them). Return the tokens the step emits."""
+    raise NotImplementedError
+
+
+# 14 · tensor parallelism -----------------------------------------------------------------------------
+def kv_heads_of_rank(num_kv_heads: int, rank: int, world_size: int) -> list[int]:
+    """The KV heads (numbered as in the checkpoint, ascending) that rank `rank` of `world_size` holds.
+    Either num_kv_heads divides by world_size or world_size by num_kv_heads."""
     raise NotImplementedError

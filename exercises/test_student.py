@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import student
 
-from minivllm.exercises import REFERENCES, check
+from minivllm.teaching.exercises import REFERENCES, check
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))

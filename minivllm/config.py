@@ -65,6 +65,12 @@ class EngineConfig:
     # "int8": the decoder's linear layers run int8 weights with per-token dynamic int8 activations (CPU
     # only; layers/quantization.py); None: the weights stay in `dtype`. vLLM's name.
     quantization: str | None = None
+    # False: the code between attention calls is compiled with torch.compile for steps of up to
+    # max(compile_sizes) tokens, each step padded up to the next size (models/compiled_pieces.py); on
+    # CUDA each size is also captured as a CUDA graph. True: every step runs eagerly (vLLM's name).
+    # None (default): compiled on CUDA, eager on CPU, where compiling measured no faster.
+    enforce_eager: bool | None = None
+    compile_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -100,6 +106,15 @@ class EngineConfig:
         if self.quantization is not None and (self.device.startswith("cuda") or self.tensor_parallel_size > 1):
             raise ValueError(f"quantization={self.quantization!r} runs on CPU and one rank only (fbgemm's int8 "
                              "kernels); use device='cpu' and tensor_parallel_size=1, or drop quantization")
+        sizes = self.compile_sizes
+        if (not isinstance(sizes, (tuple, list)) or not sizes
+                or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes)):
+            raise ValueError(f"compile_sizes={sizes!r} is invalid: give positive token counts, e.g. (1, 2, 4, 8), "
+                             "or pass enforce_eager=True to compile nothing")
+        if not isinstance(sizes, tuple):  # a list (from JSON or the CLI) is kept as a tuple: the config is frozen
+            object.__setattr__(self, "compile_sizes", tuple(sizes))
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True, False or None (auto)")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         from minivllm.engine.scheduling_policy import get_policy

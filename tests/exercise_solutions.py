@@ -93,3 +93,10 @@ def greedy_accept(draft_ids, target_ids):
             return out + [t]
         out.append(d)
     return out + [target_ids[len(draft_ids)]]
+
+
+def kv_heads_of_rank(num_kv_heads, rank, world_size):
+    if num_kv_heads < world_size:  # replicated: the head of this rank's query heads
+        return [rank * num_kv_heads // world_size]
+    per_rank = num_kv_heads // world_size
+    return list(range(rank * per_rank, (rank + 1) * per_rank))

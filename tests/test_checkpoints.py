@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_hf_greedy
 from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
 from minivllm.models.hf_config import parse_model_spec
+from minivllm.teaching.hf_check import assert_hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5, 17, 33, 80, 120, 7]}, {"prompt_token_ids": list(range(40, 61))}]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 import os
 import subprocess
 import sys
@@ -99,7 +100,8 @@ def test_every_config_field_is_a_flag_with_help(sub):
         assert action.option_strings[0] == "--" + name.replace("_", "-")
         assert describe(name), f"EngineConfig.{name} has no description: add it to engine_args.HELP"
         assert f"(default: {fields[name].default})" in action.help  # read from the dataclass, never restated
-        assert isinstance(action, argparse.BooleanOptionalAction) == (type(fields[name].default) is bool)
+        is_bool = typing.get_type_hints(EngineConfig)[name] in (bool, bool | None)  # enforce_eager: None = auto
+        assert isinstance(action, argparse.BooleanOptionalAction) == is_bool
 
 
 def test_flags_parse_to_config_values_and_only_given_ones_are_passed():

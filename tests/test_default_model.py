@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_hf_greedy
 from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
 from minivllm.default_model import GGUF_NAME, default_model_dir, installed_gguf
+from minivllm.teaching.hf_check import assert_hf_greedy
 
 
 @pytest.fixture(scope="module")

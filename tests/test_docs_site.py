@@ -23,7 +23,7 @@ MAX_CODE_LINE = 88  # what a code cell shows at the site's width (1280 px screen
 
 
 def test_notebooks_committed_without_outputs_and_in_shape():
-    assert len(NOTEBOOKS) >= 13
+    assert len(NOTEBOOKS) >= 14
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
         code = [c for c in nb["cells"] if c["cell_type"] == "code"]
@@ -49,14 +49,15 @@ def _fake_trace():
 
 
 def test_figures_are_readable_at_the_site_width():
-    """Every picture of minivllm.viz: text of 8 pt or more, steps on integer ticks, 8 inches wide."""
+    """Every picture of minivllm.teaching.viz: text of 8 pt or more, steps on integer ticks, 8 inches wide."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.text import Text
 
-    from minivllm import viz
+    from minivllm.models.sharding import WeightSlice
+    from minivllm.teaching import viz
 
     class Seq:
         def __init__(self, rid, table, n):
@@ -72,6 +73,10 @@ def test_figures_are_readable_at_the_site_width():
         "tables": lambda: viz.plot_block_tables([Seq("p", [7, 2, 9], 11), Seq("c", [7, 2, 4], 11)],
                                                 [0, 0, 2, 0, 1, 0, 0, 2, 0, 1], 4, {4: 9}),
         "distributions": lambda: viz.plot_distributions({"p": [0.5, 0.5], "q": [0.9, 0.1]}, ["x", "y"]),
+        "shards": lambda: viz.plot_weight_shards(  # by rows, by columns, and a replicated KV head
+            {"q": (8, 4), "k": (2, 4), "o": (4, 8)},
+            {"q": [WeightSlice(0, 0, 4), WeightSlice(0, 4, 8)], "k": [WeightSlice(0, 0, 2)] * 2,
+             "o": [WeightSlice(1, 0, 4), WeightSlice(1, 4, 8)]}),
     }
     for name, draw in drawings.items():
         ax = draw()

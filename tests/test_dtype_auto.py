@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from gguf_writer import write_llama_gguf
 
 from minivllm.config import EngineConfig
 from minivllm.engine.loading import resolve_dtype
 from minivllm.layers.matmul_plan import CpuInfo
 from minivllm.models.hf_config import load_model_spec
-from minivllm.testing import write_llama_gguf
 
 CPU = torch.device("cpu")
 NATIVE = {"amx": CpuInfo("a Xeon with AMX", amx=True, avx512_bf16=True, last_level_cache_bytes=1 << 25),

@@ -16,8 +16,10 @@ from minivllm.config import EngineConfig
 from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
 from minivllm.engine.sequence import Sequence
-from minivllm.exercises import REFERENCES, RULES, PolicyContractError, check, check_policy_matches_hf, grade_policy
 from minivllm.sampling_params import SamplingParams
+from minivllm.teaching.capstone import check_policy_matches_hf, grade_policy
+from minivllm.teaching.exercises import REFERENCES, RULES, check
+from minivllm.teaching.scheduler_machine import PolicyContractError
 
 CAPSTONE = Path(__file__).resolve().parent.parent / "exercises" / "capstone"
 
@@ -40,6 +42,8 @@ def test_correct_solutions_pass(name):
     ("blocks_after_fork", lambda p, b, n: -(-p // b), "full blocks are SHARED"),
     ("penalized_logits", lambda lg, p, o, r, f, pr: lg, "repetition penalty"),
     ("greedy_accept", lambda d, t: [x for x, y in zip(d, t) if x == y], "always emits one token"),
+    ("kv_heads_of_rank", lambda kv, r, n: list(range(r * kv // n, (r + 1) * kv // n)), "exactly ONE KV head"),
+    ("kv_heads_of_rank", lambda kv, r, n: [r * kv // n] if kv < n else list(range(r, kv, n)), "CONSECUTIVE"),
 ])
 def test_wrong_solutions_fail_naming_the_rule(name, wrong, rule):
     with pytest.raises(AssertionError, match="the engine says") as err:

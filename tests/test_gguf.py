@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_writer import write_llama_gguf
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.engine.sequence import Sequence
-from minivllm.testing import write_llama_gguf
 
 
 def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_hf_greedy, run_with_flaky_sampler, varied_prompts
+from helpers import run_with_flaky_sampler, varied_prompts
 
 from minivllm import LLM, SamplingParams
-from minivllm.testing import make_tiny_model
+from minivllm.teaching.checkpoints import make_tiny_model
+from minivllm.teaching.hf_check import assert_hf_greedy
 
 torch.set_num_threads(1)  # tiny tensors: threads only add overhead on 2 cores
 

@@ -3,6 +3,9 @@
     kernels/          imports nothing from minivllm (it is installed as `minivllm.kernels`, so only a
                       one-dot relative import `from .x import y` may reach a sibling kernel module)
     minivllm/layers/  imports nothing from minivllm/models/ (models are built from layers, not back)
+    minivllm/         (the engine: everything outside teaching/) imports nothing from minivllm/teaching/,
+                      the code of the notebooks and the course; one exception, `minivllm bench`, which
+                      times a tiny random checkpoint (teaching/checkpoints.py) when given no model
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
     return sorted(found, key=lambda item: item[0])  # ast.walk is breadth-first
 
 
-def violations(folder: Path, package: str, forbidden: str) -> list[str]:
-    """Imports of `forbidden` (a module or any of its submodules) by the .py files under `folder`."""
+def violations(folder: Path, package: str, forbidden: str, skip: str | None = None) -> list[str]:
+    """Imports of `forbidden` (a module or any of its submodules) by the .py files under `folder`,
+    but those in its subfolder `skip`."""
     bad = []
     for path in sorted(folder.rglob("*.py")):
         sub = path.relative_to(folder).parent.parts
+        if skip is not None and sub[:1] == (skip,):
+            continue
         for line, name in imported_modules(path.read_text(), ".".join((package, *sub))):
             if name == forbidden or name.startswith(forbidden + ".") or name.startswith("<"):
                 bad.append(f"{folder.name}/{path.relative_to(folder)}:{line} imports {name}")
@@ -59,6 +65,22 @@ def test_layers_import_nothing_from_models():
     assert violations(ROOT / "minivllm" / "layers", "minivllm.layers", "minivllm.models") == []
 
 
+# The engine's only use of the teaching code, {file: module}: `minivllm bench` without --model times a
+# tiny random checkpoint, built by the notebooks' own function (it is a command, not the engine).
+ENGINE_USES_OF_TEACHING = {"minivllm/entrypoints/bench.py": "minivllm.teaching.checkpoints"}
+
+
+def test_the_engine_imports_nothing_from_teaching():
+    found = violations(ROOT / "minivllm", "minivllm", "minivllm.teaching", skip="teaching")
+
+    def allowed(violation: str) -> bool:
+        file, name = violation.split(":")[0], violation.split(" imports ")[1]
+        module = ENGINE_USES_OF_TEACHING.get(file)
+        return module is not None and (name == module or name.startswith(module + "."))
+
+    assert [v for v in found if not allowed(v)] == []
+
+
 def test_the_checker_sees_nested_relative_and_dynamic_imports(tmp_path):
     (tmp_path / "k.py").write_text(
         "from .seeding import noise_seed\n"
@@ -72,3 +94,7 @@ def test_the_checker_sees_nested_relative_and_dynamic_imports(tmp_path):
     assert len(violations(tmp_path, "minivllm.layers", "minivllm.models")) == 2  # module and module.name
     (tmp_path / "k.py").write_text("from .rotary import RopeSpec\nfrom minivllm.layers import linear\n")
     assert violations(tmp_path, "minivllm.layers", "minivllm.models") == []
+    (tmp_path / "teaching").mkdir()
+    (tmp_path / "teaching" / "t.py").write_text("from minivllm.teaching import viz\n")
+    assert len(violations(tmp_path, "minivllm", "minivllm.teaching")) == 2
+    assert violations(tmp_path, "minivllm", "minivllm.teaching", skip="teaching") == []

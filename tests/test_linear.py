@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_hf_greedy, varied_prompts
+from helpers import varied_prompts
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.linear import Linear, linear
 from minivllm.layers.matmul_plan import (MARGIN, ROW_BUCKETS, CpuInfo, MatmulForm, MatmulKey, MatmulPlan, matmul,
                                          row_bucket)
+from minivllm.teaching.hf_check import assert_hf_greedy
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from helpers import assert_hf_greedy, varied_prompts
+from helpers import varied_prompts
 
 from minivllm import LLM, SamplingParams
+from minivllm.teaching.hf_check import assert_hf_greedy
 
 FAMILIES = ["qwen3", "qwen2", "llama", "llama_mha_tied_llama3"]
 

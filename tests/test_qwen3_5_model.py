@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM
 from minivllm.models.hf_config import load_model_spec, parse_model_spec
 from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM as MiniQwen3_5
 from minivllm.models.qwen3_5 import text_weight_name
-from minivllm.testing import make_tiny_model
+from minivllm.teaching.checkpoints import make_tiny_model
 
 LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 TOL = dict(atol=1e-3, rtol=1e-3)

@@ -12,10 +12,10 @@ import time
 import httpx
 import openai
 import pytest
+from loadgen import percentile, run_load
 from server_helpers import free_port, metric, scrape
 
 from minivllm import LLM, SamplingParams
-from minivllm.entrypoints.openai.loadgen import percentile, run_load
 
 MODEL = "tiny-qwen3"
 

@@ -4,11 +4,12 @@ and rejected drafts leaving no trace."""
 from __future__ import annotations
 
 import pytest
-from helpers import assert_hf_greedy, run_with_flaky_sampler
+from helpers import run_with_flaky_sampler
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.spec_decode.ngram import ngram_lookup
 from minivllm.engine.spec_decode.proposer import Draft, DraftRequest, Proposer
+from minivllm.teaching.hf_check import assert_hf_greedy
 
 REPEATING = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # n-gram lookup finds continuations here
 PROMPTS = [REPEATING, list(range(20, 41)), [3, 4]]
@@ -180,7 +181,7 @@ def test_trace_shows_drafts_and_acceptances(model_factory, reference):
 
 
 def test_bad_configurations_are_refused(model_factory, tmp_path):
-    from minivllm.testing import make_tiny_model
+    from minivllm.teaching.checkpoints import make_tiny_model
 
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         llm_for(model_factory, {"method": "ngram"})

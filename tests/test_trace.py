@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from minivllm import LLM, SamplingParams  # noqa: E402
-from minivllm.viz import plot_block_map, plot_cache_hits, plot_timeline  # noqa: E402
+from minivllm.teaching.viz import plot_block_map, plot_cache_hits, plot_timeline  # noqa: E402
 
 
 def test_trace_records_what_each_step_did(qwen3_dir):

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_hf_greedy, varied_prompts
+from helpers import varied_prompts
 
 from minivllm import LLM, SamplingParams
+from minivllm.teaching.hf_check import assert_hf_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from minivllm.engine.scheduling_policy import SchedulingPolicy
-from minivllm.exercises import grade_policy
+from minivllm.teaching.capstone import grade_policy
 
 HERE = Path(__file__).resolve().parent
 

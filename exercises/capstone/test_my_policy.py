@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from grade import HERE, load_policy
 
-from minivllm.exercises import grade_policy
+from minivllm.teaching.capstone import grade_policy
 
 
 def test_my_policy():

@@ -47,7 +47,7 @@ from minivllm.distributed.executor import MultiprocExecutor
 from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.errors import EngineDeadError, is_fatal
-from minivllm.engine.loading import RankModel, load_rank, resolve_device, resolve_dtype
+from minivllm.engine.loading import RankModel, compile_decision, load_rank, resolve_device, resolve_dtype
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.input_processor import InputProcessor, PromptType
 from minivllm.engine.output_processor import OutputProcessor, RequestState
@@ -98,6 +98,9 @@ class LLMEngine:
         try:
             rank = self._load_rank(config, spec)  # this rank's shard (its heads) and the KV pool's size
             self.model, num_blocks = rank.model, rank.num_blocks
+            # Eager or compiled (decided in load_rank the same way on every rank), in words.
+            self.compilation = compile_decision(self.model, config, self.device)[1]
+            logging.getLogger("minivllm").info("minivllm: forward %s", self.compilation)
             # Hybrid models: the linear-attention layers' state pool, one slot pair per running request.
             self.state_pool = (StatePool(spec, config.max_num_seqs, self.dtype, self.device)
                                if spec.linear_attn is not None else None)

@@ -47,6 +47,7 @@ from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
 from minivllm.layers.logits_processors import apply_logits_processing
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
+from minivllm.models.compiled_pieces import padded_num_tokens
 from minivllm.models.hf_config import ModelSpec
 from minivllm.sampling_params import SamplingParams
 
@@ -74,7 +75,14 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.state_pool = state_pool  # hybrid models only (engine/state_pool.py)
         self.executor = executor  # tensor parallelism: rank 0's handle on the workers (None: one rank)
-        self.kv_cache = allocate_kv_cache(spec, num_blocks, block_size, dtype, device)
+        # A compiled model has graphs for a few token counts only; each step is padded up to one of them
+        # (models/compiled_pieces.py). Padding rows store their K/V in one extra block, `scratch_block`,
+        # which the block manager never hands out (it knows `num_blocks` blocks).
+        compiled = getattr(model, "compiled", None)
+        self.compile_sizes: tuple[int, ...] = compiled.sizes if compiled is not None else ()
+        self.num_blocks = num_blocks
+        self.scratch_block = num_blocks if self.compile_sizes else None
+        self.kv_cache = allocate_kv_cache(spec, num_blocks + bool(self.compile_sizes), block_size, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))  # per layer (2, num_blocks, bs, Hkv, D)
         triton = backend.name == "triton"
         self.sampler = TritonSampler() if triton else Sampler()
@@ -103,12 +111,20 @@ class ModelRunner:
             elif start + n == seq.num_tokens:  # the chunk reaches the end: sample its last row
                 sb.add_sampled(i, seq, row - 1, self.eos_token_ids)
         dev = self.device
+        num_padding = padded_num_tokens(self.compile_sizes, row) - row if self.compile_sizes else 0
+        if num_padding:  # token 0 at position 0, K/V to the scratch block (see __init__)
+            input_ids.extend([0] * num_padding)
+            positions.extend([0] * num_padding)
+            seq_index.extend([len(tables)] * num_padding)
+            tables.append([self.scratch_block])
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         positions_t = torch.frombuffer(positions, dtype=torch.int64)
         seq_index_t = torch.frombuffer(seq_index, dtype=torch.int64)
         # slot = physical block of the position's logical block * block_size + offset in the block
         slot_mapping = block_tables[seq_index_t, positions_t // bs].long() * bs + positions_t % bs
+        if num_padding:
+            block_tables = block_tables[:-1]  # the scratch "table" was only for the slots above
         cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
         meta = AttentionMetadata(
@@ -206,12 +222,16 @@ class ModelRunner:
     def warmup(self, num_tokens: int = 8) -> None:
         """Choose the CPU matmul forms by timing them here (layers/matmul_plan.py; logged at INFO, and
         printed by `minivllm bench`), then one small prefill through the whole stack (writes only free,
-        uncached blocks), so lazy initialisation happens before the first request is timed."""
+        uncached blocks), so lazy initialisation happens before the first request is timed; a compiled
+        model runs one prefill of each compiled size."""
         if hasattr(self.model, "plan_matmuls"):
             logging.getLogger("minivllm").info("%s", self.model.plan_matmuls().summary())
-        num_tokens = min(num_tokens, self.kv_cache.shape[2] * self.block_size)
-        seq = Sequence("warmup", [0] * num_tokens, SamplingParams(temperature=1.0, top_p=0.9))
-        seq.block_table = list(range(-(-num_tokens // self.block_size)))
-        if self.state_pool is not None:
-            seq.state_slots = [0]  # reads nothing (start 0), writes a staging slot that is never published
-        self.execute_model(SchedulerOutput([ScheduledSequence(seq, 0, num_tokens)]))
+        # A compiled model: one step of each compiled size, so that every graph (and CUDA graph) is made
+        # now rather than in the middle of the first requests.
+        for n in self.compile_sizes or (num_tokens,):
+            n = min(n, self.num_blocks * self.block_size)
+            seq = Sequence("warmup", [0] * n, SamplingParams(temperature=1.0, top_p=0.9))
+            seq.block_table = list(range(-(-n // self.block_size)))
+            if self.state_pool is not None:
+                seq.state_slots = [0]  # reads nothing (start 0), writes a staging slot that is never published
+            self.execute_model(SchedulerOutput([ScheduledSequence(seq, 0, n)]))

@@ -3,7 +3,7 @@
 Each `StepTrace` says which requests ran in the step and how (prefill chunk or decode, which token
 range), who was preempted or finished, and the KV pool afterwards: every live request's block table
 and which blocks are free or cached. The notebooks draw scheduler timelines and block maps from it
-(see `minivllm/viz.py`). Recording copies the block tables every step, so it is off by default.
+(see `minivllm/teaching/viz.py`). Recording copies the block tables every step, so it is off by default.
 """
 
 from __future__ import annotations

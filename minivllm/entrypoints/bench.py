@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.roofline import matmul_weights, measure_peaks, report
-from minivllm.testing import make_tiny_model
+from minivllm.teaching.checkpoints import make_tiny_model
 
 BENCH_MODEL = dict(family="qwen3", vocab_size=32000, hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2,
                    head_dim=64, intermediate_size=1536, tie_word_embeddings=True, max_position_embeddings=1024)
@@ -55,6 +55,7 @@ def _greedy(outputs: list[int]) -> list[SamplingParams]:
 def print_matmul_plan(llm: LLM) -> None:
     """Measure the CPU matmul forms now if the engine's warm-up has not (idempotent), and print them."""
     print(llm.llm_engine.model.plan_matmuls().summary())
+    print(f"forward: {llm.llm_engine.compilation}")
 
 
 def run_minivllm(llm: LLM, prompts, outputs, warmup) -> tuple[float, dict]:

@@ -48,6 +48,8 @@ HELP: dict[str, str] = {
     "cpu_kv_cache_bytes": "the KV cache's size on CPU, in bytes",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' "
                           "or '{\"model\": \"path/to/draft\", \"num_speculative_tokens\": 3}'",
+    "compile_sizes": "token counts that get a compiled graph, comma-separated (e.g. 1,2,4,8); a step is padded up "
+                     "to the next one, larger steps run eagerly",
     "scheduling_policy": "fcfs (first come, first served) or priority (a lower request `priority` first, "
                          "as in vLLM)",
 }
@@ -123,4 +125,11 @@ def _json_object(text: str) -> dict:
     return value
 
 
-_PARSERS = {int: int, float: float, str: str, dict: _json_object}
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers (e.g. 1,2,4,8), got {text!r}") from None
+
+
+_PARSERS = {int: int, float: float, str: str, dict: _json_object, tuple: _int_tuple}

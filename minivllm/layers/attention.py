@@ -40,6 +40,12 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    @property
+    def num_tokens(self) -> int:
+        """The requests' rows; a compiled step may carry more (padding, after these: their K/V go to a
+        scratch slot and their attention output is zero)."""
+        return sum(self.query_lens)
+
 
 class AttentionBackend(abc.ABC):
     """What the model needs from attention. One instance serves every layer."""

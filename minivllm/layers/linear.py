@@ -21,6 +21,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if plan is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     form = plan.form_for(weight, x.shape[0])
+    if torch.compiler.is_compiling():
+        # Inside a compiled piece (models/compiled_pieces.py) Inductor would choose its own kernel for the
+        # product (and cannot see a prepacked weight); an opaque op keeps the kernel the plan measured.
+        return torch.ops.minivllm.planned_linear(x, weight, bias, form.name)
+    return _planned_linear(x, weight, bias, form)
+
+
+@torch.library.custom_op("minivllm::planned_linear", mutates_args=())
+def _planned_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
+    # Contiguous, as the fake below promises (one WEIGHT_LEFT row comes back as a strided view).
+    return _planned_linear(x, weight, bias, MatmulForm[form]).contiguous()
+
+
+@_planned_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])  # shapes only, for tracing
+
+
+def _planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    form: MatmulForm) -> torch.Tensor:
     if form is MatmulForm.LINEAR:
         return F.linear(x, weight, bias)  # the bias fused in
     if form is MatmulForm.PACKED:

@@ -85,7 +85,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
 
-        out = q.new_empty(T, self.num_heads * D)
+        # Rows past the requests' own (padding for a compiled step: models/compiled_pieces.py) get zeros.
+        out = q.new_empty(T, self.num_heads * D) if T == meta.num_tokens else q.new_zeros(T, self.num_heads * D)
         # --- decode rows: one padded SDPA call ---
         if plan.decode_rows is not None:
             Bd, nb = plan.decode_block_tables.shape
@@ -97,11 +98,11 @@ class TorchAttentionBackend(AttentionBackend):
             mask = plan.decode_mask
             if isinstance(mask, int):  # every row has the same context: cut the padding instead
                 kd, vd, mask = kd[:, :, :mask], vd[:, :, :mask], None
-            qd = q if plan.all_decode else q[plan.decode_rows]
+            qd = q[:Bd] if plan.all_decode else q[plan.decode_rows]  # all decode: rows 0..Bd-1
             qd = qd.view(Bd, Hkv, G, D)  # the G query heads of a KV head become G "query rows"
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
             od = od.reshape(Bd, self.num_heads * D)  # (Bd, Hkv, G, D) -> (Bd, Hq*D)
-            if plan.all_decode:
+            if plan.all_decode and Bd == T:
                 return od
             out.index_copy_(0, plan.decode_rows, od)
 

@@ -31,6 +31,7 @@ from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
 from minivllm.layers.rotary import RotaryEmbedding, apply_rotary
+from minivllm.models.compiled_pieces import CompiledPieces
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.sharding import ShardLayout
 
@@ -46,7 +47,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
 
-    def forward(self, cos_sin, x, kv_cache, meta, backend: AttentionBackend):
+    def project(self, cos_sin, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> q (T, Hq, D), k and v (T, Hkv, D), RoPE applied: everything before attention."""
         s = self.spec
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
@@ -55,9 +57,7 @@ class Attention(nn.Module):
         v = v.view(T, s.num_key_value_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos_sin)
-        o = backend.forward(q, k, v, kv_cache, meta)  # (T, Hq*D)
-        return self.o_proj(o)
+        return (*apply_rotary(q, k, cos_sin), v)
 
 
 class MLP(nn.Module):
@@ -82,8 +82,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, cos_sin, h, kv_cache, meta, backend):
-        h = h + self.self_attn(cos_sin, self.input_layernorm(h), kv_cache, meta, backend)
+    # A layer is two pieces around attention, so that the pieces can be compiled while attention, whose
+    # shapes change every step, stays eager (models/compiled_pieces.py). Eagerly, the layer computes
+    #   q, k, v = pre_attention(h);  h = post_attention(h, attention(q, k, v))
+    def pre_attention(self, cos_sin, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.project(cos_sin, self.input_layernorm(h))  # q (T, Hq, D), k, v (T, Hkv, D)
+
+    def post_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:  # o (T, Hq*D) -> h (T, hidden)
+        h = h + self.self_attn.o_proj(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -108,6 +114,7 @@ class LlamaForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:  # vocab-parallel: this rank's rows
             self.lm_head = Linear(spec.hidden_size, layout.vocab_size, bias=False, plan=self.matmul_plan)
         self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
+        self.compiled: CompiledPieces | None = None  # set by `compile_pieces`; None: every step eager
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.spec.head_dim, max_position, self.spec.rope, device)
@@ -122,9 +129,17 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # (T, hidden)
         h = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, h.dtype)  # once per step, shared by all layers
+        compiled = self.compiled.for_tokens(h.shape[0]) if self.compiled is not None else None
+        pre, post = compiled or (DecoderLayer.pre_attention, DecoderLayer.post_attention)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(cos_sin, h, kv_cache, meta, backend)
+            q, k, v = pre(layer, cos_sin, h)
+            h = post(layer, h, backend.forward(q, k, v, kv_cache, meta))  # attention: (T, Hq*D)
         return self.model.norm(h)
+
+    def compile_pieces(self, sizes: tuple[int, ...], device: torch.device) -> None:
+        """From now on, steps of exactly one of `sizes` tokens run the layers' pieces compiled (the model
+        runner pads steps up to a size); each size is compiled the first time it runs."""
+        self.compiled = CompiledPieces(DecoderLayer.pre_attention, DecoderLayer.post_attention, sizes, device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (S, hidden) -> (S, V)
         """The logits of the rows in `hidden`; under tensor parallelism on rank 0 only (None elsewhere):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.testing import make_tiny_model
+from minivllm.teaching.checkpoints import make_tiny_model
 
 
 @pytest.fixture(scope="session")

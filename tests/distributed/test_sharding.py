@@ -16,7 +16,7 @@ from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.engine.loading import build_model
 from minivllm.models.hf_config import LinearAttnSpec, load_model_spec, parse_model_spec
 from minivllm.models.sharding import ShardLayout, check_shardable
-from minivllm.testing import make_tiny_model
+from minivllm.teaching.checkpoints import make_tiny_model
 
 SPEC_BASE = dict(architectures=["Qwen3ForCausalLM"], vocab_size=384, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16)

@@ -8,8 +8,8 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
 from minivllm.engine.sequence import Sequence
-from minivllm.exercises import scheduler_machine
 from minivllm.sampling_params import SamplingParams
+from minivllm.teaching.scheduler_machine import scheduler_machine
 
 EOS = 1
 
@@ -125,8 +125,8 @@ def test_stop_rules_eos_and_min_tokens():
     assert s.is_finished and s.finish_reason == "stop" and s.stop_reason is None
 
 
-# The state machine lives in minivllm/exercises.py, so that the capstone's grader runs the very same
-# machine against a student's policy.
+# The state machine lives in minivllm/teaching/scheduler_machine.py, so that the capstone's grader runs
+# the very same machine against a student's policy.
 SchedulerMachine = scheduler_machine(FCFSPolicy)
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestSchedulerMachine = SchedulerMachine.TestCase

@@ -1,10 +1,14 @@
-"""Random checkpoints for tests, benchmarks and notebooks, built offline in a folder.
+"""Tiny random checkpoints, built offline in a folder: what the notebooks, the tests and the
+benchmarks run the engine on.
+
+    model_dir = make_tiny_model(tempfile.mkdtemp(), "qwen3")      # then LLM(str(model_dir))
 
 A seeded `Qwen3Config` / `Qwen2Config` / `LlamaConfig` / `Qwen3_5TextConfig` (hybrid) model is saved
-with `save_pretrained`, next to a small byte-level BPE tokenizer trained with `tokenizers` on a few
-sentences, and a chat template.
-Random weights say nothing about language; they are for checking the engine against HF transformers
-and for timing it.
+with `save_pretrained`, exactly as a real checkpoint is (config.json, model.safetensors), next to a
+small byte-level BPE tokenizer trained with `tokenizers` on a few sentences, and a chat template. The
+engine loads it through the same path as a downloaded model.
+Random weights say nothing about language: a tiny model is for watching the engine's machinery at
+work in a second, for checking it against HF transformers, and for timing it.
 """
 
 from __future__ import annotations
@@ -98,69 +102,3 @@ def make_tiny_model(path: str | Path, family: str = "qwen3", *, vocab_size: int 
         if bars:
             hf_logging.enable_progress_bar()
     return path
-
-
-def _llama_cpp_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """llama.cpp's row order for q/k: within each head, interleave the two RoPE halves."""
-    rows = weight.shape[0]
-    return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def write_llama_gguf(hf_dir: str | Path, out_path: str | Path) -> Path:
-    """Write a Llama safetensors checkpoint as an F32 GGUF file the way llama.cpp's converter lays it
-    out (tensor names, metadata keys, permuted q/k rows, BPE tokenizer tables). For tests: reading it
-    back must give the original model."""
-    import json
-
-    import gguf
-    from safetensors.torch import load_file
-
-    hf_dir, out_path = Path(hf_dir), Path(out_path)
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"], "only Llama checkpoints are written as GGUF here"
-    state = load_file(str(hf_dir / "model.safetensors"))
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w = gguf.GGUFWriter(str(out_path), "llama")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(float(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0))))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    added = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    tokens = [t for t, _ in vocab]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t in added else gguf.TokenType.NORMAL for t in tokens])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-                 "post_attention_layernorm": "ffn_norm"}
-    for name, t in state.items():
-        if name in names:
-            out_name = names[name]
-        else:
-            _, _, layer, *rest = name.split(".")
-            module = ".".join(rest[:-1])
-            out_name = f"blk.{layer}.{per_layer[module]}.weight"
-            if module == "self_attn.q_proj":
-                t = _llama_cpp_permute(t, heads)
-            elif module == "self_attn.k_proj":
-                t = _llama_cpp_permute(t, kv_heads)
-        w.add_tensor(out_name, t.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out_path

@@ -8,6 +8,7 @@
     plot_acceptance(trace)            speculative decoding: drafts accepted and rejected per step
     plot_static_batches(lens, size)   what a static batch would do with the same requests (padding)
     plot_distributions(series, ...)   probability bars side by side (before/after, target/draft)
+    plot_weight_shards(shapes, ...)   tensor parallelism: which rank holds which rows or columns of each weight
 
 Every figure follows the same conventions, so that it reads at the docs site's width: 8 inches wide,
 text of 9 pt or more, integer step ticks, steps numbered as in the trace (`StepTrace.step`, from 0),
@@ -20,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from minivllm.engine.trace import StepTrace
+from minivllm.models.sharding import WeightSlice
 from minivllm.outputs import RequestOutput
 
 WIDTH = 8.0  # inches: about the content width of the docs site, so 10 pt stays 10 pt
@@ -271,5 +273,54 @@ def plot_distributions(series: Mapping[str, Sequence[float]], labels: Sequence[s
     ax.set_ylabel(ylabel, fontsize=10)
     handles, names = ax.get_legend_handles_labels()
     _legend_below(ax, handles, names)
+    ax.set_title(title, fontsize=11)
+    return ax
+
+
+def plot_weight_shards(shapes: Mapping[str, tuple[int, int]], slices: Mapping[str, Sequence[WeightSlice | None]],
+                       ax: Any = None, title: str = "") -> Any:
+    """Weight matrices side by side, drawn to scale (rows = output features, columns = input
+    features), each part coloured by the rank that holds it. `slices[name][r]` is rank r's
+    `WeightSlice` (`ShardLayout.checkpoint_slice`); None, or the same slice on every rank, is drawn
+    as held by every rank (replicated)."""
+    import matplotlib.pyplot as plt
+
+    palette = plt.get_cmap("tab10")
+    everyone = "0.75"
+    gap = 0.6 * max(cols for _, cols in shapes.values())
+    width = sum(cols for _, cols in shapes.values()) + gap * (len(shapes) - 1)
+    tallest = max(rows for rows, _ in shapes.values())
+    head = 0.3 * tallest  # room above the tallest matrix for the labels
+    ax = _axes(ax, (WIDTH, 0.9 + WIDTH * (tallest + head) / width))
+    x, ranks, replicated = 0.0, 0, False
+    for name, (rows, cols) in shapes.items():
+        parts = list(slices[name])
+        ranks = max(ranks, len(parts))
+        if any(s is None for s in parts) or len(set(parts)) == 1:
+            ax.add_patch(plt.Rectangle((x, 0), cols, rows, facecolor=everyone, edgecolor="black"))
+            replicated, split = True, "whole"
+        else:
+            split = "by rows" if parts[0].dim == 0 else "by columns"
+            for r, s in enumerate(parts):  # dim 0: a band of rows; dim 1: a band of columns
+                if s.dim == 0:
+                    xy, w, h = (x, s.start), cols, s.stop - s.start
+                else:
+                    xy, w, h = (x + s.start, 0), s.stop - s.start, rows
+                ax.add_patch(plt.Rectangle(xy, w, h, facecolor=palette(r % 10), edgecolor="black"))
+        ax.text(x + cols / 2, -0.03 * tallest, f"{name}\n{rows}×{cols}\n{split}", ha="center", va="bottom",
+                fontsize=9)
+        x += cols + gap
+    ax.set_xlim(-gap / 4, width + gap / 4)
+    ax.set_ylim(tallest * 1.02, -head)
+    ax.set_aspect("equal")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_xlabel("columns = input features (every matrix to the same scale)", fontsize=10)
+    ax.set_ylabel("rows = output features", fontsize=10)
+    handles = [_patch(palette(r % 10)) for r in range(ranks)] + ([_patch(everyone)] if replicated else [])
+    labels = [f"rank {r}" for r in range(ranks)] + (["every rank (replicated)"] if replicated else [])
+    _legend_below(ax, handles, labels)
     ax.set_title(title, fontsize=11)
     return ax

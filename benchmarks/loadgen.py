@@ -1,4 +1,4 @@
-"""A bounded load generator for the server (used by the tests and `benchmarks/serve_load.py`).
+"""A bounded load generator for the server (used by `serve_load.py` here and by tests/test_server.py).
 
 N concurrent streaming chat clients on loopback; a fraction of them hang up after their first few
 chunks. Every loop is bounded in count and time. Reports requests/s and time-to-first-token.

@@ -1,0 +1,15 @@
+"""What the notebooks, the exercises and the course use, kept apart from the engine.
+
+    checkpoints.py        tiny random checkpoints built offline (`make_tiny_model`), to run the engine on
+    viz.py                pictures of real engine state: timelines, block maps, acceptance per step
+    exercises.py          `check(name, fn)`: a student's answer against the engine, naming the rule broken
+    references.py         the engine's answer to each exercise
+    scheduler_machine.py  the scheduler's hypothesis state machine, for any scheduling policy
+    capstone.py           `grade_policy`: the capstone's grader (a scheduling policy)
+    hf_check.py           `assert_hf_greedy`: the teacher-forced comparison with HF transformers
+    tensor_parallel.py    what each rank holds and sends, asked of a running tensor-parallel engine
+
+The dependency goes one way: this package imports the engine, the engine never imports it (checked
+by tests/test_layering.py; the one exception is the `minivllm bench` command, which times a tiny
+checkpoint when given no model). Reading `minivllm/` outside this folder is reading the engine.
+"""

@@ -1,0 +1,170 @@
+"""The scheduler's hypothesis state machine, for any scheduling policy (and the policy's contract).
+
+    machine = scheduler_machine(PriorityPolicy, priorities=True)
+    run_state_machine_as_test(machine)          # or: TestScheduler = machine.TestCase, under pytest
+
+hypothesis drives a `Scheduler` on a tiny pool through random actions — add a request (with n > 1
+forks, with a priority), step (with speculative drafts, some accepted), abort, and a failed step
+that is rolled back — and after every action checks the block manager's invariants: every block is
+owned or free, ref counts match the block tables, a rolled-back step leaves no trace. At the end
+every request must finish and every block come back. When an action breaks a rule, hypothesis
+shrinks the run to the shortest one that still breaks it.
+
+The project's own tests run this machine on the built-in policies (tests/engine/test_scheduler.py),
+and the capstone's grader runs the very same one on a student's policy (teaching/capstone.py), wrapped
+in `CheckedPolicy`, which names the rule of the seam a policy breaks (`PolicyContractError`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.scheduler import ScheduledSequence, Scheduler
+from minivllm.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
+from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.sampling_params import SamplingParams
+
+EOS = 1  # the machine's end-of-sequence token: a request that samples it finishes
+
+
+class PolicyContractError(AssertionError):
+    """A policy returned something the scheduler cannot use (the rule is in the message)."""
+
+
+class CheckedPolicy(SchedulingPolicy):
+    """Wraps a policy and enforces the seam's contract on every call, naming the rule it breaks."""
+
+    def __init__(self, inner: SchedulingPolicy) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def admission_order(self, waiting: SequenceABC[Sequence]) -> list[Sequence]:
+        order = list(self.inner.admission_order(waiting))
+        if sorted(map(id, order)) != sorted(map(id, waiting)):
+            raise PolicyContractError(
+                "RULE: admission_order must return every waiting request exactly once (a reordering: none "
+                f"dropped, none added, none twice); got {[s.request_id for s in order]} for waiting "
+                f"{[s.request_id for s in waiting]}")
+        return order
+
+    def choose_victim(self, candidates: SequenceABC[Sequence]) -> Sequence:
+        victim = self.inner.choose_victim(candidates)
+        if not any(victim is c for c in candidates):
+            raise PolicyContractError(
+                "RULE: choose_victim must return one of `candidates` (the request that needs a block or "
+                "one scheduled after it: a request already scheduled in this step cannot be preempted); got "
+                f"{getattr(victim, 'request_id', victim)!r} for candidates {[s.request_id for s in candidates]}")
+        return victim
+
+
+def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, *, priorities: bool = False,
+                      max_spec: int = 3) -> type:
+    """The scheduler's hypothesis state machine, for any policy: random add / step / abort / failed
+    step against a tiny pool (speculative drafts and n > 1 forks included), the block manager's
+    invariants after every action, and a full drain at the end. `priorities`: also add requests with
+    random priorities in -2..2. Run it with `run_state_machine_as_test(machine)` or as
+    `machine.TestCase` under pytest. The policy is wrapped in `CheckedPolicy`."""
+    import hypothesis.strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+    from minivllm.engine.sampling_metadata import RowGroupOutput, SampledToken
+
+    class SchedulerMachine(RuleBasedStateMachine):
+        @initialize(num_blocks=st.integers(4, 12), block_size=st.sampled_from([1, 2, 4]),
+                    budget=st.integers(2, 24), chunked=st.booleans(), seed=st.integers(0, 1000),
+                    spec=st.integers(0, max_spec))
+        def setup(self, num_blocks: int, block_size: int, budget: int, chunked: bool, seed: int, spec: int) -> None:
+            self.sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=4, max_num_batched_tokens=budget,
+                                   max_model_len=64 if chunked else budget, eos_token_ids=frozenset({EOS}),
+                                   enable_chunked_prefill=chunked, max_admission_skips=3, num_speculative_tokens=spec,
+                                   policy=CheckedPolicy(make_policy()))
+            self.rng = random.Random(seed)
+            self.count = 0
+
+        def _add(self, n: int, max_tokens: int, n_seqs: int, priority: int = 0) -> None:
+            bm = self.sched.block_manager
+            final = min(n + max_tokens, self.sched.max_model_len)
+            if n >= self.sched.max_model_len or bm.blocks_needed(final - 1) > bm.num_blocks:
+                return  # the engine refuses these before they reach the scheduler
+            start = self.rng.randrange(2, 50)
+            s = Sequence(f"r{self.count}", list(range(start, start + n)),
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n_seqs),
+                         arrival_index=self.count, priority=priority)
+            self.count += 1
+            self.sched.add_sequence(s)
+
+        @rule(n=st.integers(1, 20), max_tokens=st.integers(1, 12), n_seqs=st.sampled_from([1, 1, 2, 3]))
+        def add(self, n: int, max_tokens: int, n_seqs: int) -> None:
+            self._add(n, max_tokens, n_seqs)
+
+        if priorities:
+            @rule(n=st.integers(1, 20), max_tokens=st.integers(1, 12), priority=st.integers(-2, 2))
+            def add_with_priority(self, n: int, max_tokens: int, priority: int) -> None:
+                self._add(n, max_tokens, 1, priority)
+
+        @rule()
+        def step(self) -> None:
+            out = self.sched.schedule()
+            outputs = []
+            for i, s in enumerate(out.scheduled):
+                token = SampledToken(self.rng.choice([EOS, 7, 8]))
+                if s.num_spec_tokens:  # a proposer drafts d <= k tokens; the target accepts a <= d
+                    d = self.rng.randint(0, s.num_spec_tokens)
+                    s.seq.spec_token_ids = [self.rng.choice([7, 8]) for _ in range(d)]
+                    out.scheduled[i] = ScheduledSequence(s.seq, s.start, s.num_new_tokens - s.num_spec_tokens + d, d)
+                    a = self.rng.randint(0, d)
+                    outputs.append(RowGroupOutput([SampledToken(t) for t in s.seq.spec_token_ids[:a]] + [token]))
+                elif s.samples:
+                    forks = [SampledToken(self.rng.choice([EOS, 7])) for _ in range(s.seq.num_forks_pending)]
+                    outputs.append(RowGroupOutput([token], forks))
+                else:
+                    outputs.append(RowGroupOutput())
+            self.sched.postprocess(out, outputs)
+
+        @rule(data=st.data())
+        def abort(self, data: Any) -> None:
+            alive = [s for s in self.sched.live_sequences if not s.is_finished]
+            if alive:
+                self.sched.finish(data.draw(st.sampled_from(alive)), "abort")
+
+        @rule()
+        def failed_step(self) -> None:
+            def snapshot() -> tuple:
+                bm = self.sched.block_manager
+                seqs = [(s.request_id, s.status, s.num_computed_tokens, list(s.block_table), s.num_admission_skips)
+                        for s in self.sched.live_sequences]
+                return seqs, list(bm.ref_counts), list(bm.free_blocks), dict(bm.hash_to_block), list(bm.block_hash)
+
+            before = snapshot()
+            self.sched.begin()
+            self.sched.schedule()
+            self.sched.rollback()
+            assert snapshot() == before, "a rolled-back step must leave the scheduler exactly as it was"
+
+        @invariant()
+        def blocks_are_consistent(self) -> None:
+            if hasattr(self, "sched"):
+                bm = self.sched.block_manager
+                bm.check_invariants(self.sched.live_sequences)
+                assert all(s.status is SequenceStatus.RUNNING for s in self.sched.running)
+                for s in self.sched.live_sequences:  # rejected drafts leave no trace
+                    assert not s.spec_token_ids and len(s.block_table) <= bm.blocks_needed(s.num_tokens)
+                    assert s.num_computed_tokens < s.num_tokens
+
+        def teardown(self) -> None:
+            if not hasattr(self, "sched"):
+                return
+            for _ in range(2000):
+                if self.sched.is_finished():
+                    break
+                self.step()
+            assert self.sched.is_finished(), "RULE: every request must finish (the scheduler failed to drain)"
+            bm = self.sched.block_manager
+            assert bm.num_free_blocks == bm.num_blocks
+            bm.check_invariants([])
+
+    SchedulerMachine.__name__ = f"SchedulerMachine[{getattr(make_policy, '__name__', 'policy')}]"
+    return SchedulerMachine
