@@ -84,8 +84,11 @@ def run_hf_generate(model, prompts, outputs, warmup=None) -> float:
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     cfg = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=None, pad_token_id=0)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     t0 = time.perf_counter()
     model.generate(ids, attention_mask=mask, generation_config=cfg)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     return time.perf_counter() - t0
 
 
