@@ -7,8 +7,8 @@ build of torch) is installed. CI never runs it (CI has no GPU); its figures go i
   1. The kernel tests (`tests/kernels/`, `tests/test_triton_backend.py`) with Triton compiling for the
      GPU: TRITON_INTERPRET unset, so the interpreter that CPU runs use is out of the picture.
   2. The engine on CUDA, the `minivllm bench` model (a random ~30M Qwen3) in bf16: the throughput
-     workload and a single stream, with `enforce_eager=True` and with compiled pieces + CUDA graphs
-     (`enforce_eager=False`, models/compiled_pieces.py). Greedy tokens must be identical; tok/s of each
+     workload and a single stream, with `enforce_eager=True` and with the compiled forward
+     (`enforce_eager=False`, models/compiled_forward.py). Greedy tokens must be identical; tok/s of each
      and of HF `generate` on the same workload, measured in this run.
 """
 
@@ -69,7 +69,7 @@ def engine_checks(num_requests: int) -> None:
     print(f"\nGPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, {num_requests} requests")
     print(f"greedy tokens eager == compiled: {same}")
     print(f"{'':24}{'throughput tok/s':>18}{'single stream tok/s':>22}")
-    for eager, name in ((True, "eager"), (False, "compiled + CUDA graphs")):
+    for eager, name in ((True, "eager"), (False, "compiled")):
         print(f"{name:24}{results[eager][0]:18.1f}{results[eager][1]:22.1f}")
     print(f"{'HF generate':24}{sum(outputs) / t_hf:18.1f}")
     print(f"compiled / eager: {results[False][0] / results[True][0]:.2f}x throughput, "

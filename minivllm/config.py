@@ -65,10 +65,10 @@ class EngineConfig:
     # "int8": the decoder's linear layers run int8 weights with per-token dynamic int8 activations (CPU
     # only; layers/quantization.py); None: the weights stay in `dtype`. vLLM's name.
     quantization: str | None = None
-    # False: the code between attention calls is compiled with torch.compile for steps of up to
-    # max(compile_sizes) tokens, each step padded up to the next size (models/compiled_pieces.py); on
-    # CUDA each size is also captured as a CUDA graph. True: every step runs eagerly (vLLM's name).
-    # None (default): compiled on CUDA, eager on CPU, where compiling measured no faster.
+    # False: the forward runs as one torch.compile graph per token count in compile_sizes, each step
+    # padded up to the next size, attention kept opaque (models/compiled_forward.py). True: every step
+    # runs eagerly (vLLM's name). None (default): compiled on CUDA; eager on CPU, where compiling costs
+    # minutes of start-up on 2 cores for a measured +5-15 % (docs/guides/benchmarks.md).
     enforce_eager: bool | None = None
     compile_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 

@@ -85,7 +85,7 @@ def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype
     if config.quantization is not None:  # after loading: the checkpoint's weights are quantized here
         quantize_model(model, config.quantization, device)
     if compile_decision(model, config, device)[0]:
-        model.compile_pieces(config.compile_sizes, device)  # compiled lazily, size by size
+        model.compile_forward(config.compile_sizes)  # compiled lazily, size by size (at warm-up)
     rank_spec = ShardLayout.of(spec, tp.rank, tp.world_size).rank_spec(spec)  # `spec` itself on one rank
     # Each rank sizes the pool from its own free memory; the smallest wins (a collective).
     num_blocks = tp.min_over_ranks(num_kv_blocks_for(config, rank_spec, device, dtype))
@@ -95,19 +95,21 @@ def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype
 
 
 def compile_decision(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> tuple[bool, str]:
-    """Whether this rank compiles the model's pieces (models/compiled_pieces.py), and why, in words that
+    """Whether this rank compiles the model's forward (models/compiled_forward.py), and why, in words that
     the engine logs at start-up and `minivllm bench` prints."""
     if config.enforce_eager:
         return False, "eager (enforce_eager=True)"
-    if not hasattr(model, "compile_pieces"):
-        return False, f"eager: {type(model).__name__} has no compiled pieces (its linear-attention layers run eagerly)"
+    if not hasattr(model, "compile_forward"):
+        return False, f"eager: {type(model).__name__} is not compiled (its linear-attention layers run eagerly)"
     if config.quantization is not None:
         return False, (f"eager: quantization={config.quantization!r} runs fbgemm's packed int8 weights, which "
                        "torch.compile cannot trace")
+    if config.tensor_parallel_size > 1:
+        return False, (f"eager: tensor_parallel_size={config.tensor_parallel_size} (its all-reduces inside a "
+                       "compiled graph are not supported yet)")
     if config.enforce_eager is None and device.type == "cpu":
-        # Measured (docs/guides/benchmarks.md): on CPU, Dynamo's per-call checks on each piece cost about
-        # what Inductor's fusion saves, so compiling did not make a step faster; on a GPU it removes
-        # most kernel launches (and CUDA graphs the rest).
-        return False, "eager (enforce_eager=None on CPU: compiling measured no faster here; pass False to compile)"
-    graphs = " and CUDA graphs" if device.type == "cuda" else ""
-    return True, f"compiled{graphs} for steps of up to {max(config.compile_sizes)} tokens {config.compile_sizes}"
+        # Measured (docs/guides/benchmarks.md): on 2 CPU cores compiling the default model's sizes takes
+        # minutes at start-up (cached on disk afterwards) for +5-15 % a step; on a GPU fusing the forward
+        # removes most kernel launches.
+        return False, "eager (enforce_eager=None on CPU: compiling costs start-up time; pass False to compile)"
+    return True, f"compiled for steps of up to {max(config.compile_sizes)} tokens {config.compile_sizes}"

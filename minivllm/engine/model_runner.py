@@ -47,7 +47,7 @@ from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
 from minivllm.layers.logits_processors import apply_logits_processing
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
-from minivllm.models.compiled_pieces import padded_num_tokens
+from minivllm.models.compiled_forward import padded_num_tokens
 from minivllm.models.hf_config import ModelSpec
 from minivllm.sampling_params import SamplingParams
 
@@ -76,7 +76,7 @@ class ModelRunner:
         self.state_pool = state_pool  # hybrid models only (engine/state_pool.py)
         self.executor = executor  # tensor parallelism: rank 0's handle on the workers (None: one rank)
         # A compiled model has graphs for a few token counts only; each step is padded up to one of them
-        # (models/compiled_pieces.py). Padding rows store their K/V in one extra block, `scratch_block`,
+        # (models/compiled_forward.py). Padding rows store their K/V in one extra block, `scratch_block`,
         # which the block manager never hands out (it knows `num_blocks` blocks).
         compiled = getattr(model, "compiled", None)
         self.compile_sizes: tuple[int, ...] = compiled.sizes if compiled is not None else ()
@@ -226,7 +226,7 @@ class ModelRunner:
         model runs one prefill of each compiled size."""
         if hasattr(self.model, "plan_matmuls"):
             logging.getLogger("minivllm").info("%s", self.model.plan_matmuls().summary())
-        # A compiled model: one step of each compiled size, so that every graph (and CUDA graph) is made
+        # A compiled model: one step of each compiled size, so that every graph is made
         # now rather than in the middle of the first requests.
         for n in self.compile_sizes or (num_tokens,):
             n = min(n, self.num_blocks * self.block_size)

@@ -22,7 +22,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     form = plan.form_for(weight, x.shape[0])
     if torch.compiler.is_compiling():
-        # Inside a compiled piece (models/compiled_pieces.py) Inductor would choose its own kernel for the
+        # Inside a compiled forward (models/compiled_forward.py) Inductor would choose its own kernel for the
         # product (and cannot see a prepacked weight); an opaque op keeps the kernel the plan measured.
         return torch.ops.minivllm.planned_linear(x, weight, bias, form.name)
     return _planned_linear(x, weight, bias, form)

@@ -85,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
 
-        # Rows past the requests' own (padding for a compiled step: models/compiled_pieces.py) get zeros.
+        # Rows past the requests' own (padding for a compiled step: models/compiled_forward.py) get zeros.
         out = q.new_empty(T, self.num_heads * D) if T == meta.num_tokens else q.new_zeros(T, self.num_heads * D)
         # --- decode rows: one padded SDPA call ---
         if plan.decode_rows is not None:

@@ -31,7 +31,7 @@ from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
 from minivllm.layers.rotary import RotaryEmbedding, apply_rotary
-from minivllm.models.compiled_pieces import CompiledPieces
+from minivllm.models.compiled_forward import Attend, CompiledForward
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.sharding import ShardLayout
 
@@ -82,9 +82,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    # A layer is two pieces around attention, so that the pieces can be compiled while attention, whose
-    # shapes change every step, stays eager (models/compiled_pieces.py). Eagerly, the layer computes
-    #   q, k, v = pre_attention(h);  h = post_attention(h, attention(q, k, v))
+    # A layer is the code before attention and the code after it; between them, attention is the backend
+    # (eager) or an opaque op (compiled: models/compiled_forward.py).
     def pre_attention(self, cos_sin, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.self_attn.project(cos_sin, self.input_layernorm(h))  # q (T, Hq, D), k, v (T, Hkv, D)
 
@@ -114,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:  # vocab-parallel: this rank's rows
             self.lm_head = Linear(spec.hidden_size, layout.vocab_size, bias=False, plan=self.matmul_plan)
         self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
-        self.compiled: CompiledPieces | None = None  # set by `compile_pieces`; None: every step eager
+        self.compiled: CompiledForward | None = None  # set by `compile_forward`; None: every step eager
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.spec.head_dim, max_position, self.spec.rope, device)
@@ -127,19 +126,24 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer: (2, num_blocks, block_size, Hkv, D)
         backend: AttentionBackend,
     ) -> torch.Tensor:  # (T, hidden)
-        h = self.model.embed_tokens(input_ids)
+        if self.compiled is not None and self.compiled.runs(input_ids.shape[0]):
+            return self.compiled(self, input_ids, positions, meta, kv_caches, backend)
+        return self.run_layers(input_ids, positions, lambda i, q, k, v: backend.forward(q, k, v, kv_caches[i], meta))
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The decoder, with attention as `attend(layer, q, k, v)`: the backend itself when eager, the
+        opaque op that calls it when compiled (models/compiled_forward.py)."""
+        h = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos_sin = self.rotary.lookup(positions, h.dtype)  # once per step, shared by all layers
-        compiled = self.compiled.for_tokens(h.shape[0]) if self.compiled is not None else None
-        pre, post = compiled or (DecoderLayer.pre_attention, DecoderLayer.post_attention)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            q, k, v = pre(layer, cos_sin, h)
-            h = post(layer, h, backend.forward(q, k, v, kv_cache, meta))  # attention: (T, Hq*D)
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.pre_attention(cos_sin, h)
+            h = layer.post_attention(h, attend(i, q, k, v))  # attention: (T, Hq*D)
         return self.model.norm(h)
 
-    def compile_pieces(self, sizes: tuple[int, ...], device: torch.device) -> None:
-        """From now on, steps of exactly one of `sizes` tokens run the layers' pieces compiled (the model
-        runner pads steps up to a size); each size is compiled the first time it runs."""
-        self.compiled = CompiledPieces(DecoderLayer.pre_attention, DecoderLayer.post_attention, sizes, device)
+    def compile_forward(self, sizes: tuple[int, ...]) -> None:
+        """From now on, steps of exactly one of `sizes` tokens run one compiled graph (the model runner
+        pads steps up to a size); each size is compiled the first time it runs."""
+        self.compiled = CompiledForward(type(self).run_layers, sizes)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (S, hidden) -> (S, V)
         """The logits of the rows in `hidden`; under tensor parallelism on rank 0 only (None elsewhere):

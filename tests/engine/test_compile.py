@@ -1,4 +1,4 @@
-"""Piecewise compilation (models/compiled_pieces.py): the compiled engine emits exactly the eager engine's
+"""The compiled forward (models/compiled_forward.py): the compiled engine emits exactly the eager engine's
 tokens, with and without padding rows, and padding rows touch nothing but the scratch block.
 
 Every other test runs eagerly (the CPU default); these compile a handful of small sizes once per module
@@ -17,7 +17,7 @@ from minivllm.engine.loading import compile_decision
 from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.entrypoints.engine_args import add_engine_args, engine_kwargs
-from minivllm.models.compiled_pieces import padded_num_tokens
+from minivllm.models.compiled_forward import padded_num_tokens
 
 SIZES = (1, 2, 4, 8, 16)
 ENGINE = dict(block_size=4, num_kv_blocks=96)
@@ -108,6 +108,7 @@ def test_compile_decision_and_validation(model_factory):
     assert "enforce_eager=None on CPU" in compile_decision(model, EngineConfig(path), cpu)[1]
     assert compile_decision(model, EngineConfig(path), torch.device("cuda"))[0]
     assert not compile_decision(model, EngineConfig(path, enforce_eager=False, quantization="int8"), cpu)[0]
+    assert not compile_decision(model, EngineConfig(path, enforce_eager=False, tensor_parallel_size=2), cpu)[0]
     llm.shutdown()
     for bad in ((), (0, 4), (1, "2"), 8):
         with pytest.raises(ValueError, match="compile_sizes"):
