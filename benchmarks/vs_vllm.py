@@ -134,6 +134,8 @@ def main(argv: list[str]) -> int:
             m = run_minivllm(model, work, warm, n, dtype=dtype)
             h = run_hf(model, dtype, work, warm, n)
             rows.append((f"32 requests, 30M Qwen3, {dtype} (all three)", h, v, m))
+            m = run_minivllm(model, work, warm, n, dtype=dtype, enforce_eager=False)
+            rows.append((f"32 requests, 30M Qwen3, {dtype} (minivllm: compiled, enforce_eager=False)", h, v, m))
     if not args.no_single_stream:
         model = str(default_model_dir())
         one, one_warm = ([list(range(100, 116))], [64]), ([list(range(200, 216))], [16])
@@ -141,6 +143,8 @@ def main(argv: list[str]) -> int:
         h = run_hf(model, "float32", one, one_warm, n)
         m = run_minivllm(model, one, one_warm, n)
         rows.append(("single stream, SmolLM2 (minivllm: defaults, dtype auto; vLLM: bf16; HF: fp32)", h, v, m))
+        m = run_minivllm(model, one, one_warm, n, enforce_eager=False, compile_sizes=(1,))
+        rows.append(("single stream, SmolLM2 (minivllm: bf16, compiled for 1 row; vLLM: bf16; HF: fp32)", h, v, m))
         m = run_minivllm(model, one, one_warm, n, quantization="int8")
         rows.append(("single stream, SmolLM2 (minivllm: int8 weights + bf16; vLLM: bf16; HF: fp32)", h, v, m))
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end; best of {n} timed runs per system")

@@ -49,7 +49,7 @@ def _fake_trace():
 
 
 def test_figures_are_readable_at_the_site_width():
-    """Every picture of minivllm.teaching.viz: text of 8 pt or more, steps on integer ticks, 8 inches wide."""
+    """Every picture of teaching.viz and cost_viz: text of 8 pt or more, steps on integer ticks, 8 inches wide."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,7 +57,8 @@ def test_figures_are_readable_at_the_site_width():
     from matplotlib.text import Text
 
     from minivllm.models.sharding import WeightSlice
-    from minivllm.teaching import viz
+    from minivllm.teaching import cost_viz, viz
+    from minivllm.teaching.step_cost import DecodeRun, OpProfile, OpTime
 
     class Seq:
         def __init__(self, rid, table, n):
@@ -78,6 +79,18 @@ def test_figures_are_readable_at_the_site_width():
             {"q": [WeightSlice(0, 0, 4), WeightSlice(0, 4, 8)], "k": [WeightSlice(0, 0, 2)] * 2,
              "o": [WeightSlice(1, 0, 4), WeightSlice(1, 4, 8)]}),
     }
+    run = DecodeRun(batch=1, steps=16, wall_s=0.4, step_s=0.39, forward_s=0.37)
+    profile = OpProfile(steps=4, wall_s=0.2, ops=[OpTime("mkldnn::_linear_pointwise", 480, 0.08),
+                                                  OpTime("aten::mul", 900, 0.02), OpTime("aten::add", 300, 0.01)])
+    drawings.update({
+        "step_split": lambda: cost_viz.plot_step_split({"1 row": run, "32 rows": run._replace(batch=32)}),
+        "top_ops": lambda: cost_viz.plot_top_ops(profile),
+        "floor": lambda: cost_viz.plot_bandwidth_floor([cost_viz.FloorRow("float32", 538_000_000, 26.0),
+                                                        cost_viz.FloorRow("bfloat16", 269_000_000, 24.0)], 46.0),
+        "roofline": lambda: cost_viz.plot_roofline([cost_viz.RooflinePoint("bfloat16", 1, 1.0, 11.0),
+                                                    cost_viz.RooflinePoint("bfloat16", 32, 32.0, 155.0)],
+                                                   46.0, {"float32": 195.0, "bfloat16": 420.0}),
+    })
     for name, draw in drawings.items():
         ax = draw()
         fig = ax.figure
@@ -108,7 +121,8 @@ def test_site_has_every_section(site):
     for page in ("index.html", "getting-started/index.html", "architecture/index.html",
                  "concepts/paged-kv/index.html", "guides/server/index.html", "reference/engine/index.html",
                  "teachers/index.html", "syllabus/index.html", "answer-key/index.html",
-                 "notebooks/01_request_life/index.html", "notebooks/13_speculative_decoding/index.html"):
+                 "notebooks/01_request_life/index.html", "notebooks/13_speculative_decoding/index.html",
+                 "notebooks/14_tensor_parallelism/index.html", "notebooks/15_cost_of_a_step/index.html"):
         assert (site / page).is_file(), page
     engine_ref = (site / "reference/engine/index.html").read_text()
     assert "check_invariants" in engine_ref  # mkdocstrings rendered the docstrings
@@ -166,6 +180,14 @@ def test_pages_render_in_headless_chromium(site, tmp_path):
         assert page.count("data:image/png;base64") >= 2  # the histogram and the acceptance per step
         shot = artifacts / "notebook-13-speculative-decoding.png"
         subprocess.run([browser, *flags, f"--screenshot={shot}", f"{base}/notebooks/13_speculative_decoding/"],
+                       capture_output=True, timeout=120)
+        assert shot.is_file() and shot.stat().st_size > 10_000
+        # This round's new page: the tensor-parallelism walk-through, with its weight-split figure.
+        page = dom(f"{base}/notebooks/14_tensor_parallelism/")
+        assert "<h1" in page and "Tensor parallelism" in page and "all-reduce" in page
+        assert "data:image/png;base64" in page
+        shot = artifacts / "notebook-14-tensor-parallelism.png"
+        subprocess.run([browser, *flags, f"--screenshot={shot}", f"{base}/notebooks/14_tensor_parallelism/"],
                        capture_output=True, timeout=120)
         assert shot.is_file() and shot.stat().st_size > 10_000
     finally:

@@ -85,6 +85,7 @@ class CompiledForward:
         # engines in one process do not share (and exhaust) one budget.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self.sizes) + 2)
         self.context = StepContext()
+        self._compiled: set[int] = set()  # sizes already traced
         _CONTEXTS[id(self.context)] = self.context
         context = id(self.context)
 
@@ -103,7 +104,16 @@ class CompiledForward:
         ctx = self.context
         ctx.meta, ctx.backend, ctx.kv_caches = meta, backend, kv_caches
         try:
-            return self.graph(model, input_ids, positions)  # (T, hidden)
+            num_tokens = input_ids.shape[0]
+            if num_tokens not in self._compiled:  # the first run of a size: Dynamo traces and compiles
+                self._compiled.add(num_tokens)
+                return self.graph(model, input_ids, positions)  # (T, hidden)
+            # Later runs: before each call Dynamo re-checks every assumption its graphs were built on
+            # (shapes, dtypes and devices of ~200 weights: ~1 ms, 4 % of a SmolLM2 token). None can change
+            # here (the weights are fixed and this code object is this model's alone), so only the checks
+            # that tell its graphs apart, the sizes, are kept; measured +2.5 % a token.
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self.graph(model, input_ids, positions)
         finally:
             ctx.meta = ctx.backend = ctx.kv_caches = None  # nothing of a step outlives it
 

@@ -8,6 +8,8 @@
     capstone.py           `grade_policy`: the capstone's grader (a scheduling policy)
     hf_check.py           `assert_hf_greedy`: the teacher-forced comparison with HF transformers
     tensor_parallel.py    what each rank holds and sends, asked of a running tensor-parallel engine
+    step_cost.py          what a decode step costs: timed by the engine's counters, profiled op by op
+    cost_viz.py           pictures of those costs: the step split, the costliest ops, the roofline
 
 The dependency goes one way: this package imports the engine, the engine never imports it (checked
 by tests/test_layering.py; the one exception is the `minivllm bench` command, which times a tiny
