@@ -106,8 +106,9 @@ class CompiledForward:
         try:
             num_tokens = input_ids.shape[0]
             if num_tokens not in self._compiled:  # the first run of a size: Dynamo traces and compiles
-                self._compiled.add(num_tokens)
-                return self.graph(model, input_ids, positions)  # (T, hidden)
+                hidden = self.graph(model, input_ids, positions)  # (T, hidden)
+                self._compiled.add(num_tokens)  # only once it ran: a failed first run is retried in full
+                return hidden
             # Later runs: before each call Dynamo re-checks every assumption its graphs were built on
             # (shapes, dtypes and devices of ~200 weights: ~1 ms, 4 % of a SmolLM2 token). None can change
             # here (the weights are fixed and this code object is this model's alone), so only the checks
