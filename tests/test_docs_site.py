@@ -165,31 +165,23 @@ def test_pages_render_in_headless_chromium(site, tmp_path):
             r = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
             return r.stdout
 
+        def notebook_page(slug: str, words: tuple[str, ...], figures: int) -> None:
+            """The notebook's page renders its text and at least `figures` figures; a screenshot is kept."""
+            page = dom(f"{base}/notebooks/{slug}/")
+            assert "<h1" in page and all(w in page for w in words), slug
+            assert page.count("data:image/png;base64") >= figures, slug
+            shot = artifacts / f"notebook-{slug.replace('_', '-')}.png"
+            subprocess.run([browser, *flags, f"--screenshot={shot}", f"{base}/notebooks/{slug}/"],
+                           capture_output=True, timeout=120)
+            assert shot.is_file() and shot.stat().st_size > 10_000, slug
+
         home = dom(f"{base}/index.html")
         assert "<h1" in home and "minivllm" in home and "architecture.svg" in home
-        page = dom(f"{base}/notebooks/04_scheduler/")
-        assert "<h1" in page and "continuous batching" in page and "Exercises" in page
-        assert "data:image/png;base64" in page  # the scheduler timeline figure
-        shot = artifacts / "notebook-04-scheduler.png"
-        subprocess.run([browser, *flags, f"--screenshot={shot}", f"{base}/notebooks/04_scheduler/"],
-                       capture_output=True, timeout=120)
-        assert shot.is_file() and shot.stat().st_size > 10_000
-        # A new notebook page: the speculative-decoding walk-through, with its figures.
-        page = dom(f"{base}/notebooks/13_speculative_decoding/")
-        assert "<h1" in page and "Speculative decoding" in page and "Exercises" in page
-        assert page.count("data:image/png;base64") >= 2  # the histogram and the acceptance per step
-        shot = artifacts / "notebook-13-speculative-decoding.png"
-        subprocess.run([browser, *flags, f"--screenshot={shot}", f"{base}/notebooks/13_speculative_decoding/"],
-                       capture_output=True, timeout=120)
-        assert shot.is_file() and shot.stat().st_size > 10_000
-        # This round's new page: the tensor-parallelism walk-through, with its weight-split figure.
-        page = dom(f"{base}/notebooks/14_tensor_parallelism/")
-        assert "<h1" in page and "Tensor parallelism" in page and "all-reduce" in page
-        assert "data:image/png;base64" in page
-        shot = artifacts / "notebook-14-tensor-parallelism.png"
-        subprocess.run([browser, *flags, f"--screenshot={shot}", f"{base}/notebooks/14_tensor_parallelism/"],
-                       capture_output=True, timeout=120)
-        assert shot.is_file() and shot.stat().st_size > 10_000
+        notebook_page("04_scheduler", ("continuous batching", "Exercises"), 1)  # the scheduler timeline
+        # New notebook pages: speculative decoding (its histogram and the acceptance per step) and this
+        # round's tensor parallelism (the weight-split figure).
+        notebook_page("13_speculative_decoding", ("Speculative decoding", "Exercises"), 2)
+        notebook_page("14_tensor_parallelism", ("Tensor parallelism", "all-reduce"), 1)
     finally:
         server.terminate()
         server.wait(timeout=10)
