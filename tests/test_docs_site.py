@@ -23,7 +23,7 @@ MAX_CODE_LINE = 88  # what a code cell shows at the site's width (1280 px screen
 
 
 def test_notebooks_committed_without_outputs_and_in_shape():
-    assert len(NOTEBOOKS) >= 14
+    assert len(NOTEBOOKS) >= 15
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
         code = [c for c in nb["cells"] if c["cell_type"] == "code"]
@@ -34,6 +34,10 @@ def test_notebooks_committed_without_outputs_and_in_shape():
         assert "from minivllm" in text, f"{path.name} must call the package"
         long = [line for c in code for line in "".join(c["source"]).splitlines() if len(line) > MAX_CODE_LINE]
         assert not long, f"{path.name}: code lines over {MAX_CODE_LINE} characters are cut on the site: {long[:2]}"
+        diagrams = [block for c in nb["cells"] if c["cell_type"] == "markdown"
+                    for block in "".join(c["source"]).split("```")[1::2]]  # fenced blocks: ASCII diagrams
+        wide = [line for block in diagrams for line in block.splitlines() if len(line.rstrip()) > MAX_CODE_LINE]
+        assert not wide, f"{path.name}: diagram lines over {MAX_CODE_LINE} characters are cut on the site: {wide[:2]}"
 
 
 def _fake_trace():
