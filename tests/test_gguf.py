@@ -6,20 +6,11 @@ import pytest
 import torch
 from gguf_writer import write_llama_gguf
 
-from minivllm import LLM, SamplingParams
-from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
-from minivllm.engine.sequence import Sequence
+from helpers import prompt_logits
+
+from minivllm import LLM
 
 
-def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position, straight through the model runner (no scheduling)."""
-    runner = llm.llm_engine.model_runner
-    seq = Sequence("probe", ids, SamplingParams())
-    seq.block_table = list(range(-(-len(ids) // runner.block_size)))
-    batch = runner.prepare_inputs(SchedulerOutput([ScheduledSequence(seq, 0, len(ids))]))
-    with torch.inference_mode():
-        hidden = runner.model(batch.input_ids, batch.positions, batch.attn_metadata, runner.kv_caches, runner.backend)
-        return runner.model.compute_logits(hidden)
 
 
 @pytest.fixture()

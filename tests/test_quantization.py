@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import prompt_logits
+
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
-from minivllm.engine.sequence import Sequence
 from minivllm.layers.linear import Linear
 from minivllm.layers.matmul_plan import CpuInfo
 from minivllm.layers.quantization import Int8Linear, quantize_model
@@ -49,14 +49,6 @@ def test_each_token_gets_its_own_scale():
     assert with_outlier.max() < 0.03 and with_outlier.max() < 2 * alone.max()
 
 
-def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # (len(ids), V): teacher-forced
-    runner = llm.llm_engine.model_runner
-    seq = Sequence("probe", ids, SamplingParams())
-    seq.block_table = list(range(-(-len(ids) // runner.block_size)))
-    batch = runner.prepare_inputs(SchedulerOutput([ScheduledSequence(seq, 0, len(ids))]))
-    with torch.inference_mode():
-        hidden = runner.model(batch.input_ids, batch.positions, batch.attn_metadata, runner.kv_caches, runner.backend)
-        return runner.model.compute_logits(hidden).float()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ new k/v at `slot_mapping`, and returns attention over each request's whole conte
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    @property
+    @functools.cached_property  # read by every layer's attention: summed once a step
     def num_tokens(self) -> int:
         """The requests' rows; a compiled step may carry more (padding, after these: their K/V go to a
         scratch slot and their attention output is zero)."""
