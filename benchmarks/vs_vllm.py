@@ -147,6 +147,9 @@ def main(argv: list[str]) -> int:
         rows.append(("single stream, SmolLM2 (minivllm: bf16, compiled for 1 row; vLLM: bf16; HF: fp32)", h, v, m))
         m = run_minivllm(model, one, one_warm, n, quantization="int8")
         rows.append(("single stream, SmolLM2 (minivllm: int8 weights + bf16; vLLM: bf16; HF: fp32)", h, v, m))
+        m = run_minivllm(model, one, one_warm, n, quantization="int8", enforce_eager=False, compile_sizes=(1,))
+        rows.append(("single stream, SmolLM2 (minivllm: int8 weights + bf16, compiled for 1 row; vLLM: bf16; "
+                     "HF: fp32)", h, v, m))
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end; best of {n} timed runs per system")
     print("\n| workload | HF generate | vLLM-CPU | minivllm | vs vLLM | vs HF |\n|---|---|---|---|---|---|")
     for name, h, v, m in rows:

@@ -101,9 +101,6 @@ def compile_decision(model: torch.nn.Module, config: EngineConfig, device: torch
         return False, "eager (enforce_eager=True)"
     if not hasattr(model, "compile_forward"):
         return False, f"eager: {type(model).__name__} is not compiled (its linear-attention layers run eagerly)"
-    if config.quantization is not None:
-        return False, (f"eager: quantization={config.quantization!r} runs fbgemm's packed int8 weights, which "
-                       "torch.compile cannot trace")
     if config.tensor_parallel_size > 1:
         return False, (f"eager: tensor_parallel_size={config.tensor_parallel_size} (its all-reduces inside a "
                        "compiled graph are not supported yet)")

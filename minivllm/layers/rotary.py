@@ -2,7 +2,9 @@
 
 For a head vector x split into halves (x1, x2) and per-pair frequency f_i, position p rotates
     x' = x * cos(p f) + rotate_half(x) * sin(p f),   rotate_half(x) = (-x2, x1)
-The cos/sin table for every position up to `max_position` is built once, in float32.
+The cos/sin table for every position up to `max_position` is built once, in float32, with sin's first
+half negated so that a rotation needs no negation of its own (`rotate`). Models without a per-head q/k
+norm rotate q's and k's heads in one call (they are neighbours in the fused qkv output).
 
 Frequencies: f_i = theta^(-2i/d). Scaled variants:
   * "linear": every f_i / factor.
@@ -57,19 +59,28 @@ class RotaryEmbedding:
         t = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # (max_position, head_dim // 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_position, head_dim)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos = emb.cos()
+        self.signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)  # (max_position, D): (-sin, sin)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions (T,) -> cos, sin (T, 1, D), broadcast over heads
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """positions (T,) -> cos, sin (T, 1, D), broadcast over heads; sin's first half is negated,
+        which is rotate_half's minus sign moved into the table (see `rotate`)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.signed_sin[positions].unsqueeze(1).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x (T, H, D) rotated by the positions `lookup` read: x * cos + rotate_half(x) * sin.
+
+    rotate_half(x) * sin = (-x2, x1) * (s1, s2) = (x2, x1) * (-s1, s2): swapping the halves is one `flip`
+    of a (2, D/2) view and the minus sign already sits in the table, so a rotation is four ops (flip and
+    three arithmetic ops) instead of six (chunk, neg, cat and the same three). Negating a factor is exact
+    in floating point, so the result is bit-identical to the textbook form and to HF's: the same products
+    rounded the same way (a fused multiply-add would round once fewer, and differ)."""
+    cos, signed_sin = cos_sin
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (T, H, D): halves swapped, (x2, x1)
+    return x * cos + swapped * signed_sin
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin  # q (T, Hq, D), k (T, Hkv, D)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return rotate(q, cos_sin), rotate(k, cos_sin)  # q (T, Hq, D), k (T, Hkv, D)

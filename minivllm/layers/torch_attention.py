@@ -85,8 +85,6 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
 
-        # Rows past the requests' own (padding for a compiled step: models/compiled_forward.py) get zeros.
-        out = q.new_empty(T, self.num_heads * D) if T == meta.num_tokens else q.new_zeros(T, self.num_heads * D)
         # --- decode rows: one padded SDPA call ---
         if plan.decode_rows is not None:
             Bd, nb = plan.decode_block_tables.shape
@@ -103,7 +101,11 @@ class TorchAttentionBackend(AttentionBackend):
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
             od = od.reshape(Bd, self.num_heads * D)  # (Bd, Hkv, G, D) -> (Bd, Hq*D)
             if plan.all_decode and Bd == T:
-                return od
+                return od  # a decode step: done, nothing else to write
+
+        # Rows past the requests' own (padding for a compiled step: models/compiled_forward.py) get zeros.
+        out = q.new_empty(T, self.num_heads * D) if T == meta.num_tokens else q.new_zeros(T, self.num_heads * D)
+        if plan.decode_rows is not None:
             out.index_copy_(0, plan.decode_rows, od)
 
         # --- prefill chunks: one SDPA per request, causal mask shifted by the cached prefix ---

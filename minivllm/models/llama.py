@@ -30,7 +30,7 @@ from minivllm.layers.linear import Linear, linear
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
-from minivllm.layers.rotary import RotaryEmbedding, apply_rotary
+from minivllm.layers.rotary import RotaryEmbedding, apply_rotary, rotate
 from minivllm.models.compiled_forward import Attend, CompiledForward
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.sharding import ShardLayout
@@ -50,14 +50,15 @@ class Attention(nn.Module):
     def project(self, cos_sin, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> q (T, Hq, D), k and v (T, Hkv, D), RoPE applied: everything before attention."""
         s = self.spec
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = q.view(T, s.num_attention_heads, s.head_dim)  # (T, Hq, D)
-        k = k.view(T, s.num_key_value_heads, s.head_dim)  # (T, Hkv, D)
-        v = v.view(T, s.num_key_value_heads, s.head_dim)
-        if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return (*apply_rotary(q, k, cos_sin), v)
+        T, Hq = x.shape[0], s.num_attention_heads
+        qk, v = self.qkv_proj(x).split([s.q_size + s.kv_size, s.kv_size], dim=-1)
+        qk = qk.view(T, Hq + s.num_key_value_heads, s.head_dim)  # (T, Hq + Hkv, D): q's heads, then k's
+        v = v.view(T, s.num_key_value_heads, s.head_dim)  # (T, Hkv, D)
+        if s.qk_norm:  # Qwen3: q and k have their own norm weights
+            return (*apply_rotary(self.q_norm(qk[:, :Hq]), self.k_norm(qk[:, Hq:]), cos_sin), v)
+        # Without qk-norm, q and k get the same rotation: rotate their heads in one call (half the ops).
+        qk = rotate(qk, cos_sin)
+        return qk[:, :Hq], qk[:, Hq:], v
 
 
 class MLP(nn.Module):

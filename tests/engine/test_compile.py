@@ -81,6 +81,20 @@ def test_identical_tokens_with_forks_and_drafts(engines, model_factory):
         assert _run(c, prompts, greedy) == _run(e, prompts, greedy)
 
 
+def test_int8_compiles_with_identical_tokens(model_factory):
+    """int8 layers run fbgemm's packed weights through an opaque op (layers/quantization.py); the graph
+    around them gives the eager engine's tokens, padded (3 -> 4 rows) or not."""
+    path = model_factory("qwen3")
+    prompts = [[5, 6, 7], [20, 21, 22, 23, 24, 25, 26, 27]]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 2
+    with LLM(path, quantization="int8", enforce_eager=False, compile_sizes=(1, 2, 4, 8), **ENGINE) as c, \
+            LLM(path, quantization="int8", enforce_eager=True, **ENGINE) as e:
+        assert c.llm_engine.model.compiled is not None
+        assert _run(c, prompts, params) == _run(e, prompts, params)
+        single = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+        assert _run(c, prompts[1:], single) == _run(e, prompts[1:], single)
+
+
 def test_padding_rows_write_only_the_scratch_block(model_factory):
     llm = LLM(model_factory("qwen3"), enforce_eager=False, compile_sizes=SIZES, warmup=False, **ENGINE)
     runner = llm.llm_engine.model_runner
@@ -107,7 +121,7 @@ def test_compile_decision_and_validation(model_factory):
     assert llm.llm_engine.config.enforce_eager is None and model.compiled is None
     assert "enforce_eager=None on CPU" in compile_decision(model, EngineConfig(path), cpu)[1]
     assert compile_decision(model, EngineConfig(path), torch.device("cuda"))[0]
-    assert not compile_decision(model, EngineConfig(path, enforce_eager=False, quantization="int8"), cpu)[0]
+    assert compile_decision(model, EngineConfig(path, enforce_eager=False, quantization="int8"), cpu)[0]
     assert not compile_decision(model, EngineConfig(path, enforce_eager=False, tensor_parallel_size=2), cpu)[0]
     llm.shutdown()
     for bad in ((), (0, 4), (1, "2"), 8):
