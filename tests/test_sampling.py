@@ -7,7 +7,7 @@ import torch
 from helpers import expected_distribution, varied_prompts
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers.sampler import Sampler, SamplingRow, SamplingTensors
+from minivllm.layers.sampler import Sampler, SamplingRow, SamplingTensors, argmax_rows
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
@@ -56,3 +56,16 @@ def test_seed_reproduces_whatever_the_batch_companions(qwen3_dir):
     unseeded = [llm.generate([target], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
     assert unseeded[0] != unseeded[1], "unseeded requests must not all draw the same stream"
+
+
+def test_argmax_rows_is_argmax():
+    """The blockwise CPU argmax gives torch's argmax exactly: first index of the maximum, NaN first."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 1024)
+    x[0, 5] = x[0, 700] = 50.0  # a tie across blocks: the first wins
+    x[1, 130] = x[1, 131] = 50.0  # a tie inside a block
+    x[2] = float("-inf")  # a row with everything filtered
+    x[3, 900] = float("nan")  # NaN counts as the maximum, as in torch.argmax
+    x[3, 300] = float("nan")
+    for logits in (x, x.to(torch.bfloat16), x[:, :1000], x.t().contiguous().t()):  # V % 128 != 0, strided
+        assert torch.equal(argmax_rows(logits), logits.argmax(-1))

