@@ -42,13 +42,14 @@ def engine_checks(num_requests: int) -> None:
         path = str(make_tiny_model(tmp, **BENCH_MODEL))
         prompts, outputs = workload(num_requests, BENCH_MODEL["vocab_size"])
         warm = workload(num_requests, BENCH_MODEL["vocab_size"], seed=1)
-        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False) for m in outputs]
         single = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
         results, tokens = {}, {}
         for eager in (True, False):
             llm = LLM(path, device="cuda", dtype="bfloat16", enforce_eager=eager)
             print(f"forward: {llm.llm_engine.compilation}", flush=True)
-            warm_params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in warm[1]]
+            warm_params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False)
+                           for m in warm[1]]
             llm.generate([{"prompt_token_ids": p} for p in warm[0]], warm_params, use_tqdm=False)
             torch.cuda.synchronize()
             t0 = time.perf_counter()

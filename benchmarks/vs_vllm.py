@@ -83,7 +83,8 @@ def run_minivllm(model: str, workload, warmup, repeats: int, **engine_kwargs) ->
 
     llm = LLM(model, **engine_kwargs)
     def go(prompts, outputs) -> float:
-        sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+        # Token ids only, as vLLM (skip_tokenizer_init=True) and HF generate return them.
+        sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False) for m in outputs]
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         return time.perf_counter() - t0

@@ -44,6 +44,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, `text` stays "" (no stop strings then)
     n: int = 1  # completions per prompt (forked after the prompt, sharing its KV blocks)
     presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
@@ -98,7 +99,7 @@ class SamplingParams:
         setfield("min_tokens", as_int("min_tokens", "must be an integer >= 0", lo=0))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -107,6 +108,9 @@ class SamplingParams:
         stop = tuple(stop or ())
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if stop and not self.detokenize:
+            raise bad("stop", "stop strings are found in the output text, which detokenize=False does not make: "
+                              "use stop_token_ids, or detokenize=True")
         ids = self.stop_token_ids
         if ids is not None and (isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__")):
             raise bad("stop_token_ids", "must be a list of token ids")

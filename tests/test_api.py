@@ -81,6 +81,20 @@ def test_stop_strings_truncate_text(llm):
         assert out.text == (text[:cut + len(stop)] if include else text[:cut])
 
 
+def test_detokenize_false_returns_token_ids_only(llm):
+    """vLLM's `detokenize=False`: the same tokens and logprobs, no text (and no stop strings)."""
+    kw = dict(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    with_text, ids_only = (llm.generate([{"prompt_token_ids": [20, 21, 22]}], SamplingParams(**kw, detokenize=d),
+                                        use_tqdm=False)[0].outputs[0] for d in (True, False))
+    assert ids_only.token_ids == with_text.token_ids and ids_only.text == "" and with_text.text
+    assert [{t: lp.logprob for t, lp in d.items()} for d in ids_only.logprobs] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in with_text.logprobs]
+    assert all(lp.decoded_token is None for d in ids_only.logprobs for lp in d.values())
+    with pytest.raises(ValueError, match="SamplingParams.stop=.*detokenize"):
+        SamplingParams(stop=["."], detokenize=False)
+    assert SamplingParams(stop_token_ids=[3], detokenize=False).detokenize is False
+
+
 def test_max_model_len_stops_with_length(llm):
     out = llm.generate([{"prompt_token_ids": list(range(5, 95))}],
                        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
@@ -140,7 +154,7 @@ def test_bad_prompts_raise_and_leave_engine_usable(llm, prompt, sp, match):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("max_tokens", 0),
-    ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-3]), ("seed", "x"),
+    ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-3]), ("seed", "x"), ("detokenize", 0),
 ])
 def test_bad_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):

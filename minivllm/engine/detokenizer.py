@@ -7,6 +7,9 @@ starts a few tokens back into the prompt so that the first output token gets its
 right. Text ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
 
 Stop strings are searched only in the tail that the new text could have completed.
+
+`SamplingParams(detokenize=False)` (vLLM's option, for callers who only want token ids) keeps the
+count of tokens and decodes nothing: the text stays "".
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ class StopMatch(NamedTuple):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 detokenize: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.detokenize = detokenize
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._num_context = len(self.ids)
         self.prefix_offset = 0
@@ -42,6 +47,8 @@ class IncrementalDetokenizer:
     def update(self, token_id: int) -> str:
         """Add one generated token; return the text it completes (possibly empty)."""
         self.ids.append(token_id)
+        if not self.detokenize:
+            return ""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -53,6 +60,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a request: release text held back waiting for more bytes (as U+FFFD)."""
+        if not self.detokenize:
+            return ""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         delta = full[len(prefix):] if len(full) > len(prefix) else ""

@@ -46,7 +46,8 @@ class OutputProcessor:
         return state
 
     def add_sequence(self, state: RequestState, seq: Sequence) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling_params.skip_special_tokens)
+        sp = seq.sampling_params
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, sp.skip_special_tokens, sp.detokenize)
         state.seqs.append(seq)
         state.detoks.append(detok)
         state.logprobs.append([])
@@ -93,7 +94,8 @@ class OutputProcessor:
         logprobs, cumulative = None, None
         if seq.sampling_params.logprobs is not None:
             logprobs = state.logprobs[seq.index]
-            logprobs.extend(self._logprob_dict(t) for t in seq.logprobs[len(logprobs):])
+            decode = seq.sampling_params.detokenize
+            logprobs.extend(self._logprob_dict(t, decode) for t in seq.logprobs[len(logprobs):])
             logprobs, cumulative = list(logprobs), seq.cumulative_logprob
         return CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason,
                                 cumulative, logprobs)
@@ -101,17 +103,22 @@ class OutputProcessor:
     def _convert_prompt_logprobs(self, state: RequestState) -> None:
         done = state.prompt_logprobs
         seq = state.seqs[0]
+        decode = seq.sampling_params.detokenize
         for p in seq.prompt_logprobs[len(done) - 1:]:
-            done.append(self._logprob_dict(p.token))
+            done.append(self._logprob_dict(p.token, decode))
 
-    def _logprob_dict(self, t: SampledToken) -> dict[int, Logprob]:
-        """vLLM's shape: the top-N candidates and the actual token, each with logprob, rank, text."""
-        out = {tok: Logprob(lp, rank, self._text(tok)) for rank, (tok, lp) in enumerate(t.top_logprobs, start=1)}
+    def _logprob_dict(self, t: SampledToken, decode: bool) -> dict[int, Logprob]:
+        """vLLM's shape: the top-N candidates and the actual token, each with logprob, rank, text (None
+        with detokenize=False, as in vLLM)."""
+        out = {tok: Logprob(lp, rank, self._text(tok, decode))
+               for rank, (tok, lp) in enumerate(t.top_logprobs, start=1)}
         if t.token_id not in out:
-            out[t.token_id] = Logprob(t.logprob, t.rank, self._text(t.token_id))
+            out[t.token_id] = Logprob(t.logprob, t.rank, self._text(t.token_id, decode))
         return out
 
-    def _text(self, token_id: int) -> str:
+    def _text(self, token_id: int, decode: bool = True) -> str | None:
+        if not decode:
+            return None
         text = self._token_text.get(token_id)
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])

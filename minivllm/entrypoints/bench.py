@@ -2,7 +2,8 @@
 
 `throughput` (the core-engine workload): a random ~30M-parameter Qwen3 in fp32 (or --model), 32
 requests, prompts of 16-128 tokens and outputs of 8-128 tokens (uniform, seeded), greedy, EOS
-ignored so every system does the same work. tok/s count the generated tokens that were asked for.
+ignored so every system does the same work, token ids in and out (minivllm with detokenize=False:
+HF returns ids too). tok/s count the generated tokens that were asked for.
   * minivllm        LLM.generate over all requests (continuous batching, paged KV)
   * HF generate     one static batch, left-padded; it runs until the longest output is done
   * HF continuous   transformers' own continuous batching (`init_continuous_batching`), with each
@@ -49,7 +50,8 @@ def workload(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[i
 
 
 def _greedy(outputs: list[int]) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+    # Token ids only (detokenize=False), as HF generate returns them: text is not what is compared.
+    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False) for m in outputs]
 
 
 def print_matmul_plan(llm: LLM) -> None:
