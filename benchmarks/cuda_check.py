@@ -43,7 +43,7 @@ def engine_checks(num_requests: int) -> None:
         prompts, outputs = workload(num_requests, BENCH_MODEL["vocab_size"])
         warm = workload(num_requests, BENCH_MODEL["vocab_size"], seed=1)
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False) for m in outputs]
-        single = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+        single = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, detokenize=False)
         results, tokens = {}, {}
         for eager in (True, False):
             llm = LLM(path, device="cuda", dtype="bfloat16", enforce_eager=eager)

@@ -1,5 +1,5 @@
-"""quantization="int8": int8 weights (per output row) with per-token dynamic int8 activations, close to
-the float model, refused where it cannot run."""
+"""quantization="int8": int8 weights (per output row) with per-token int8 activations, close to the
+float model, independent of the batch, refused where it cannot run."""
 
 from __future__ import annotations
 
@@ -51,6 +51,19 @@ def test_each_token_gets_its_own_scale():
 
 
 
+def test_a_row_does_not_depend_on_its_batch():
+    """Every row is scaled into [-1, 1] and quantized on one fixed grid: its bits are the same alone, in
+    a batch, or beside rows whose values are all of one sign (a per-batch grid would shift them)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g) / 8
+    layer = Int8Linear(w, torch.randn(96, generator=g), reduce_range=not VNNI)
+    x = torch.randn(6, 64, generator=g)
+    x[1], x[4] = x[1].abs(), -x[4].abs()  # one-sided rows
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(6)])
+    assert torch.equal(layer(x), alone)
+    assert torch.equal(layer(x[[1, 1, 1]]), alone[[1, 1, 1]]) and torch.equal(layer(x[[4, 0]]), alone[[4, 0]])
+
+
 @pytest.fixture(scope="module")
 def fp32_and_int8(qwen3_dir):
     fp32 = LLM(qwen3_dir, num_kv_blocks=32)
@@ -84,6 +97,15 @@ def test_int8_engine_generates(fp32_and_int8):
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
     assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
+    # int8 rows are batch-invariant: a request gets the same tokens alone as beside others
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 77, 200], [31, 32], [300, 301, 302, 303, 304, 305])]
+    together = int8.generate(prompts, sp, use_tqdm=False)
+    for prompt, batched in zip(prompts, together):
+        alone = int8.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        assert alone.token_ids == batched.outputs[0].token_ids
+        # (attention over a padded batch sums in another order: float-level differences only)
+        assert alone.cumulative_logprob == pytest.approx(batched.outputs[0].cumulative_logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize("kwargs,needle", [

@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         if x.device.type == "cpu":
             # torch's CPU kernel normalises a half-precision x in float32 and rounds once, so this is
-            # bit-identical to the casts below (tests/layers/test_norm.py) in one op instead of three.
+            # bit-identical to the casts below (tests/test_rope_norm.py) in one op instead of three.
             normed = F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         else:
             normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)

@@ -8,21 +8,28 @@ model, so a decode step streams all the weights from memory once and does 2 FLOP
 
 so at a given bandwidth fewer bytes are more tokens per second. Int8 keeps a quarter of fp32's bytes.
 
-What "int8" computes here (dynamic quantization, W8A8, as `torch.ao.quantization.quantize_dynamic`):
+What "int8" computes here (W8A8: int8 weights, int8 activations, int32 sums):
 
     weights      q_w[o, :] = round(W[o, :] / s_w[o]),   s_w[o] = max|W[o, :]| / 127   once, at load
                  (symmetric, one scale per output row: "per channel")
-    activations  x[t, :] / m[t],  m[t] = max|x[t, :]|  every call: each row (token) scaled into [-1, 1]
-    product      y[t, o] = m[t] * (fbgemm int8 GEMM of the scaled rows, int32 sums, back to float) + b[o]
+    activations  q_x[t, :] = round(127 * x[t, :] / m[t]),  m[t] = max|x[t, :]|         every call
+                 (symmetric, one scale per row, i.e. per token: "absmax")
+    product      y[t, o] = m[t] * s_w[o] / 127 * sum_i q_x[t, i] q_w[o, i] + b[o]
 
-fbgemm's `quantized::linear_dynamic` (the VNNI kernels of `torch.ao.nn.quantized.dynamic.Linear`)
-quantizes its whole input with one scale. One scale for a batch would let a single large row (an
-outlier token, or the first token of a prompt, whose activations are often huge) blur every other
-row: on SmolLM2 that costs +62 % perplexity. Dividing each row by its own maximum first and
-multiplying the output back (the product is linear in x) gives every token its own scale for two
-cheap element-wise ops: +4.3 % perplexity, top-1 agreement 90 % on a README text. The rows still
-share fbgemm's one zero point, so a row's rounding can shift slightly with the other rows of its
-batch: unlike the float paths, int8 results are not exactly batch-invariant.
+fbgemm's VNNI kernels do the int8 GEMM (`vpdpbusd`: unsigned 8-bit activations times signed 8-bit
+weights, summed in 32 bits). fbgemm quantizes a whole input with one (scale, zero point), so the
+per-token scale is applied around it: each row is divided by its own maximum first, which puts every
+row in [-1, 1], and the output row is multiplied back (the product is linear in x). Then one fixed grid
+serves every row of every batch: scale 1/127, zero point 128 (q_x + 128 in 1..255), handed to fbgemm as
+is (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`). Two consequences:
+
+  * an outlier token does not blur its neighbours. One scale for a whole batch (what
+    `quantize_dynamic` does) let a single large row (the first token of a prompt often is one) decide
+    everyone's resolution: +62 % perplexity on SmolLM2, against +3.5-5 % per token;
+  * a row's result does not depend on the other rows: int8 is batch-invariant like the float paths
+    (tested), so a request gets the same tokens alone, in a batch, or beside a compiled step's padding.
+    An earlier version let fbgemm pick the grid from each batch's minimum and maximum
+    (`quantized::linear_dynamic`); a row's rounding then moved with its neighbours.
 
 Compiling (`enforce_eager=False`): Dynamo cannot trace fbgemm's packed weight (a TorchScript object),
 so inside the graph the product is an opaque op, `minivllm::int8_linear`, that finds its layer by
@@ -31,9 +38,10 @@ neighbours. For one stream that matters more than for bf16: int8 makes the matmu
 small ops between them are a larger share of the step.
 
 What stays in float: the embedding (a lookup, nothing streamed), norms, attention and its KV cache,
-and the LM head (quantizing it too measured +5.9 % perplexity on SmolLM2 instead of +4.3 %).
-Activations of fbgemm are full 8-bit where the CPU has VNNI (`vpdpbusd` sums in 32 bits); without it
-AVX2's 16-bit pair sums could saturate, so 7-bit activations are used there (`reduce_range`).
+and the LM head (quantizing it too measured +5.9 % perplexity on SmolLM2 instead of +4.3 %, an
+earlier version's figures).
+Activations are full 8-bit where the CPU has VNNI; without it AVX2's 16-bit pair sums could saturate,
+so 7-bit activations are used there (`reduce_range`: scale 1/63, zero point 64, q_x + 64 in 1..127).
 
 Why fbgemm and not torchao (the successor of `torch.ao.quantization`, which torch 2.13 deprecates):
 torchao 0.18's `Int8DynamicActivationInt8WeightConfig` gave the same error (1.04 % against 1.04 %) but
@@ -104,7 +112,9 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype)
 
     def int8_product(self, x: torch.Tensor) -> torch.Tensor:  # x (T, in) fp32, rows in [-1, 1] -> (T, out) fp32
-        return torch.ops.quantized.linear_dynamic(x, self._packed, self.reduce_range)
+        # One fixed grid for [-1, 1]: q = round(x * 127) + 128 in 1..255 (7-bit: round(x * 63) + 64).
+        scale, zero_point = (1 / 63, 64) if self.reduce_range else (1 / 127, 128)
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, scale, zero_point, self._packed)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"

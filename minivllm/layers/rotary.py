@@ -51,8 +51,8 @@ def rope_inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:  # (head_dim /
 
 
 class RotaryEmbedding:
-    """Holds the (max_position, head_dim) cos and sin tables. A step looks up its positions once
-    (`lookup`) and every layer applies the result (`apply_rotary`)."""
+    """Holds the (max_position, head_dim) cos and signed-sin tables. A step looks up its positions once
+    (`lookup`) and every layer applies the result (`rotate`, or `apply_rotary` for q and k apart)."""
 
     def __init__(self, head_dim: int, max_position: int, rope: RopeSpec, device: torch.device) -> None:
         inv_freq = rope_inv_freq(head_dim, rope).to(device)
@@ -72,9 +72,9 @@ def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch
     """x (T, H, D) rotated by the positions `lookup` read: x * cos + rotate_half(x) * sin.
 
     rotate_half(x) * sin = (-x2, x1) * (s1, s2) = (x2, x1) * (-s1, s2): swapping the halves is one `flip`
-    of a (2, D/2) view and the minus sign already sits in the table, so a rotation is four ops (flip and
-    three arithmetic ops) instead of six (chunk, neg, cat and the same three). Negating a factor is exact
-    in floating point, so the result is bit-identical to the textbook form and to HF's: the same products
+    of a (2, D/2) view and the minus sign already sits in the table, so a rotation runs four kernels (flip
+    and three arithmetic ops) instead of five (neg, cat and the same three). Negating a factor is exact in
+    floating point, so the result is bit-identical to the textbook form and to HF's: the same products
     rounded the same way (a fused multiply-add would round once fewer, and differ)."""
     cos, signed_sin = cos_sin
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (T, H, D): halves swapped, (x2, x1)

@@ -83,16 +83,23 @@ def test_identical_tokens_with_forks_and_drafts(engines, model_factory):
 
 def test_int8_compiles_with_identical_tokens(model_factory):
     """int8 layers run fbgemm's packed weights through an opaque op (layers/quantization.py); the graph
-    around them gives the eager engine's tokens, padded (3 -> 4 rows) or not."""
+    around them gives the eager engine's tokens, with padding rows (three decodes padded to 4 rows: int8
+    rows are quantized on a fixed grid, so the padding cannot shift them) and without."""
     path = model_factory("qwen3")
-    prompts = [[5, 6, 7], [20, 21, 22, 23, 24, 25, 26, 27]]
-    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 2
     with LLM(path, quantization="int8", enforce_eager=False, compile_sizes=(1, 2, 4, 8), **ENGINE) as c, \
             LLM(path, quantization="int8", enforce_eager=True, **ENGINE) as e:
         assert c.llm_engine.model.compiled is not None
-        assert _run(c, prompts, params) == _run(e, prompts, params)
-        single = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
-        assert _run(c, prompts[1:], single) == _run(e, prompts[1:], single)
+        three = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]  # a 9-row prefill (eager), then decodes of 3 -> 4 rows
+        params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)] * 3
+        before = c.get_stats().num_steps
+        padded = c.generate([{"prompt_token_ids": p} for p in three], params, use_tqdm=False)
+        assert c.get_stats().num_steps - before == 8
+        reference = e.generate([{"prompt_token_ids": p} for p in three], params, use_tqdm=False)
+        for got, want in zip(padded, reference):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert got.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-4)
+        one, single = [list(range(20, 28))], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+        assert _run(c, one, single) == _run(e, one, single)
 
 
 def test_padding_rows_write_only_the_scratch_block(model_factory):
