@@ -66,6 +66,17 @@ def test_identical_tokens_eager_vs_compiled(engines, case):
     assert _run(compiled, prompts, params) == _run(eager, prompts, params)
 
 
+def test_identical_tokens_for_a_model_without_qk_norm(model_factory):
+    """Llama rotates q's and k's heads in one call (models/llama.py) and hands attention strided views of
+    the result; compiled and padded (3 decodes -> 4 rows) it still gives the eager tokens."""
+    path = model_factory("llama")
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    params = [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)] * 3
+    with LLM(path, enforce_eager=False, compile_sizes=(1, 2, 4, 8), **ENGINE) as c, \
+            LLM(path, enforce_eager=True, **ENGINE) as e:
+        assert _run(c, prompts, params) == _run(e, prompts, params)
+
+
 def test_identical_tokens_with_forks_and_drafts(engines, model_factory):
     """n > 1 forks (copy-on-write blocks) and speculative verification rows (1 + k rows a sequence)."""
     eager, compiled = engines
