@@ -30,6 +30,7 @@ more rows than the largest size (long prefills, where the matmuls dominate anywa
 from __future__ import annotations
 
 import bisect
+import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class StepContext:
 
 # The op finds its model's context by number. Weak: a context lives as long as its `CompiledForward`.
 _CONTEXTS: weakref.WeakValueDictionary[int, StepContext] = weakref.WeakValueDictionary()
+_context_numbers = itertools.count()
 
 
 @torch.library.custom_op("minivllm::attention", mutates_args=())
@@ -87,8 +89,11 @@ class CompiledForward:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self.sizes) + 2)
         self.context = StepContext()
         self._compiled: set[int] = set()  # sizes already traced
-        _CONTEXTS[id(self.context)] = self.context
-        context = id(self.context)
+        # The number is a constant inside the graph, so it is part of the key of Inductor's on-disk cache:
+        # a counter (the first model of a process is 0 in every process) lets a restart reuse the compiled
+        # graphs; a memory address (`id`) changed the key each time and cost a full compile (~25 s).
+        context = next(_context_numbers)
+        _CONTEXTS[context] = self.context
 
         def graph(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return forward(model, input_ids, positions,
