@@ -68,7 +68,8 @@ class EngineConfig:
     # False: the forward runs as one torch.compile graph per token count in compile_sizes, each step
     # padded up to the next size, attention kept opaque (models/compiled_forward.py). True: every step
     # runs eagerly (vLLM's name). None (default): compiled on CUDA; eager on CPU, where compiling costs
-    # minutes of start-up on 2 cores for a measured +5-15 % (docs/guides/benchmarks.md).
+    # ~20 s a size of start-up on 2 cores (less once cached on disk) for a measured +5-30 % a step
+    # (docs/guides/benchmarks.md).
     enforce_eager: bool | None = None
     compile_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 

@@ -105,8 +105,9 @@ def compile_decision(model: torch.nn.Module, config: EngineConfig, device: torch
         return False, (f"eager: tensor_parallel_size={config.tensor_parallel_size} (its all-reduces inside a "
                        "compiled graph are not supported yet)")
     if config.enforce_eager is None and device.type == "cpu":
-        # Measured (docs/guides/benchmarks.md): on 2 CPU cores compiling the default model's sizes takes
-        # minutes at start-up (cached on disk afterwards) for +5-15 % a step; on a GPU fusing the forward
+        # Measured (docs/guides/benchmarks.md): on 2 CPU cores a cold compile of the default model takes
+        # ~20 s a size, a start with Inductor's cache warm still 2-20x an eager one, for +5-30 % a step;
+        # tests, notebooks and a first `generate` should start in seconds. On a GPU fusing the forward
         # removes most kernel launches.
         return False, "eager (enforce_eager=None on CPU: compiling costs start-up time; pass False to compile)"
     return True, f"compiled for steps of up to {max(config.compile_sizes)} tokens {config.compile_sizes}"
