@@ -83,7 +83,7 @@ def _(x: torch.Tensor, layer: int) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """A `Linear` with int8 weights (per output row) and per-token dynamic int8 activations."""
+    """A `Linear` with int8 weights (one scale per output row) and int8 activations (one scale per token)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool) -> None:
         super().__init__()
