@@ -6,7 +6,8 @@ Per layer:
      (Bd, Hkv, K, D) tensor and run one SDPA with a key-length mask;
   3. prefill chunks, one request at a time: gather its context from the cache (this is what makes
      cached prefixes and later chunks correct) and run SDPA with a causal mask shifted by the
-     number of earlier tokens.
+     number of earlier tokens. A whole prompt with nothing cached before it is its own context:
+     its k/v are used as they come, without the gather.
 
 GQA without copying K/V: the G = Hq / Hkv query heads sharing a KV head are folded into the query
 length, (T, Hq, D) -> (Hkv, G*T, D), so SDPA sees Hkv heads and K/V are never repeated.
@@ -111,9 +112,15 @@ class TorchAttentionBackend(AttentionBackend):
         # --- prefill chunks: one SDPA per request, causal mask shifted by the cached prefix ---
         for p in plan.prefills:
             n = p.row_end - p.row_start
-            kp = k_cache.index_select(0, p.blocks).view(-1, Hkv, D)[: p.context_len].transpose(0, 1)  # (Hkv, ctx, D)
-            vp = v_cache.index_select(0, p.blocks).view(-1, Hkv, D)[: p.context_len].transpose(0, 1)
+            if p.context_len == n:  # nothing before these tokens: the context is this step's k/v
+                kp = k[p.row_start:p.row_end].transpose(0, 1)  # (Hkv, ctx, D)
+                vp = v[p.row_start:p.row_end].transpose(0, 1)
+            else:
+                kp = k_cache.index_select(0, p.blocks).view(-1, Hkv, D)[: p.context_len].transpose(0, 1)
+                vp = v_cache.index_select(0, p.blocks).view(-1, Hkv, D)[: p.context_len].transpose(0, 1)
             qp = q[p.row_start:p.row_end].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale)
+            # A leading batch dim of 1: with 4-D inputs PyTorch's CPU SDPA takes its flash kernel; with
+            # 3-D it falls back to the unfused math path (measured 1.5-2.5x slower for 16-128 tokens).
+            op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], attn_mask=p.mask, scale=self.scale)
             out[p.row_start:p.row_end] = op.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, -1)
         return out
