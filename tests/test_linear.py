@@ -17,16 +17,17 @@ from minivllm.teaching.hf_check import assert_hf_greedy
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
-def test_every_row_count_up_to_64_has_one_bucket_and_larger_ones_none():
-    for rows in range(1, 65):
+def test_every_row_count_has_one_bucket_and_prefill_sizes_share_the_last():
+    for rows in range(1, ROW_BUCKETS[-1].hi + 1):
         bucket = row_bucket(rows)
         assert bucket in ROW_BUCKETS and bucket.lo <= rows <= bucket.hi
         assert sum(b.lo <= rows <= b.hi for b in ROW_BUCKETS) == 1
-    assert row_bucket(65) is None and row_bucket(4096) is None
+    assert row_bucket(64).hi == 64 and row_bucket(65).lo == 65  # decode-sized and prefill-sized apart
+    assert row_bucket(4096) == row_bucket(513) == ROW_BUCKETS[-1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 17, 64, 65])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 65, 600])
 def test_both_forms_compute_the_same_product(rows, dtype):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=g).to(dtype)
@@ -62,7 +63,9 @@ def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
             assert 0 < speedup < float("inf")
             assert (plan.forms[key] is MatmulForm.LINEAR) == (speedup <= 1 + MARGIN)
             assert {plan.form_for(w, rows) for rows in range(bucket.lo, bucket.hi + 1)} == {plan.forms[key]}
-        assert plan.form_for(w, 65) is MatmulForm.LINEAR
+            if bucket.lo > 64:  # prefill-sized: only F.linear and the packed weight compete
+                assert plan.forms[key] is not MatmulForm.WEIGHT_LEFT
+        assert plan.form_for(w, 4096) is plan.form_for(w, 512)  # larger prefills follow the last bucket
     assert len(plan.forms) == len(set(shapes)) * len(ROW_BUCKETS)
     packed = {(k.out_features, k.in_features) for k, f in plan.forms.items() if f is MatmulForm.PACKED}
     for w, shape in zip(weights, shapes):  # a packed copy exactly where some bucket runs packed
