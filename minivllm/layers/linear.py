@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.layers.custom_op import direct_register_custom_op
 from minivllm.layers.matmul_plan import MatmulForm, MatmulPlan, matmul, packed_linear
 
 
@@ -28,14 +29,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _planned_linear(x, weight, bias, form)
 
 
-@torch.library.custom_op("minivllm::planned_linear", mutates_args=())
 def _planned_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
     # Contiguous, as the fake below promises (one WEIGHT_LEFT row comes back as a strided view).
     return _planned_linear(x, weight, bias, MatmulForm[form]).contiguous()
 
 
-@_planned_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
+def _planned_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])  # shapes only, for tracing
 
 
@@ -47,6 +46,9 @@ def _planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return packed_linear(x, weight, bias)  # here too
     y = matmul(x, weight, form)
     return y if bias is None else y + bias
+
+
+direct_register_custom_op("planned_linear", _planned_linear_op, _planned_linear_fake)
 
 
 class Linear(nn.Linear):

@@ -58,6 +58,7 @@ import weakref
 import torch
 from torch import nn
 
+from minivllm.layers.custom_op import direct_register_custom_op
 from minivllm.layers.linear import Linear
 from minivllm.layers.matmul_plan import CpuInfo
 
@@ -72,14 +73,15 @@ _LAYERS: weakref.WeakValueDictionary[int, "Int8Linear"] = weakref.WeakValueDicti
 _layer_ids = itertools.count()
 
 
-@torch.library.custom_op("minivllm::int8_linear", mutates_args=())
 def _int8_linear_op(x: torch.Tensor, layer: int) -> torch.Tensor:  # x (T, in) fp32 -> (T, out) fp32
     return _LAYERS[layer].int8_product(x)
 
 
-@_int8_linear_op.register_fake
-def _(x: torch.Tensor, layer: int) -> torch.Tensor:
+def _int8_linear_fake(x: torch.Tensor, layer: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], _LAYERS[layer].out_features)  # shapes only, for tracing
+
+
+direct_register_custom_op("int8_linear", _int8_linear_op, _int8_linear_fake)
 
 
 class Int8Linear(nn.Module):

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.custom_op import direct_register_custom_op
 
 # (layer index, q (T, Hq, D), k, v (T, Hkv, D)) -> attention output (T, Hq * D)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -64,7 +65,6 @@ _CONTEXTS: weakref.WeakValueDictionary[int, StepContext] = weakref.WeakValueDict
 _context_numbers = itertools.count()
 
 
-@torch.library.custom_op("minivllm::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, layer: int) -> torch.Tensor:
     # It writes this step's K/V into the layer's cache, which the graph never sees: nothing in the graph
     # reads the cache but this op, and each layer's call depends on the previous layer's output, so the
@@ -73,9 +73,11 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: in
     return ctx.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.meta)
 
 
-@_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, layer: int) -> torch.Tensor:
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, layer: int) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # shapes only, for tracing
+
+
+direct_register_custom_op("attention", _attention_op, _attention_fake)  # see layers/custom_op.py
 
 
 class CompiledForward:
