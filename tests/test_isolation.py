@@ -201,7 +201,7 @@ def test_cpu_kv_pool_is_committed_lazily(model_factory):
             return int(f.read().split()[1]) * 4096
 
     model = model_factory("qwen3")
-    LLM(model, warmup=False, num_kv_blocks=8)  # the first engine of a process imports ~100 MB of code
+    LLM(model, warmup=False, num_kv_blocks=8).llm_engine.shutdown()  # a first engine imports ~100 MB of code
     before = rss()
     llm = LLM(model, warmup=False, cpu_kv_cache_bytes=512 << 20)
     pool = llm.llm_engine.model_runner.kv_cache

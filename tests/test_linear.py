@@ -10,8 +10,8 @@ from helpers import varied_prompts
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.linear import Linear, linear
-from minivllm.layers.matmul_plan import (MARGIN, ROW_BUCKETS, CpuInfo, MatmulForm, MatmulKey, MatmulPlan, matmul,
-                                         row_bucket)
+from minivllm.layers.matmul_plan import (MARGIN, PREFILL_BUCKET, ROW_BUCKETS, CpuInfo, MatmulForm, MatmulKey,
+                                         MatmulPlan, matmul, row_bucket)
 from minivllm.teaching.hf_check import assert_hf_greedy
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -22,8 +22,8 @@ def test_every_row_count_has_one_bucket_and_prefill_sizes_share_the_last():
         bucket = row_bucket(rows)
         assert bucket in ROW_BUCKETS and bucket.lo <= rows <= bucket.hi
         assert sum(b.lo <= rows <= b.hi for b in ROW_BUCKETS) == 1
-    assert row_bucket(64).hi == 64 and row_bucket(65).lo == 65  # decode-sized and prefill-sized apart
-    assert row_bucket(4096) == row_bucket(513) == ROW_BUCKETS[-1]
+    assert row_bucket(64).hi == 64 and row_bucket(65) == PREFILL_BUCKET  # decode-sized and prefill-sized apart
+    assert row_bucket(4096) == row_bucket(513) == PREFILL_BUCKET
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -40,6 +40,19 @@ def test_both_forms_compute_the_same_product(rows, dtype):
         torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), **TOLERANCE[dtype])
         forced = MatmulPlan(forms={MatmulKey(160, 96, dtype, b): form for b in ROW_BUCKETS})
         torch.testing.assert_close(linear(x, w, bias, forced).float(), reference, **TOLERANCE[dtype])
+
+
+def test_prefill_bucket_skips_the_lm_head_and_dtypes_onednn_cannot_pack():
+    head = torch.randn(384, 64)
+    plan = MatmulPlan()
+    plan.measure([torch.randn(192, 64), torch.randn(192, 64), head], repeats=1, cache_bytes=0, decode_only=(head,))
+    assert MatmulKey(192, 64, torch.float32, PREFILL_BUCKET) in plan.forms
+    assert MatmulKey(384, 64, torch.float32, PREFILL_BUCKET) not in plan.forms  # sampled rows only
+    assert MatmulKey(384, 64, torch.float32, ROW_BUCKETS[0]) in plan.forms
+    assert plan.form_for(head, 600) is MatmulForm.LINEAR and "not timed" in plan.summary()
+    half = MatmulPlan()  # fp16: no packed form, so nothing to compare F.linear with at prefill sizes
+    half.measure([torch.randn(128, 128).half(), torch.randn(128, 128).half()], repeats=1, cache_bytes=0)
+    assert half.forms and not any(k.bucket == PREFILL_BUCKET for k in half.forms)
 
 
 def test_an_unmeasured_plan_answers_f_linear_everywhere():
@@ -63,7 +76,7 @@ def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
             assert 0 < speedup < float("inf")
             assert (plan.forms[key] is MatmulForm.LINEAR) == (speedup <= 1 + MARGIN)
             assert {plan.form_for(w, rows) for rows in range(bucket.lo, bucket.hi + 1)} == {plan.forms[key]}
-            if bucket.lo > 64:  # prefill-sized: only F.linear and the packed weight compete
+            if bucket == PREFILL_BUCKET:  # only F.linear and the packed weight compete
                 assert plan.forms[key] is not MatmulForm.WEIGHT_LEFT
         assert plan.form_for(w, 4096) is plan.form_for(w, 512)  # larger prefills follow the last bucket
     assert len(plan.forms) == len(set(shapes)) * len(ROW_BUCKETS)

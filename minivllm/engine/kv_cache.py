@@ -14,17 +14,10 @@ its key.
 The pool reads as zeros until written: attention gathers whole blocks and masks the slots past a
 sequence's end, and a masked probability of 0 times a stale NaN would still be NaN, so a never-written
 slot must hold a number. On CUDA the pool is `torch.zeros`. On CPU, zero-filling 1 GiB would commit
-1 GiB of RAM at start-up for a pool that a laptop session may barely use, so the pool is an anonymous
-`mmap`: the kernel maps fresh pages as zeros and commits each page only when a K/V is first written
-to it. An unused pool costs address space, not RAM (tested: resident memory grows by a small
-fraction of the pool when an engine starts).
-
-That first write is a page fault, and with 4 KiB pages it is slow: writing the K/V of a 2 000-token
-prefill into never-used blocks took 72 ms against 1 ms into used ones (2 AMD EPYC cores, a VM), about
-7 % of the fp32 throughput benchmark, which keeps reaching fresh blocks. So the pool also asks for
-transparent huge pages (`MADV_HUGEPAGE`, where Linux offers it): one fault then maps 2 MiB, and the
-same first write took 3-5 ms. The price is granularity: RAM is committed 2 MiB at a time per layer's
-K (and V) region, so a pool that holds anything holds at least 2 x layers x 2 MiB.
+1 GiB of RAM at start-up for a pool that a laptop session may barely use, so the pool comes from
+`calloc` (numpy's `zeros`): the kernel maps fresh pages as zeros and commits each page only when a
+K/V is first written to it. An unused pool costs address space, not RAM (tested: resident memory
+grows by a small fraction of the pool when an engine starts).
 
 Sizing (when `num_kv_blocks` is not given):
   * CUDA: `gpu_memory_utilization` x free memory after the weights, less a 10 % activation reserve
@@ -34,9 +27,7 @@ Sizing (when `num_kv_blocks` is not given):
 
 from __future__ import annotations
 
-import math
-import mmap
-
+import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
@@ -73,18 +64,10 @@ def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, dtype: 
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on CPU an anonymous mapping, so its pages are committed only when first written,
-    in 2 MiB huge pages where the kernel allows (see the module docstring)."""
+    """A zero tensor; on CPU calloc'ed, so its pages are committed only when first written (see the
+    module docstring). numpy has no bfloat16, so the buffer is raw bytes viewed in `dtype`."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
-    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE)  # zero-filled by the kernel; one spare huge page to align
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere plain pages, still lazily committed
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds `buf` open as long as the tensor lives
-    skip = -raw.data_ptr() % _HUGE_PAGE  # start on a 2 MiB boundary so every huge page is a whole one
-    return raw[skip:skip + nbytes].view(dtype).view(shape)
-
-
-_HUGE_PAGE = 2 << 20
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)

@@ -22,12 +22,18 @@ from typing import Callable
 import torch
 
 _LIBRARY = torch.library.Library("minivllm", "FRAGMENT")  # the namespace may gain ops from several modules
+# The functions behind each op, by name. The dispatcher holds a small forwarder that looks here, so a
+# module that is imported again (a notebook's `%autoreload`) swaps in its new functions instead of
+# failing to define the op twice.
+_OPS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {}
 
 
 def direct_register_custom_op(name: str, op: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor],
                               mutates_args: tuple[str, ...] = ()) -> None:
     """Define `torch.ops.minivllm.<name>` from `op`'s type annotations, run `op` on every backend and
     `fake` while tracing."""
-    _LIBRARY.define(name + torch.library.infer_schema(op, mutates_args=mutates_args))
-    _LIBRARY.impl(name, op, "CompositeExplicitAutograd")
-    _LIBRARY._register_fake(name, fake)
+    if name not in _OPS:
+        _LIBRARY.define(name + torch.library.infer_schema(op, mutates_args=mutates_args))
+        _LIBRARY.impl(name, lambda *args: _OPS[name][0](*args), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"minivllm::{name}", lambda *args: _OPS[name][1](*args), lib=_LIBRARY)
+    _OPS[name] = (op, fake)

@@ -22,9 +22,11 @@ Invariants:
     (nothing to stream, only noise to time): `form_for` answers LINEAR.
   * Prefill-sized products (more than 64 rows) are one bucket, timed at 65 and 512 rows and used for
     every larger count too: there the forms compete on compute, not on streaming, and PACKED was
-    1.1-1.9x faster than F.linear in fp32 at 128-2 000 rows, about even in bf16 (2 AMD EPYC cores).
+    1.08-1.31x faster than F.linear in fp32 at those two ends, within 5 % in bf16 (2 AMD EPYC cores).
     Only LINEAR and PACKED are timed there (WEIGHT_LEFT is for skinny products), on one weight per
-    shape: a product that size is bound by compute, not by streaming the weight.
+    shape: a product that size is bound by compute, not by streaming the weight. Weights that only
+    ever multiply sampled rows (`decode_only`: the LM head) are not timed there, and neither is a
+    dtype oneDNN cannot pack (fp16): those keep LINEAR, shown as "not timed".
   * Another form must beat LINEAR by `MARGIN` at BOTH ends of a bucket (e.g. 17 and 64 rows), so one
     lucky row count cannot make a whole bucket slow; ties and noise keep the default.
   * A packed copy is kept (as `weight.packed`) only for the weights of a shape that PACKED won in
@@ -99,7 +101,7 @@ class RowBucket(NamedTuple):
 
 
 ROW_BUCKETS = (RowBucket(1, 1), RowBucket(2, 4), RowBucket(5, 16), RowBucket(17, 64), RowBucket(65, 512))
-PREFILL_ROWS = 65  # from here on a product is prefill-sized (see the module docstring)
+PREFILL_BUCKET = ROW_BUCKETS[-1]  # prefill-sized products (see the module docstring)
 
 
 def row_bucket(rows: int) -> RowBucket:
@@ -180,12 +182,15 @@ class MatmulPlan:
         return self.forms.get(key, MatmulForm.LINEAR)
 
     @torch.inference_mode()
-    def measure(self, weights: list[torch.Tensor], repeats: int = 5, cache_bytes: int | None = None) -> None:
+    def measure(self, weights: list[torch.Tensor], repeats: int = 5, cache_bytes: int | None = None,
+                decode_only: tuple[torch.Tensor, ...] = ()) -> None:
         """Time the forms over `weights` (the model's, in forward order) for each bucket and keep the
         fastest. CPU weights only: on a GPU the plan stays empty (LINEAR). Weights that fit in the
-        last-level cache (`cache_bytes`, default: this CPU's) are not timed and keep LINEAR: the
-        other forms speed up streaming weights from memory, which such a model does not do, and timing
-        microsecond matmuls on a shared machine measures the other processes more than the forms."""
+        last-level cache (`cache_bytes`, default: this CPU's) are not timed and keep LINEAR: there
+        the decode buckets have nothing to stream faster, and timing microsecond matmuls on a shared
+        machine measures the other processes more than the forms (such a model is small enough that
+        its prefills are short too). Weights in `decode_only` (the LM head: it multiplies sampled rows,
+        a few per request) are not timed at prefill sizes."""
         weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
         if not weights:
             return
@@ -198,14 +203,19 @@ class MatmulPlan:
             for w in sample:
                 if can_pack(w):
                     pack(w)
-            one_per_shape = list({(w.shape[0], w.shape[1], w.dtype): w for w in sample}.values())
+            # Prefill-sized products are compute-bound (65+ FLOPs per weight byte): whether the weight was
+            # in cache barely matters, so one weight per shape is timed there, not the cache-flushing pass.
+            skip = {id(w) for w in decode_only}
+            one_per_shape = list({(w.shape[0], w.shape[1], w.dtype): w for w in sample
+                                  if id(w) not in skip and getattr(w, "packed", None) is not None}.values())
             for bucket in ROW_BUCKETS:
-                # Prefill-sized products are compute-bound (65+ FLOPs per weight byte): whether the weight
-                # was in cache barely matters, so one weight per shape is timed, not the cache-flushing pass.
-                prefill = bucket.lo >= PREFILL_ROWS
+                prefill = bucket is PREFILL_BUCKET
                 forms = (MatmulForm.LINEAR, MatmulForm.PACKED) if prefill else tuple(MatmulForm)
+                timed_weights = one_per_shape if prefill else sample
+                if not timed_weights:
+                    continue
                 for rows in sorted({bucket.lo, bucket.hi}):
-                    timed = _time_forms(one_per_shape if prefill else sample, rows, repeats, forms)
+                    timed = _time_forms(timed_weights, rows, repeats, forms)
                     for shape, times in timed.items():
                         worst = speedups.setdefault(MatmulKey(*shape, bucket), {})
                         for form, t in times.items():
@@ -242,7 +252,8 @@ class MatmulPlan:
                  "  weight (out x in)".ljust(26) + "".join(f"rows {b}".ljust(22) for b in ROW_BUCKETS)]
         for out_f, in_f, dtype in dict.fromkeys((k.out_features, k.in_features, k.dtype) for k in self.forms):
             keys = [MatmulKey(out_f, in_f, dtype, bucket) for bucket in ROW_BUCKETS]
-            cells = "".join(f"{self.forms[k].value} {self.speedups[k]:.2f}x".ljust(22) for k in keys)
+            cells = "".join((f"{self.forms[k].value} {self.speedups[k]:.2f}x" if k in self.forms
+                             else "not timed").ljust(22) for k in keys)
             lines.append(f"  {out_f} x {in_f} {str(dtype).removeprefix('torch.')}".ljust(26) + cells)
         return "\n".join(lines)
 

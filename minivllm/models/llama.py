@@ -156,10 +156,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
     def plan_matmuls(self) -> MatmulPlan:
-        """Time the two CPU matmul forms over this model's weights, in forward order, and keep the
-        faster per shape and row bucket (once; a GPU model keeps F.linear). Called at warm-up."""
+        """Time the CPU matmul forms over this model's weights, in forward order, and keep the
+        fastest per shape and row bucket (once; a GPU model keeps F.linear). Called at warm-up."""
         if self.matmul_plan.measured_with_threads is None:
             # In forward order; an int8 layer (layers/quantization.py) is no `Linear`: nothing to time.
             weights = [m.weight for m in self.model.layers.modules() if isinstance(m, Linear)]
-            self.matmul_plan.measure(weights + [self.lm_head_weight])
+            self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,))
         return self.matmul_plan

@@ -196,5 +196,5 @@ class Qwen3_5ForCausalLM(nn.Module):
         """As `LlamaForCausalLM.plan_matmuls`: time the CPU matmul forms over every Linear, once."""
         if self.matmul_plan.measured_with_threads is None:
             weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]  # in forward order
-            self.matmul_plan.measure(weights + [self.lm_head_weight])
+            self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,))
         return self.matmul_plan
