@@ -76,6 +76,7 @@ class ModelSpec:
     dtype: str | None  # the checkpoint's dtype, e.g. "bfloat16"
     eos_token_ids: tuple[int, ...]
     hidden_act: str = "silu"
+    o_proj_bias: bool = False  # bias on o_proj too: Llama and Qwen3 with attention_bias (Qwen2 never has it)
     # Hybrid models (Qwen3.5); the defaults describe a plain decoder.
     layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; () means all full attention
     linear_attn: LinearAttnSpec | None = None
@@ -166,6 +167,7 @@ def parse_model_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None 
         dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         hidden_act=act,
+        o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
     )
     return _with_hybrid_fields(spec, cfg) if arch in HYBRID_ARCHITECTURES else spec
 

@@ -4,7 +4,8 @@
                    -> RMSNorm -> hidden (T, H);   logits only for the rows that are sampled
 
 The three families differ in two switches read from config.json (see `ModelSpec`):
-  * Qwen2: bias on the q/k/v projections (`attention_bias`);
+  * Qwen2: bias on the q/k/v projections (`attention_bias`); a Llama or Qwen3 config with
+    `attention_bias: true` has it on q/k/v and on o_proj (`o_proj_bias`);
   * Qwen3: RMSNorm over each head of q and k before RoPE (`qk_norm`).
 Weights are packed as vLLM packs them: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj`
 (one matmul instead of three or two); the loader slices the checkpoint's tensors into them.
@@ -42,7 +43,7 @@ class Attention(nn.Module):
         self.spec = spec  # this rank's view: its heads only
         self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias,
                                plan=plan)  # column-parallel: this rank's heads
-        self.o_proj = RowParallelLinear(spec.q_size, spec.hidden_size, bias=False, plan=plan, tp=tp)
+        self.o_proj = RowParallelLinear(spec.q_size, spec.hidden_size, bias=spec.o_proj_bias, plan=plan, tp=tp)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)

@@ -11,7 +11,8 @@ With N ranks, rank r holds (H hidden, D head_dim, Hq / Hkv query / KV heads, I M
     gate_proj, up_proj (+b)  (I, H)      rows: MLP width     rows [r I/N, (r+1) I/N)
     down_proj                (H, I)      columns: MLP width  the columns of its rows of gate/up
     everything else          replicated: the RMSNorms, Qwen3's q_norm / k_norm (one (D,) weight
-                             shared by every head), down_proj's bias (added once, after the sum)
+                             shared by every head), o_proj's and down_proj's biases (added once,
+                             after the sum)
 
 A rank's query heads only ever read its own KV heads (GQA groups never straddle two ranks), so
 attention needs no communication; o_proj and down_proj produce partial sums that one all-reduce
