@@ -229,9 +229,22 @@ class ModelRunner:
         # A compiled model: one step of each compiled size, so that every graph is made
         # now rather than in the middle of the first requests.
         for n in self.compile_sizes or (num_tokens,):
-            n = min(n, self.num_blocks * self.block_size)
-            seq = Sequence("warmup", [0] * n, SamplingParams(temperature=1.0, top_p=0.9))
-            seq.block_table = list(range(-(-n // self.block_size)))
+            self.execute_model(SchedulerOutput(self._warmup_batch(min(n, self.num_blocks * self.block_size))))
+
+    def _warmup_batch(self, n: int) -> list[ScheduledSequence]:
+        """Prompts of n tokens in all, none longer than the model's positions (a compiled size may be
+        larger than one sequence can be: its RoPE table would be read out of bounds), on distinct
+        free blocks."""
+        bs, cap = self.block_size, self.spec.max_position_embeddings
+        batch, first_block = [], 0
+        while n > 0 and first_block < self.num_blocks:
+            length = min(n, cap, (self.num_blocks - first_block) * bs)
+            seq = Sequence(f"warmup-{len(batch)}", [0] * length, SamplingParams(temperature=1.0, top_p=0.9))
+            seq.block_table = list(range(first_block, first_block + -(-length // bs)))
             if self.state_pool is not None:
                 seq.state_slots = [0]  # reads nothing (start 0), writes a staging slot that is never published
-            self.execute_model(SchedulerOutput([ScheduledSequence(seq, 0, n)]))
+            batch.append(ScheduledSequence(seq, 0, length))
+            first_block, n = first_block + len(seq.block_table), n - length
+            if self.state_pool is not None:
+                break  # one staging slot: one sequence (hybrid models are not compiled anyway)
+        return batch

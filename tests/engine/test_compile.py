@@ -7,6 +7,7 @@ Every other test runs eagerly (the CPU default); these compile a handful of smal
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -152,3 +153,21 @@ def test_compile_decision_and_validation(model_factory):
     add_engine_args(parser)
     args = parser.parse_args(["--no-enforce-eager", "--compile-sizes", "1,2,4"])
     assert engine_kwargs(args) == {"enforce_eager": False, "compile_sizes": (1, 2, 4)}
+
+
+def test_warmup_splits_a_compiled_size_longer_than_the_model_positions(engines):
+    """A compiled size may exceed max_position_embeddings (several sequences share a step); its warm-up
+    step must not read RoPE past the table (in a compiled kernel that aborts the process)."""
+    runner = engines[1].llm_engine.model_runner
+    spec, cap = runner.spec, 100  # as if the model had 100 positions (the pool holds 384 tokens)
+    runner.spec = dataclasses.replace(spec, max_position_embeddings=cap)
+    try:
+        n = 2 * cap + 5
+        batch = runner._warmup_batch(n)
+    finally:
+        runner.spec = spec
+    assert sum(s.num_new_tokens for s in batch) == n and len(batch) > 1
+    assert all(s.num_new_tokens <= cap and s.start == 0 for s in batch)
+    blocks = [b for s in batch for b in s.seq.block_table]
+    assert len(blocks) == len(set(blocks)) and max(blocks) < runner.num_blocks
+    assert sum(s.num_new_tokens for s in runner._warmup_batch(10 ** 6)) <= runner.num_blocks * runner.block_size
