@@ -28,12 +28,12 @@ _LIBRARY = torch.library.Library("minivllm", "FRAGMENT")  # the namespace may ga
 _OPS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {}
 
 
-def direct_register_custom_op(name: str, op: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor],
-                              mutates_args: tuple[str, ...] = ()) -> None:
+def direct_register_custom_op(name: str, op: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> None:
     """Define `torch.ops.minivllm.<name>` from `op`'s type annotations, run `op` on every backend and
-    `fake` while tracing."""
+    `fake` while tracing. The op must not modify its inputs: the schema says it does not (the attention
+    op's cache writes are invisible to the graph, see models/compiled_forward.py)."""
     if name not in _OPS:
-        _LIBRARY.define(name + torch.library.infer_schema(op, mutates_args=mutates_args))
+        _LIBRARY.define(name + torch.library.infer_schema(op, mutates_args=()))
         _LIBRARY.impl(name, lambda *args: _OPS[name][0](*args), "CompositeExplicitAutograd")
         torch.library.register_fake(f"minivllm::{name}", lambda *args: _OPS[name][1](*args), lib=_LIBRARY)
     _OPS[name] = (op, fake)
