@@ -77,12 +77,13 @@ def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
             assert (plan.forms[key] is MatmulForm.LINEAR) == (speedup <= 1 + MARGIN)
             assert {plan.form_for(w, rows) for rows in range(bucket.lo, bucket.hi + 1)} == {plan.forms[key]}
             if bucket == PREFILL_BUCKET:  # only F.linear and the packed weight compete
-                assert plan.forms[key] is not MatmulForm.WEIGHT_LEFT
+                assert plan.forms[key] not in (MatmulForm.WEIGHT_LEFT, MatmulForm.SKINNY)
         assert plan.form_for(w, 4096) is plan.form_for(w, 512)  # larger prefills follow the last bucket
     assert len(plan.forms) == len(set(shapes)) * len(ROW_BUCKETS)
-    packed = {(k.out_features, k.in_features) for k, f in plan.forms.items() if f is MatmulForm.PACKED}
-    for w, shape in zip(weights, shapes):  # a packed copy exactly where some bucket runs packed
-        assert (getattr(w, "packed", None) is not None) == (shape in packed)
+    for form, attr in ((MatmulForm.PACKED, "packed"), (MatmulForm.SKINNY, "skinny")):
+        chosen = {(k.out_features, k.in_features) for k, f in plan.forms.items() if f is form}
+        for w, shape in zip(weights, shapes):  # a packed copy exactly where some bucket runs in that form
+            assert (getattr(w, attr, None) is not None) == (shape in chosen)
     summary = plan.summary()
     assert CpuInfo.read().model_name in summary
     assert all(f"{o} x {i} {str(dtype).removeprefix('torch.')}" in summary for o, i in set(shapes))

@@ -2,7 +2,7 @@
 
 Decode batches are skinny: a few rows against weights that do not fit in cache, so a decode step is
 bound by how fast the weights stream from memory, and on CPU that speed depends on how the product
-is written (x W^T, (W x^T)^T, or x W^T with W prepacked for oneDNN) in a way that differs from one CPU
+is written (x W^T, (W x^T)^T, x W^T with W prepacked for oneDNN, or minivllm's skinny kernel) in a way that differs from one CPU
 to the next. `matmul_plan.py` times the forms on the machine at hand during warm-up; this module only
 asks the plan. Without a plan, or before it is measured, or on a GPU, every product is plain `F.linear`.
 """
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.layers.custom_op import direct_register_custom_op
-from minivllm.layers.matmul_plan import MatmulForm, MatmulPlan, matmul, packed_linear
+from minivllm.layers.matmul_plan import MatmulForm, MatmulPlan, matmul, packed_linear, skinny_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -44,6 +44,8 @@ def _planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return F.linear(x, weight, bias)  # the bias fused in
     if form is MatmulForm.PACKED:
         return packed_linear(x, weight, bias)  # here too
+    if form is MatmulForm.SKINNY:
+        return skinny_linear(x, weight, bias)  # and here
     y = matmul(x, weight, form)
     return y if bias is None else y + bias
 

@@ -1,6 +1,6 @@
-"""`MatmulPlan`: which of three equal matmul forms each CPU linear layer uses, chosen by timing them.
+"""`MatmulPlan`: which of four equal matmul forms each CPU linear layer uses, chosen by timing them.
 
-A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Three forms give the same y:
+A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Four forms give the same y:
 
     LINEAR       y = F.linear(x, W) = x W^T    torch's default; MKL / oneDNN picks the kernel
     WEIGHT_LEFT  y = (W x^T)^T                 W stays the left, row-major operand; a single row is
@@ -8,12 +8,16 @@ A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Thr
     PACKED       y = x W^T, W reordered once   oneDNN's blocked weight layout, made at warm-up
                  into oneDNN's blocked layout  (`pack`), as vLLM's CPU backend and Inductor's
                                                freezing pass prepack theirs
+    SKINNY       y = x W^T, W re-laid out      minivllm's own CPU kernel for a few rows
+                 in blocks of 16 columns       (kernels/skinny_gemm.py): one sequential read of the
+                                               weight, no horizontal sums; compiled on first use
 
 Which one is faster is a property of the machine, not of the maths. On 2 AMD EPYC cores WEIGHT_LEFT
 streams fp32 weights 1.5-3x faster for 1-4 rows (about even above) and PACKED is 1.2-1.6x faster
 than F.linear in bf16 at every row count (plain bf16 F.linear made bf16 decode slower than fp32); on
 an Intel Xeon Sapphire Rapids (AMX) WEIGHT_LEFT made single-stream decode 2x slower (10.8 tok/s
-against 22.9 with F.linear). So nothing is assumed: `measure` times the forms on the machine at hand
+against 22.9 with F.linear). SKINNY streamed the weights of a bf16 model 1.85x faster than PACKED
+for one row and 1.15x for 16 (fp32: 1.4x and even), on 2 AMD EPYC cores. So nothing is assumed: `measure` times the forms on the machine at hand
 and keeps the fastest per `MatmulKey` (out_features, in_features, dtype, row bucket). `summary()` says
 what was chosen and why.
 
@@ -23,15 +27,18 @@ Invariants:
   * Prefill-sized products (more than 64 rows) are one bucket, timed at 65 and 512 rows and used for
     every larger count too: there the forms compete on compute, not on streaming, and PACKED was
     1.08-1.31x faster than F.linear in fp32 at those two ends, within 5 % in bf16 (2 AMD EPYC cores).
-    Only LINEAR and PACKED are timed there (WEIGHT_LEFT is for skinny products), on one weight per
+    Only LINEAR and PACKED are timed there (WEIGHT_LEFT and SKINNY are for skinny products), on one weight per
     shape: a product that size is bound by compute, not by streaming the weight. Weights that only
     ever multiply sampled rows (`decode_only`: the LM head) are not timed there, and neither is a
     dtype oneDNN cannot pack (fp16): those keep LINEAR, shown as "not timed".
   * Another form must beat LINEAR by `MARGIN` at BOTH ends of a bucket (e.g. 17 and 64 rows), so one
     lucky row count cannot make a whole bucket slow; ties and noise keep the default.
-  * A packed copy is kept (as `weight.packed`) only for the weights of a shape that PACKED won in
-    some bucket; the plain weight stays too (the other buckets, the tied embedding), so such a
-    layer holds its weight twice in RAM, though a step streams only one of the two.
+  * A packed copy is kept (as `weight.packed`, and `weight.skinny` for SKINNY's layout) only for the
+    weights of a shape that form won in some bucket; the plain weight stays too (the other buckets,
+    the tied embedding), so such a layer holds its weight two or three times in RAM, though a step
+    streams only one of them.
+  * SKINNY is timed only where its kernel could be built on this machine (`load_skinny_gemm`, said in
+    `summary()`); without a compiler the plan chooses among the other three.
   * Timing runs over the model's own weights in forward order (the first layers, at least 2x the
     last-level cache, plus one weight of every other shape): a memory-bound matmul timed on one
     weight that sits in cache looks several times faster than it runs in a model, and the
@@ -53,6 +60,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from minivllm.kernels.skinny_gemm import can_pack_skinny, load_skinny_gemm, pack_skinny_weight, skinny_gemm
+
 MARGIN = 0.05  # another form must be at least 5 % faster to replace the default
 
 
@@ -60,6 +69,7 @@ class MatmulForm(Enum):
     LINEAR = "x W^T"
     WEIGHT_LEFT = "(W x^T)^T"
     PACKED = "packed"
+    SKINNY = "skinny"
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, form: MatmulForm) -> torch.Tensor:
@@ -68,6 +78,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, form: MatmulForm) -> torch.Ten
         return F.linear(x, weight)
     if form is MatmulForm.PACKED:
         return packed_linear(x, weight)
+    if form is MatmulForm.SKINNY:
+        return skinny_linear(x, weight)
     if x.shape[0] == 1:  # W @ (one column) would take the gemv path: two columns, keep the first
         return (weight @ torch.cat([x, x]).t())[:, :1].t()  # (1, out)
     return (weight @ x.t()).t().contiguous()  # (rows, out)
@@ -90,6 +102,19 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if getattr(weight, "packed", None) is None:
         pack(weight)
     return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")  # (rows, out)
+
+
+def pack_skinny(weight: torch.Tensor) -> None:
+    """Keep a copy of `weight` in the skinny kernel's layout of 16-column blocks as `weight.skinny`."""
+    with torch.no_grad():
+        weight.skinny = pack_skinny_weight(weight)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b through minivllm's skinny kernel (its copy of W laid out now, once, if the plan has not)."""
+    if getattr(weight, "skinny", None) is None:
+        pack_skinny(weight)
+    return skinny_gemm(x, weight.skinny, weight.shape[0], bias)  # (rows, out)
 
 
 class RowBucket(NamedTuple):
@@ -200,9 +225,12 @@ class MatmulPlan:
         speedups: dict[MatmulKey, dict[MatmulForm, float]] = {}
         if self.weight_bytes >= cache_bytes:
             sample = _cache_flushing_sample(weights, 2 * cache_bytes)
+            skinny_built = load_skinny_gemm().available
             for w in sample:
                 if can_pack(w):
                     pack(w)
+                if skinny_built and can_pack_skinny(w):
+                    pack_skinny(w)
             # Prefill-sized products are compute-bound (65+ FLOPs per weight byte): whether the weight was
             # in cache barely matters, so one weight per shape is timed there, not the cache-flushing pass.
             skip = {id(w) for w in decode_only}
@@ -226,14 +254,14 @@ class MatmulPlan:
             best = max(by_form, key=by_form.get)
             self.speedups[key] = by_form[best]
             self.forms[key] = best if by_form[best] > 1 + MARGIN else MatmulForm.LINEAR
-        packed_shapes = {(k.out_features, k.in_features, k.dtype)
-                         for k, f in self.forms.items() if f is MatmulForm.PACKED}
-        for w in weights:  # every weight of a shape that runs packed somewhere, and no other
-            if (w.shape[0], w.shape[1], w.dtype) in packed_shapes:
-                if getattr(w, "packed", None) is None:
-                    pack(w)
-            elif getattr(w, "packed", None) is not None:
-                del w.packed
+        for form, attr, make in ((MatmulForm.PACKED, "packed", pack), (MatmulForm.SKINNY, "skinny", pack_skinny)):
+            shapes = {(k.out_features, k.in_features, k.dtype) for k, f in self.forms.items() if f is form}
+            for w in weights:  # every weight of a shape that runs in this form somewhere, and no other
+                if (w.shape[0], w.shape[1], w.dtype) in shapes:
+                    if getattr(w, attr, None) is None:
+                        make(w)
+                elif getattr(w, attr, None) is not None:
+                    delattr(w, attr)
         self.measured_with_threads = torch.get_num_threads()
 
     def summary(self) -> str:
@@ -247,8 +275,9 @@ class MatmulPlan:
                     "last-level cache, nothing to stream faster")
         lines = [str(cpu), f"matmul form by measurement ({self.measured_with_threads} threads; above "
                  f"{ROW_BUCKETS[-1].hi} rows as at {ROW_BUCKETS[-1]}); speed-up = time of "
-                 f"{MatmulForm.LINEAR.value} / time of the fastest other form ({MatmulForm.WEIGHT_LEFT.value} "
-                 f"or {MatmulForm.PACKED.value}: oneDNN's prepacked weight)",
+                 f"{MatmulForm.LINEAR.value} / time of the fastest other form ({MatmulForm.WEIGHT_LEFT.value}, "
+                 f"{MatmulForm.PACKED.value}: oneDNN's prepacked weight, or {MatmulForm.SKINNY.value}: "
+                 f"minivllm's kernel, {load_skinny_gemm().detail})",
                  "  weight (out x in)".ljust(26) + "".join(f"rows {b}".ljust(22) for b in ROW_BUCKETS)]
         for out_f, in_f, dtype in dict.fromkeys((k.out_features, k.in_features, k.dtype) for k in self.forms):
             keys = [MatmulKey(out_f, in_f, dtype, bucket) for bucket in ROW_BUCKETS]
@@ -280,7 +309,8 @@ def _time_forms(weights: list[torch.Tensor], rows: int, repeats: int,
     drift in the machine hits them all alike."""
     xs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     packed = all(getattr(w, "packed", None) is not None for w in weights)
-    forms = [f for f in forms if packed or f is not MatmulForm.PACKED]
+    skinny = all(getattr(w, "skinny", None) is not None for w in weights)
+    forms = [f for f in forms if (packed or f is not MatmulForm.PACKED) and (skinny or f is not MatmulForm.SKINNY)]
     for w in {(w.shape[0], w.shape[1], w.dtype): w for w in weights}.values():  # first calls: set-up costs
         for form in forms:
             matmul(xs[w.shape[1], w.dtype], w, form)

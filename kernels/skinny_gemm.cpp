@@ -1,0 +1,187 @@
+// skinny_gemm: y = x W^T + b for a few rows of x, on CPU (see skinny_gemm.py for the why).
+//
+// The weight arrives pre-laid-out by `pack_skinny_weight` in "column blocks" of 16 outputs:
+//
+//   fp32:  Wp[N/16][K][16]        Wp[b][k][j]    = W[16b + j][k]
+//   bf16:  Wp[N/16][K/2][16][2]   Wp[b][p][j][i] = W[16b + j][2p + i]   (pairs along k, for vdpbf16ps)
+//
+// so one block is one contiguous run of memory, read front to back exactly once per call, and each
+// 64-byte load feeds 16 output lanes at once. With W row-major instead, every output would end in a
+// horizontal sum of a 16-lane vector, which for K = 576 costs as much as the loop that fills it.
+//
+// Per block and a group of MB rows of x, for each k (or k pair):
+//   acc[m] += Wp[b][k][0:16] * broadcast(x[m][k])          (fp32, one FMA)
+//   acc[m] += dot-pairs(Wp[b][p][0:16][0:2], broadcast(x[m][2p:2p+2]))   (bf16, one vdpbf16ps)
+// NB blocks are walked side by side so NB * MB accumulators are independent (hiding FMA latency),
+// and a W vector loaded once serves all MB rows: the weight streams once per call for up to MB rows.
+//
+// Built by torch.utils.cpp_extension with -march=native (on the machine that runs it): the AVX-512
+// paths when the CPU has them, a plain loop the compiler vectorises otherwise.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // outputs per column block
+constexpr int kBlocks = 4;      // NB: column blocks walked side by side
+constexpr int kRows = 4;        // MB: rows of x sharing each loaded W vector
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// acc[j][m][0:16] = sum over k of Wp[block0 + j][k][0:16] * x[m][k], the portable version.
+template <typename T, int NB, int MB>
+void blocks_portable(const T* x, int64_t K, const T* wp, int64_t block0, float (*acc)[MB][kLanes]) {
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < MB; ++m)
+      for (int64_t l = 0; l < kLanes; ++l) acc[j][m][l] = 0.f;
+  for (int j = 0; j < NB; ++j) {
+    const T* w = wp + (block0 + j) * K * kLanes;
+    for (int64_t k = 0; k < K; ++k)
+      for (int m = 0; m < MB; ++m) {
+        const float xv = to_float(x[m * K + k]);
+        for (int64_t l = 0; l < kLanes; ++l) {
+          // the bf16 layout pairs k: element (k, l) sits at ((k / 2) * 16 + l) * 2 + k % 2
+          const int64_t at = std::is_same_v<T, float> ? k * kLanes + l : ((k / 2) * kLanes + l) * 2 + k % 2;
+          acc[j][m][l] += to_float(w[at]) * xv;
+        }
+      }
+  }
+}
+
+#if defined(__AVX512F__)
+template <typename T, int NB, int MB>
+void blocks_avx512(const T* x, int64_t K, const T* wp, int64_t block0, float (*out)[MB][kLanes]) {
+  __m512 acc[NB][MB];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_setzero_ps();
+  const T* w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = wp + (block0 + j) * K * kLanes;
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t k = 0; k < K; ++k) {
+      __m512 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = _mm512_set1_ps(x[m * K + k]);
+      for (int j = 0; j < NB; ++j) {
+        const __m512 wv = _mm512_loadu_ps(w[j] + k * kLanes);
+        for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_fmadd_ps(wv, xv[m], acc[j][m]);
+      }
+    }
+  } else {
+    for (int64_t p = 0; p < K / 2; ++p) {
+      __m512i xv[MB];  // the pair x[m][2p], x[m][2p+1] in every 32-bit lane
+      for (int m = 0; m < MB; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * K + 2 * p, sizeof pair);
+        xv[m] = _mm512_set1_epi32(pair);
+      }
+      for (int j = 0; j < NB; ++j) {
+        const __m512i wv = _mm512_loadu_si512(w[j] + p * kLanes * 2);
+        for (int m = 0; m < MB; ++m) {
+#if defined(__AVX512BF16__)
+          acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)wv, (__m512bh)xv[m]);
+#else  // widen bf16 to fp32 (a bf16 is the top half of an fp32): even k in the low halves, odd in the high
+          const __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+          const __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(wv, _mm512_set1_epi32(0xFFFF0000)));
+          const __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(xv[m], 16));
+          const __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(xv[m], _mm512_set1_epi32(0xFFFF0000)));
+          acc[j][m] = _mm512_fmadd_ps(w_odd, x_odd, _mm512_fmadd_ps(w_even, x_even, acc[j][m]));
+#endif
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out[j][m], acc[j][m]);
+}
+#endif
+
+// y[m][16 * (block0 + j) + l] for NB blocks and MB rows, bias added, rounded to T; columns >= N are padding.
+template <typename T, int NB, int MB>
+void blocks(const T* x, int64_t K, const T* wp, const T* bias, T* y, int64_t N, int64_t block0) {
+  float acc[NB][MB][kLanes];
+#if defined(__AVX512F__)
+  blocks_avx512<T, NB, MB>(x, K, wp, block0, acc);
+#else
+  blocks_portable<T, NB, MB>(x, K, wp, block0, acc);
+#endif
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < MB; ++m)
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t n = (block0 + j) * kLanes + l;
+        if (n < N) y[m * N + n] = T(acc[j][m][l] + (bias ? to_float(bias[n]) : 0.f));
+      }
+}
+
+template <typename T, int NB>
+void rows_of_x(const T* x, int64_t M, int64_t K, const T* wp, const T* bias, T* y, int64_t N, int64_t block0) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) blocks<T, NB, kRows>(x + m * K, K, wp, bias, y + m * N, N, block0);
+  switch (M - m) {  // the last 1-3 rows
+    case 1: blocks<T, NB, 1>(x + m * K, K, wp, bias, y + m * N, N, block0); break;
+    case 2: blocks<T, NB, 2>(x + m * K, K, wp, bias, y + m * N, N, block0); break;
+    case 3: blocks<T, NB, 3>(x + m * K, K, wp, bias, y + m * N, N, block0); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& wp, const T* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1), n_blocks = wp.size(0);
+  const T* xp = x.data_ptr<T>();
+  const T* w = wp.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  // Threads split the column blocks: each reads its own share of W (a few thousand blocks at most,
+  // so a grain of 8 groups keeps every thread busy without many tiny tasks).
+  const int64_t groups = (n_blocks + kBlocks - 1) / kBlocks;
+  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b = g * kBlocks;
+      if (b + kBlocks <= n_blocks) {
+        rows_of_x<T, kBlocks>(xp, M, K, w, bias, yp, N, b);
+      } else {
+        for (int64_t bb = b; bb < n_blocks; ++bb) rows_of_x<T, 1>(xp, M, K, w, bias, yp, N, bb);
+      }
+    }
+  });
+}
+
+at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "skinny_gemm: x must be a 2-D CPU tensor (rows, in)");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "skinny_gemm: x and the weight must share a dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "skinny_gemm: float32 or bfloat16 only");
+  TORCH_CHECK(packed.is_contiguous() && packed.size(0) * kLanes >= out_features,
+              "skinny_gemm: the weight must come from pack_skinny_weight");
+  at::Tensor xc = x.contiguous();
+  TORCH_CHECK(packed.numel() == packed.size(0) * kLanes * xc.size(1),
+              "skinny_gemm: x has ", xc.size(1), " features, the packed weight another count");
+  at::Tensor b = bias ? bias->to(x.scalar_type()).contiguous() : at::Tensor();  // alive until we return
+  TORCH_CHECK(!b.defined() || b.numel() == out_features, "skinny_gemm: the bias needs out_features values");
+  at::Tensor y = at::empty({xc.size(0), out_features}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    run<float>(xc, packed, b.defined() ? b.data_ptr<float>() : nullptr, y);
+  } else {
+    TORCH_CHECK(xc.size(1) % 2 == 0, "skinny_gemm: bfloat16 needs an even in_features");
+    run<c10::BFloat16>(xc, packed, b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(minivllm_cpu, m) {
+  m.def("skinny_gemm(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) { m.impl("skinny_gemm", &skinny_gemm); }

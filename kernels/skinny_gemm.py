@@ -1,0 +1,118 @@
+"""`skinny_gemm`: y = x W^T + b for a few rows of x on CPU, as one pass over a re-laid-out weight.
+
+A decode step multiplies 1-16 rows by every weight of the model, so it is bound by streaming the
+weights from memory: each weight byte is used once per row. On 2 AMD EPYC cores torch's kernels
+streamed a bf16 weight at 11-21 GB/s (`F.linear` / oneDNN's packed weight) where a plain `sum()`
+reads the same bytes at 40-55 GB/s. Two things cost the difference:
+
+  * row-major W (out, in) makes every output a dot product of two long vectors, which ends in a
+    horizontal sum of a 16-lane register. With in = 576 that sum costs as much as the loop before it.
+  * a weight of a few hundred KB is over before the hardware prefetchers are up to speed unless the
+    kernel reads it as ONE sequential stream.
+
+So `pack_skinny_weight` lays W out in blocks of 16 output columns, each block contiguous (the C++
+file's header draws it), and the kernel broadcasts x[m][k] against a 16-wide slice of W: 16 outputs
+advance per load, no horizontal sums, one front-to-back read of the weight per call, shared by up to
+4 rows. bf16 weights are paired along k so one AVX-512 BF16 dot-product instruction does 32 MACs.
+
+The C++ (skinny_gemm.cpp, beside this file) is compiled on first use by torch.utils.cpp_extension
+(ninja and a C++ compiler: about 15 s, then cached) with -march=native, i.e. for the machine that runs
+it; the cache is keyed by this CPU's flags so a home directory shared with another CPU never runs the
+wrong code. Where it cannot be built (no compiler, not Linux/x86-64 or arm64, ...) `load_skinny_gemm`
+says why and the matmul plan simply does not offer it (layers/matmul_plan.py).
+
+`naive_skinny_gemm` is the plain-PyTorch reference (fp32 accumulation); tests/kernels compare them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+LANES = 16  # output columns per block (one AVX-512 register of fp32)
+
+
+@dataclass(frozen=True)
+class SkinnyGemmBuild:
+    """Whether the compiled kernel is loaded in this process; `detail` says why not, or where from."""
+
+    available: bool
+    detail: str
+
+
+def naive_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: x (rows, in) @ weight (out, in)^T + bias, accumulated in fp32, rounded to x's dtype."""
+    y = x.float() @ weight.float().t()  # (rows, out)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def pack_skinny_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight (out, in) -> blocks of 16 output columns: fp32 (ceil(out/16), in, 16); bf16
+    (ceil(out/16), in/2, 16, 2), k paired. Rows past `out` are zero padding (never written out)."""
+    out_features, in_features = weight.shape
+    n_blocks = math.ceil(out_features / LANES)
+    w = F.pad(weight.detach(), (0, 0, 0, n_blocks * LANES - out_features))  # (n_blocks * 16, in)
+    if weight.dtype == torch.float32:
+        return w.view(n_blocks, LANES, in_features).transpose(1, 2).contiguous()
+    if weight.dtype == torch.bfloat16 and in_features % 2 == 0:
+        return w.view(n_blocks, LANES, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+    raise ValueError(f"skinny_gemm packs float32, or bfloat16 with an even in_features; got {weight.dtype} "
+                     f"({out_features} x {in_features})")
+
+
+def can_pack_skinny(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dim() == 2 and (
+        weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0))
+
+
+def skinny_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (rows, in) times the weight packed by `pack_skinny_weight` -> (rows, out_features), + bias.
+    Call `load_skinny_gemm()` first (it must say available)."""
+    return torch.ops.minivllm_cpu.skinny_gemm(x, packed, out_features, bias)
+
+
+@cache  # the op library is registered once per process (torch.ops is process-wide), so is this answer
+def load_skinny_gemm() -> SkinnyGemmBuild:
+    """Compile (first time on this machine) and load the kernel; never raises."""
+    if hasattr(torch.ops, "minivllm_cpu") and hasattr(torch.ops.minivllm_cpu, "skinny_gemm"):
+        return SkinnyGemmBuild(True, "already loaded")
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
+        return SkinnyGemmBuild(False, f"built only on Linux x86-64 / arm64, not {sys.platform} {platform.machine()}")
+    try:
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+
+        verify_ninja_availability()
+        source = Path(__file__).with_suffix(".cpp")
+        name = f"minivllm_skinny_gemm_{_machine_key()}"
+        load(name, [str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except Exception as error:  # no compiler, no ninja, a compile error: the plan runs without it
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return SkinnyGemmBuild(False, f"not built ({type(error).__name__}: {first_line[:200]})")
+    return SkinnyGemmBuild(True, f"built for this CPU as {name}")
+
+
+def _machine_key() -> str:
+    """A digest of this CPU's instruction-set flags (the build is -march=native) and torch's version."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip() in ("flags", "Features"):
+                flags = line
+                break
+    except OSError:
+        pass
+    text = f"{flags}|{torch.__version__}|{os.uname().machine}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
