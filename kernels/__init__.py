@@ -1,4 +1,5 @@
-"""Triton kernels for minivllm, each beside the plain-PyTorch `naive_*` reference it must match.
+"""Triton kernels for minivllm (and one CPU kernel in C++), each beside the plain-PyTorch `naive_*`
+reference it must match.
 
     kv_cache_write.py     store a step's new K/V into their paged slots
     paged_attention.py    one kernel for mixed batches: decode rows, prefill chunks, cached prefixes
@@ -7,6 +8,8 @@
     seeding.py            `noise_seed` (plain Python, no triton): the per-(seed, position) noise stream key
     rejection_sampling.py speculative decoding: accept drafts or draw from the residual distribution
     gated_delta_rule.py   hybrid models: the recurrent (decode) update of a gated-DeltaNet layer's state
+    skinny_gemm.py (.cpp) CPU, C++: x W^T for a few rows, one sequential read of a re-laid-out weight
+                          (compiled on first use; one of the forms layers/matmul_plan.py times)
 
 This folder is installed as `minivllm.kernels` (see pyproject.toml), never as a top-level
 `kernels` package: transformers looks for Hugging Face's kernel hub under that name. It also

@@ -27,6 +27,7 @@ says why and the matmul plan simply does not offer it (layers/matmul_plan.py).
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import platform
@@ -91,17 +92,28 @@ def load_skinny_gemm() -> SkinnyGemmBuild:
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
         return SkinnyGemmBuild(False, f"built only on Linux x86-64 / arm64, not {sys.platform} {platform.machine()}")
     try:
-        from torch.utils.cpp_extension import load, verify_ninja_availability
+        from torch.utils.cpp_extension import verify_ninja_availability
 
         verify_ninja_availability()
-        source = Path(__file__).with_suffix(".cpp")
         name = f"minivllm_skinny_gemm_{_machine_key()}"
-        load(name, [str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        logging.getLogger("minivllm").info("loading the skinny matmul kernel %s (compiled the first time on "
+                                           "this machine, ~10-15 s)", name)
+        build_skinny_gemm(name, ["-march=native"])
     except Exception as error:  # no compiler, no ninja, a compile error: the plan runs without it
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return SkinnyGemmBuild(False, f"not built ({type(error).__name__}: {first_line[:200]})")
     return SkinnyGemmBuild(True, f"built for this CPU as {name}")
+
+
+def build_skinny_gemm(name: str, cflags: list[str], library: str | None = None) -> None:
+    """Compile skinny_gemm.cpp as extension `name` with `cflags` (the instruction set) and load it; its op
+    is torch.ops.<library>.skinny_gemm (default minivllm_cpu). The tests build the non-AVX-512 paths
+    this way under other library names."""
+    from torch.utils.cpp_extension import load
+
+    defines = [] if library is None else [f"-DSKINNY_LIBRARY={library}"]
+    load(name, [str(Path(__file__).with_suffix(".cpp"))], extra_cflags=["-O3", "-fopenmp", *cflags, *defines],
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
 def _machine_key() -> str:

@@ -2,9 +2,10 @@
 
 Decode batches are skinny: a few rows against weights that do not fit in cache, so a decode step is
 bound by how fast the weights stream from memory, and on CPU that speed depends on how the product
-is written (x W^T, (W x^T)^T, x W^T with W prepacked for oneDNN, or minivllm's skinny kernel) in a way that differs from one CPU
-to the next. `matmul_plan.py` times the forms on the machine at hand during warm-up; this module only
-asks the plan. Without a plan, or before it is measured, or on a GPU, every product is plain `F.linear`.
+is computed (x W^T, (W x^T)^T, x W^T with W prepacked for oneDNN, or minivllm's skinny kernel) in a way
+that differs from one CPU to the next. `matmul_plan.py` times the forms on the machine at hand during
+warm-up; this module only asks the plan. Without a plan, or before it is measured, or on a GPU, every
+product is plain `F.linear`.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ streams fp32 weights 1.5-3x faster for 1-4 rows (about even above) and PACKED is
 than F.linear in bf16 at every row count (plain bf16 F.linear made bf16 decode slower than fp32); on
 an Intel Xeon Sapphire Rapids (AMX) WEIGHT_LEFT made single-stream decode 2x slower (10.8 tok/s
 against 22.9 with F.linear). SKINNY streamed the weights of a bf16 model 1.85x faster than PACKED
-for one row and 1.15x for 16 (fp32: 1.4x and even), on 2 AMD EPYC cores. So nothing is assumed: `measure` times the forms on the machine at hand
-and keeps the fastest per `MatmulKey` (out_features, in_features, dtype, row bucket). `summary()` says
-what was chosen and why.
+for one row and 1.15x for 16 (fp32: 1.4x and even), on 2 AMD EPYC cores. So nothing is assumed:
+`measure` times the forms on the machine at hand and keeps the fastest per `MatmulKey` (out_features,
+in_features, dtype, row bucket). `summary()` says what was chosen and why.
 
 Invariants:
   * Unmeasured means LINEAR. No warm-up, a GPU, or weights that fit in the last-level cache
