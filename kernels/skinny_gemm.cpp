@@ -141,10 +141,13 @@ void run(const at::Tensor& x, const at::Tensor& wp, const T* bias, at::Tensor& y
   const T* xp = x.data_ptr<T>();
   const T* w = wp.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  // Threads split the column blocks: each reads its own share of W (a few thousand blocks at most,
-  // so a grain of 8 groups keeps every thread busy without many tiny tasks).
+  // Threads split the groups of column blocks: each reads (and writes) its own share. A task of at
+  // least ~64 KB of weight keeps the start-up cost of a thread small next to its work; a small
+  // weight (576 x 576 bf16: 9 groups of 72 KB) still spreads over up to 9 threads.
   const int64_t groups = (n_blocks + kBlocks - 1) / kBlocks;
-  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
+  const int64_t group_bytes = kBlocks * kLanes * K * int64_t(sizeof(T));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, group_bytes));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * kBlocks;
       if (b + kBlocks <= n_blocks) {
@@ -162,13 +165,16 @@ at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "skinny_gemm: x and the weight must share a dtype");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "skinny_gemm: float32 or bfloat16 only");
-  TORCH_CHECK(packed.is_contiguous() && packed.size(0) * kLanes >= out_features,
-              "skinny_gemm: the weight must come from pack_skinny_weight");
+  const int64_t layout_dims = x.scalar_type() == at::kFloat ? 3 : 4;  // (blocks, in, 16) / (blocks, in/2, 16, 2)
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == layout_dims &&
+                  packed.size(0) == (out_features + kLanes - 1) / kLanes,
+              "skinny_gemm: the weight must come from pack_skinny_weight of an (out_features, in) weight");
   at::Tensor xc = x.contiguous();
   TORCH_CHECK(packed.numel() == packed.size(0) * kLanes * xc.size(1),
               "skinny_gemm: x has ", xc.size(1), " features, the packed weight another count");
   at::Tensor b = bias ? bias->to(x.scalar_type()).contiguous() : at::Tensor();  // alive until we return
-  TORCH_CHECK(!b.defined() || b.numel() == out_features, "skinny_gemm: the bias needs out_features values");
+  TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.numel() == out_features),
+              "skinny_gemm: the bias must be (out_features,)");
   at::Tensor y = at::empty({xc.size(0), out_features}, x.options());
   if (x.scalar_type() == at::kFloat) {
     run<float>(xc, packed, b.defined() ? b.data_ptr<float>() : nullptr, y);

@@ -38,7 +38,8 @@ Invariants:
     the tied embedding), so such a layer holds its weight two or three times in RAM, though a step
     streams only one of them.
   * SKINNY is timed only where its kernel could be built on this machine (`load_skinny_gemm`, said in
-    `summary()`); without a compiler the plan chooses among the other three.
+    `summary()`), and only for shapes it can lay out (fp32, or bf16 with an even in_features; not
+    fp16): without a compiler the plan chooses among the other three.
   * Timing runs over the model's own weights in forward order (the first layers, at least 2x the
     last-level cache, plus one weight of every other shape): a memory-bound matmul timed on one
     weight that sits in cache looks several times faster than it runs in a model, and the
@@ -309,16 +310,22 @@ def _time_forms(weights: list[torch.Tensor], rows: int, repeats: int,
     drift in the machine hits them all alike."""
     xs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     packed = all(getattr(w, "packed", None) is not None for w in weights)
-    skinny = all(getattr(w, "skinny", None) is not None for w in weights)
-    forms = [f for f in forms if (packed or f is not MatmulForm.PACKED) and (skinny or f is not MatmulForm.SKINNY)]
+    forms = [f for f in forms if packed or f is not MatmulForm.PACKED]
+
+    def runs(w: torch.Tensor, form: MatmulForm) -> bool:  # SKINNY only where its layout could be made
+        return form is not MatmulForm.SKINNY or getattr(w, "skinny", None) is not None
+
     for w in {(w.shape[0], w.shape[1], w.dtype): w for w in weights}.values():  # first calls: set-up costs
         for form in forms:
-            matmul(xs[w.shape[1], w.dtype], w, form)
+            if runs(w, form):
+                matmul(xs[w.shape[1], w.dtype], w, form)
     best: dict[tuple, dict[MatmulForm, float]] = {}
     for _ in range(repeats):
         for form in forms:
             pass_time: dict[tuple, float] = {}
             for w in weights:
+                if not runs(w, form):
+                    continue
                 shape = (w.shape[0], w.shape[1], w.dtype)
                 t0 = time.perf_counter()
                 matmul(xs[w.shape[1], w.dtype], w, form)

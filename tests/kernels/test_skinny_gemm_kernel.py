@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from minivllm.kernels.skinny_gemm import (LANES, build_skinny_gemm, can_pack_skinny, load_skinny_gemm,
+from minivllm.kernels.skinny_gemm import (LANES, _cause, build_skinny_gemm, can_pack_skinny, load_skinny_gemm,
                                           naive_skinny_gemm, pack_skinny_weight, skinny_gemm)
 
 
@@ -66,6 +66,12 @@ def test_bad_inputs_are_refused_with_what_to_change():
         skinny_gemm(torch.randn(1, 16).bfloat16(), pack_skinny_weight(w), 32)
     with pytest.raises(RuntimeError, match="features"):
         skinny_gemm(torch.randn(1, 8), pack_skinny_weight(w), 32)
+    with pytest.raises(RuntimeError, match="pack_skinny_weight"):  # packed from another out_features
+        skinny_gemm(torch.randn(1, 16), pack_skinny_weight(torch.randn(40, 16)), 20)
+    with pytest.raises(RuntimeError, match="pack_skinny_weight"):  # the fp32 layout for a bf16 product
+        skinny_gemm(torch.randn(1, 16).bfloat16(), pack_skinny_weight(w).bfloat16(), 32)
+    with pytest.raises(RuntimeError, match="bias"):
+        skinny_gemm(torch.randn(1, 16), pack_skinny_weight(w), 32, torch.randn(2, 16))
     with pytest.raises(ValueError, match="even in_features"):
         pack_skinny_weight(torch.randn(4, 5).bfloat16())
     assert not can_pack_skinny(torch.randn(4, 5).bfloat16()) and not can_pack_skinny(torch.randn(4, 4).half())
@@ -100,3 +106,10 @@ def test_the_other_instruction_set_paths_match_naive_too(variant, cflags):
             tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
             torch.testing.assert_close(op(x, pack_skinny_weight(w), out_f, bias).float(),
                                        naive_skinny_gemm(x, w, bias).float(), **tol)
+
+
+def test_a_failed_build_reports_the_compiler_error_not_the_command_line():
+    text = ("Error building extension 'x': [1/2] c++ -MMD -MF sg.o.d -isystem /very/long/include/path ...\n"
+            "FAILED: sg.o\nc++: error: unrecognized command-line option '-mfoo'\nninja: build stopped")
+    assert _cause(text) == "c++: error: unrecognized command-line option '-mfoo'"
+    assert _cause("something else went wrong\nlast line") == "last line"
