@@ -15,8 +15,8 @@
 // NB blocks are walked side by side so NB * MB accumulators are independent (hiding FMA latency),
 // and a W vector loaded once serves all MB rows: the weight streams once per call for up to MB rows.
 //
-// Built by torch.utils.cpp_extension with -march=native (on the machine that runs it): the AVX-512
-// paths when the CPU has them, a plain loop the compiler vectorises otherwise.
+// Built by kernels/cpu_build.py with -march=native (on the machine that runs it): the AVX-512 paths
+// when the CPU has them, a plain loop the compiler vectorises otherwise.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -187,11 +187,12 @@ at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 
 }  // namespace
 
-// torch.ops.minivllm_cpu.skinny_gemm; the tests build the other code paths under other names
-#ifndef SKINNY_LIBRARY
-#define SKINNY_LIBRARY minivllm_cpu
+// torch.ops.minivllm_cpu.skinny_gemm, with paged_decode_attention.cpp (kernels/cpu_build.py builds both as
+// one extension); the tests build the other code paths under other library names
+#ifndef MINIVLLM_CPU_LIBRARY
+#define MINIVLLM_CPU_LIBRARY minivllm_cpu
 #endif
-TORCH_LIBRARY(SKINNY_LIBRARY, m) {
+TORCH_LIBRARY_FRAGMENT(MINIVLLM_CPU_LIBRARY, m) {
   m.def("skinny_gemm(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(SKINNY_LIBRARY, CPU, m) { m.impl("skinny_gemm", &skinny_gemm); }
+TORCH_LIBRARY_IMPL(MINIVLLM_CPU_LIBRARY, CPU, m) { m.impl("skinny_gemm", &skinny_gemm); }

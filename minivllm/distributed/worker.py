@@ -61,8 +61,8 @@ class Worker:
         self.tp = tp
         self.runner = ModelRunner(rank.model, rank.spec, rank.backend, num_blocks=rank.num_blocks,
                                   block_size=config.block_size, dtype=dtype, device=tp.device)
-        if config.warmup:  # as rank 0's warm-up does: time the CPU matmul forms on this rank's shapes
-            rank.model.plan_matmuls()
+        if config.warmup:  # as rank 0's warm-up does: time the CPU kernels on this rank's shapes
+            self.runner.measure_cpu_kernels()
 
     def execute_model(self, step: StepInputs) -> None:
         """This rank's part of rank 0's `ModelRunner.execute_model`: the forward, no sampling."""

@@ -220,16 +220,27 @@ class ModelRunner:
                 for b in s.seq.block_table[s.start // bs:(s.start + s.num_new_tokens - 1) // bs + 1]}
 
     def warmup(self, num_tokens: int = 8) -> None:
-        """Choose the CPU matmul forms by timing them here (layers/matmul_plan.py; logged at INFO, and
-        printed by `minivllm bench`), then one small prefill through the whole stack (writes only free,
+        """Choose the CPU kernels by timing them here (`measure_cpu_kernels`; logged at INFO, and printed
+        by `minivllm bench`), then one small prefill through the whole stack (writes only free,
         uncached blocks), so lazy initialisation happens before the first request is timed; a compiled
         model runs one prefill of each compiled size."""
-        if hasattr(self.model, "plan_matmuls"):
-            logging.getLogger("minivllm").info("%s", self.model.plan_matmuls().summary())
+        for line in self.measure_cpu_kernels():
+            logging.getLogger("minivllm").info("%s", line)
         # A compiled model: one step of each compiled size, so that every graph is made
         # now rather than in the middle of the first requests.
         for n in self.compile_sizes or (num_tokens,):
             self.execute_model(SchedulerOutput(self._warmup_batch(min(n, self.num_blocks * self.block_size))))
+
+    def measure_cpu_kernels(self) -> list[str]:
+        """On this machine, time the matmul forms (layers/matmul_plan.py) and decode attention's two ways
+        (layers/torch_attention.py), keep the faster, and say what was chosen. Idempotent for the
+        matmuls; a GPU or a backend without the choice keeps its defaults."""
+        said = []
+        if hasattr(self.model, "plan_matmuls"):
+            said.append(self.model.plan_matmuls().summary())
+        if self.device.type == "cpu" and hasattr(self.backend, "choose_decode_kernel"):
+            said.append(str(self.backend.choose_decode_kernel(self.kv_cache.dtype, self.block_size)))
+        return said
 
     def _warmup_batch(self, n: int) -> list[ScheduledSequence]:
         """Prompts of n tokens in all, none longer than the model's positions (a compiled size may be

@@ -55,8 +55,12 @@ def _greedy(outputs: list[int]) -> list[SamplingParams]:
 
 
 def print_matmul_plan(llm: LLM) -> None:
-    """Measure the CPU matmul forms now if the engine's warm-up has not (idempotent), and print them."""
+    """Measure the CPU matmul forms now if the engine's warm-up has not (idempotent), and print them with
+    the way decode attention runs."""
     print(llm.llm_engine.model.plan_matmuls().summary())
+    decode_kernel = getattr(llm.llm_engine.model_runner.backend, "decode_kernel", None)  # the PyTorch backend's
+    if decode_kernel is not None:
+        print(decode_kernel)
     print(f"forward: {llm.llm_engine.compilation}")
 
 

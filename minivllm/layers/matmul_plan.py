@@ -37,7 +37,7 @@ Invariants:
     weights of a shape that form won in some bucket; the plain weight stays too (the other buckets,
     the tied embedding), so such a layer holds its weight two or three times in RAM, though a step
     streams only one of them.
-  * SKINNY is timed only where its kernel could be built on this machine (`load_skinny_gemm`, said in
+  * SKINNY is timed only where its kernel could be built on this machine (`load_cpu_kernels`, said in
     `summary()`), and only for shapes it can lay out (fp32, or bf16 with an even in_features; not
     fp16): without a compiler the plan chooses among the other three.
   * Timing runs over the model's own weights in forward order (the first layers, at least 2x the
@@ -61,7 +61,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from minivllm.kernels.skinny_gemm import can_pack_skinny, load_skinny_gemm, pack_skinny_weight, skinny_gemm
+from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.kernels.skinny_gemm import can_pack_skinny, pack_skinny_weight, skinny_gemm
 
 MARGIN = 0.05  # another form must be at least 5 % faster to replace the default
 
@@ -226,7 +227,7 @@ class MatmulPlan:
         speedups: dict[MatmulKey, dict[MatmulForm, float]] = {}
         if self.weight_bytes >= cache_bytes:
             sample = _cache_flushing_sample(weights, 2 * cache_bytes)
-            skinny_built = load_skinny_gemm().available
+            skinny_built = load_cpu_kernels().available
             for w in sample:
                 if can_pack(w):
                     pack(w)
@@ -278,7 +279,7 @@ class MatmulPlan:
                  f"{ROW_BUCKETS[-1].hi} rows as at {ROW_BUCKETS[-1]}); speed-up = time of "
                  f"{MatmulForm.LINEAR.value} / time of the fastest other form ({MatmulForm.WEIGHT_LEFT.value}, "
                  f"{MatmulForm.PACKED.value}: oneDNN's prepacked weight, or {MatmulForm.SKINNY.value}: "
-                 f"minivllm's kernel, {load_skinny_gemm().detail})",
+                 f"minivllm's kernel, {load_cpu_kernels().detail})",
                  "  weight (out x in)".ljust(26) + "".join(f"rows {b}".ljust(22) for b in ROW_BUCKETS)]
         for out_f, in_f, dtype in dict.fromkeys((k.out_features, k.in_features, k.dtype) for k in self.forms):
             keys = [MatmulKey(out_f, in_f, dtype, bucket) for bucket in ROW_BUCKETS]

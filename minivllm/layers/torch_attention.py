@@ -3,7 +3,9 @@
 Per layer:
   1. store the step's new k/v:  k_cache.view(-1, Hkv, D)[slot_mapping] = k
   2. decode rows (query_len == 1), all at once: gather each request's blocks into a padded
-     (Bd, Hkv, K, D) tensor and run one SDPA with a key-length mask;
+     (Bd, Hkv, K, D) tensor and run one SDPA with a key-length mask -- or, on a CPU where warm-up
+     measured it faster (`choose_decode_kernel`), minivllm's C++ kernel that reads the blocks in place
+     (kernels/paged_decode_attention.py): no copy, no mask;
   3. prefill chunks, one request at a time: gather its context from the cache (this is what makes
      cached prefixes and later chunks correct) and run SDPA with a causal mask shifted by the
      number of earlier tokens. A whole prompt with nothing cached before it is its own context:
@@ -15,12 +17,28 @@ length, (T, Hq, D) -> (Hkv, G*T, D), so SDPA sees Hkv heads and K/V are never re
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.kernels.paged_decode_attention import paged_decode_attention
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+
+# Where warm-up times the decode kernel against gather + SDPA: (rows, context) pairs, a batch of short
+# contexts and a few long ones. The kernel must win both by MARGIN, as a matmul form must (matmul_plan.py).
+DECODE_PROBES = ((16, 128), (2, 1024))
+MARGIN = 0.05
+
+
+class DecodeKernelChoice(NamedTuple):
+    used: bool  # decode rows run minivllm's CPU kernel (else gather + SDPA)
+    detail: str  # what was measured, or why it was not
+
+    def __str__(self) -> str:
+        return f"decode attention: {'minivllm CPU kernel' if self.used else 'gather + SDPA'} ({self.detail})"
 
 
 class _Prefill(NamedTuple):
@@ -37,10 +55,15 @@ class _Plan(NamedTuple):
     decode_block_tables: torch.Tensor | None  # (Bd, max_blocks)
     decode_mask: torch.Tensor | int | None  # (Bd, 1, 1, K) bool, or the one shared context length
     prefills: list[_Prefill]
+    decode_lens: torch.Tensor | None = None  # (Bd,) int64: set when the decode rows run the CPU kernel
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.decode_kernel = DecodeKernelChoice(False, "not measured: no CPU warm-up")
 
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
@@ -50,18 +73,22 @@ class TorchAttentionBackend(AttentionBackend):
         for q in meta.query_lens:
             cu.append(cu[-1] + q)
         dec = [i for i, q in enumerate(meta.query_lens) if q == 1]
-        decode_rows = decode_tables = decode_mask = None
+        decode_rows = decode_tables = decode_mask = decode_lens = None
         if dec:
             dec_t = torch.tensor(dec, device=device)
             max_blocks = -(-max(meta.context_lens_host[i] for i in dec) // bs)
-            decode_tables = meta.block_tables[dec_t, :max_blocks].long()  # (Bd, nb)
             lens_host = [meta.context_lens_host[i] for i in dec]
-            if min(lens_host) == max(lens_host):  # e.g. a single stream: slice, no mask needed
-                decode_mask = lens_host[0]
+            if self.decode_kernel.used:  # the kernel walks the block tables itself: no mask, no gather index
+                decode_tables = meta.block_tables[dec_t, :max_blocks].int().contiguous()  # (Bd, nb)
+                decode_lens = torch.tensor(lens_host, dtype=torch.int64)
             else:
-                lens = meta.context_lens[dec_t]  # (Bd,)
-                keys = torch.arange(max_blocks * bs, device=device)
-                decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # (Bd, 1, 1, K)
+                decode_tables = meta.block_tables[dec_t, :max_blocks].long()  # (Bd, nb)
+                if min(lens_host) == max(lens_host):  # e.g. a single stream: slice, no mask needed
+                    decode_mask = lens_host[0]
+                else:
+                    lens = meta.context_lens[dec_t]  # (Bd,)
+                    keys = torch.arange(max_blocks * bs, device=device)
+                    decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # (Bd, 1, 1, K)
             decode_rows = torch.tensor([cu[i] for i in dec], device=device)
         prefills = []
         for i, q in enumerate(meta.query_lens):
@@ -72,7 +99,8 @@ class TorchAttentionBackend(AttentionBackend):
             pos = torch.arange(ctx - q, ctx, device=device)  # absolute positions of the queries
             causal = torch.arange(ctx, device=device)[None, :] <= pos[:, None]  # (q, ctx)
             prefills.append(_Prefill(cu[i], cu[i + 1], blocks, ctx, causal.repeat(G, 1)))
-        meta.plan = _Plan(len(dec) == len(meta.query_lens), decode_rows, decode_tables, decode_mask, prefills)
+        meta.plan = _Plan(len(dec) == len(meta.query_lens), decode_rows, decode_tables, decode_mask, prefills,
+                          decode_lens)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = q.shape[0]
@@ -86,8 +114,15 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
 
-        # --- decode rows: one padded SDPA call ---
-        if plan.decode_rows is not None:
+        # --- decode rows: the CPU kernel over the cache in place, or one padded SDPA call ---
+        if plan.decode_lens is not None:
+            Bd = plan.decode_block_tables.shape[0]
+            qd = q[:Bd] if plan.all_decode else q[plan.decode_rows]  # (Bd, Hq, D)
+            od = paged_decode_attention(qd, k_cache, v_cache, plan.decode_block_tables, plan.decode_lens,
+                                        self.scale).reshape(Bd, self.num_heads * D)
+            if plan.all_decode and Bd == T:
+                return od
+        elif plan.decode_rows is not None:
             Bd, nb = plan.decode_block_tables.shape
             # Gather each request's blocks: index_select along dim 0 of the contiguous K (and V) pool is a
             # row memcpy; along any other dim PyTorch takes a generic path measured 10-20x slower on CPU.
@@ -124,3 +159,48 @@ class TorchAttentionBackend(AttentionBackend):
             op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], attn_mask=p.mask, scale=self.scale)
             out[p.row_start:p.row_end] = op.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, -1)
         return out
+
+    @torch.inference_mode()
+    def choose_decode_kernel(self, dtype: torch.dtype, block_size: int, repeats: int = 5) -> DecodeKernelChoice:
+        """Time decode attention both ways on this machine (DECODE_PROBES, this layer's heads, random
+        caches) and keep the kernel only if it wins every probe by MARGIN. CPU only."""
+        build = load_cpu_kernels()
+        if not build.available:
+            self.decode_kernel = DecodeKernelChoice(False, f"CPU kernels {build.detail}")
+        elif dtype not in (torch.float32, torch.bfloat16):
+            self.decode_kernel = DecodeKernelChoice(False, f"the kernel takes float32 or bfloat16, not {dtype}")
+        else:
+            speedups = [self._time_decode(rows, context, dtype, block_size, repeats)
+                        for rows, context in DECODE_PROBES]
+            measured = ", ".join(f"{s:.2f}x at {r} rows x {c} keys" for s, (r, c) in zip(speedups, DECODE_PROBES))
+            self.decode_kernel = DecodeKernelChoice(min(speedups) > 1 + MARGIN,
+                                                    f"kernel vs gather + SDPA: {measured}, measured")
+        return self.decode_kernel
+
+    def _time_decode(self, rows: int, context: int, dtype: torch.dtype, block_size: int, repeats: int) -> float:
+        """gather + SDPA time / kernel time for one all-decode step of `rows` requests of ~`context` keys."""
+        Hkv, D = self.num_kv_heads, self.head_dim
+        g = torch.Generator().manual_seed(0)
+        lens = [max(1, context - 7 * i) for i in range(rows)]  # unequal, so the SDPA path needs its mask
+        nb = -(-context // block_size)
+        kv_cache = torch.randn(2, rows * nb, block_size, Hkv, D, generator=g).to(dtype)
+        tables = torch.arange(rows * nb, dtype=torch.int32).view(rows, nb)
+        slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                              for i, n in enumerate(lens)])
+        q = torch.randn(rows, self.num_heads, D, generator=g).to(dtype)
+        k = torch.randn(rows, Hkv, D, generator=g).to(dtype)
+        meta = AttentionMetadata(slots, torch.arange(rows + 1, dtype=torch.int32),
+                                 torch.tensor(lens, dtype=torch.int32), tables, [1] * rows, lens, block_size)
+        chosen, times = self.decode_kernel, {False: [], True: []}
+        try:
+            for round_ in range(repeats + 1):  # round 0 sets up, and is not counted
+                for used in (False, True):  # interleaved: drift in the machine hits both alike
+                    self.decode_kernel = DecodeKernelChoice(used, "timing")
+                    t0 = time.perf_counter()
+                    self.prepare(meta)
+                    self.forward(q, k, k, kv_cache, meta)
+                    if round_:
+                        times[used].append(time.perf_counter() - t0)
+        finally:
+            self.decode_kernel = chosen
+        return min(times[False]) / min(times[True])

@@ -1,25 +1,24 @@
 """skinny_gemm (the compiled CPU kernel) against its naive reference.
 
 CI builds the kernel (it has a compiler and ninja), so there a failed build is a failure; elsewhere a
-machine without a compiler skips these tests with the reason, as the matmul plan skips the form."""
+machine without a compiler skips these tests with the reason, as the matmul plan skips the form. The
+code paths for other instruction sets are checked in test_cpu_build.py."""
 
 from __future__ import annotations
 
 import os
-import platform
-from pathlib import Path
 
 import pytest
 import torch
-from minivllm.kernels.skinny_gemm import (LANES, _cause, build_skinny_gemm, can_pack_skinny, load_skinny_gemm,
-                                          naive_skinny_gemm, pack_skinny_weight, skinny_gemm)
+from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.kernels.skinny_gemm import LANES, can_pack_skinny, naive_skinny_gemm, pack_skinny_weight, skinny_gemm
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    build = load_skinny_gemm()
+    build = load_cpu_kernels()
     if not build.available:
-        assert not os.environ.get("CI"), f"CI must build the skinny kernel: {build.detail}"
+        assert not os.environ.get("CI"), f"CI must build the CPU kernels: {build.detail}"
         pytest.skip(build.detail)
 
 
@@ -75,41 +74,3 @@ def test_bad_inputs_are_refused_with_what_to_change():
     with pytest.raises(ValueError, match="even in_features"):
         pack_skinny_weight(torch.randn(4, 5).bfloat16())
     assert not can_pack_skinny(torch.randn(4, 5).bfloat16()) and not can_pack_skinny(torch.randn(4, 4).half())
-
-
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-@pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists(),
-                    reason="x86-64 instruction sets")
-@pytest.mark.parametrize("variant,cflags", [("avx2", ["-march=x86-64-v3"]),
-                                            ("avx512_no_bf16", ["-march=x86-64-v4", "-mno-avx512bf16"])])
-def test_the_other_instruction_set_paths_match_naive_too(variant, cflags):
-    """This machine runs one path of the kernel (the one -march=native selects); CPUs without AVX-512,
-    or without its BF16 dot products, run the others. Built here under another op name and checked."""
-    needs = {"avx2": {"avx2", "fma"}, "avx512_no_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}[variant]
-    if not needs <= _cpu_flags():
-        pytest.skip(f"this CPU cannot run the {variant} build")
-    library = f"skinny_test_{variant}"
-    build_skinny_gemm(f"minivllm_{library}", cflags, library=library)
-    op = getattr(torch.ops, library).skinny_gemm
-    g = torch.Generator().manual_seed(1)
-    for dtype in (torch.float32, torch.bfloat16):
-        for rows, out_f, in_f in [(1, 37, 10), (5, 200, 578), (9, 64, 96)]:
-            x = torch.randn(rows, in_f, generator=g).to(dtype)
-            w = (torch.randn(out_f, in_f, generator=g) / in_f ** 0.5).to(dtype)
-            bias = torch.randn(out_f, generator=g).to(dtype)
-            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-            torch.testing.assert_close(op(x, pack_skinny_weight(w), out_f, bias).float(),
-                                       naive_skinny_gemm(x, w, bias).float(), **tol)
-
-
-def test_a_failed_build_reports_the_compiler_error_not_the_command_line():
-    text = ("Error building extension 'x': [1/2] c++ -MMD -MF sg.o.d -isystem /very/long/include/path ...\n"
-            "FAILED: sg.o\nc++: error: unrecognized command-line option '-mfoo'\nninja: build stopped")
-    assert _cause(text) == "c++: error: unrecognized command-line option '-mfoo'"
-    assert _cause("something else went wrong\nlast line") == "last line"

@@ -1,0 +1,64 @@
+"""kernels/cpu_build.py: the C++ CPU kernels' build, its failure reports, and the code paths this CPU
+does not run (built here under other op-library names and compared with the naive references)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+from minivllm.kernels.cpu_build import _cause, build_cpu_kernels, load_cpu_kernels
+from minivllm.kernels.paged_decode_attention import naive_paged_decode_attention
+from minivllm.kernels.skinny_gemm import naive_skinny_gemm, pack_skinny_weight
+
+
+def test_a_failed_build_reports_the_compiler_error_not_the_command_line():
+    text = ("Error building extension 'x': [1/2] c++ -MMD -MF sg.o.d -isystem /very/long/include/path ...\n"
+            "FAILED: sg.o\nc++: error: unrecognized command-line option '-mfoo'\nninja: build stopped")
+    assert _cause(text) == "c++: error: unrecognized command-line option '-mfoo'"
+    assert _cause("something else went wrong\nlast line") == "last line"
+
+
+def test_the_build_is_loaded_here_or_says_why():
+    build = load_cpu_kernels()
+    assert build.detail
+    if os.environ.get("CI"):
+        assert build.available, f"CI must build the CPU kernels: {build.detail}"
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists(),
+                    reason="x86-64 instruction sets")
+@pytest.mark.parametrize("variant,cflags", [("avx2", ["-march=x86-64-v3"]),
+                                            ("avx512_no_bf16", ["-march=x86-64-v4", "-mno-avx512bf16"])])
+def test_the_other_instruction_set_paths_match_naive_too(variant, cflags):
+    """This machine runs one path of each kernel (the one -march=native selects); CPUs without AVX-512,
+    or without its BF16 dot products, run the others."""
+    needs = {"avx2": {"avx2", "fma"}, "avx512_no_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}[variant]
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run the {variant} build")
+    library = f"minivllm_cpu_test_{variant}"
+    build_cpu_kernels(library, cflags, library=library)
+    ops = getattr(torch.ops, library)
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        for rows, out_f, in_f in [(1, 37, 10), (5, 200, 578), (9, 64, 96)]:
+            x = torch.randn(rows, in_f, generator=g).to(dtype)
+            w = (torch.randn(out_f, in_f, generator=g) / in_f ** 0.5).to(dtype)
+            bias = torch.randn(out_f, generator=g).to(dtype)
+            torch.testing.assert_close(ops.skinny_gemm(x, pack_skinny_weight(w), out_f, bias).float(),
+                                       naive_skinny_gemm(x, w, bias).float(), **tol)
+        kc, vc = (torch.randn(12, 4, 2, 80, generator=g).to(dtype) for _ in range(2))
+        tables = torch.randperm(12, generator=g)[:9].view(3, 3).int()
+        q, lens = torch.randn(3, 6, 80, generator=g).to(dtype), torch.tensor([1, 7, 12])
+        torch.testing.assert_close(ops.paged_decode_attention(q, kc, vc, tables, lens, 0.1).float(),
+                                   naive_paged_decode_attention(q, kc, vc, tables, lens, 0.1).float(), **tol)

@@ -1,0 +1,61 @@
+"""paged_decode_attention (the compiled CPU kernel) against its naive reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.kernels.paged_decode_attention import naive_paged_decode_attention, paged_decode_attention
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    build = load_cpu_kernels()
+    if not build.available:
+        assert not os.environ.get("CI"), f"CI must build the CPU kernels: {build.detail}"
+        pytest.skip(build.detail)
+
+
+def _case(dtype, Hq, Hkv, D, block_size, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = len(lens) * width + 3
+    k_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width).int()
+    q = torch.randn(len(lens), Hq, D, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 64), (4, 4, 32), (9, 3, 80)])  # GQA, MHA, a head dim with a tail
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_matches_naive(dtype, Hq, Hkv, D, block_size):
+    q, kc, vc, tables, lens = _case(dtype, Hq, Hkv, D, block_size, [1, 5, 16, 17, 63, 130])
+    out = paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
+    ref = naive_paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+def test_a_row_never_depends_on_the_rows_beside_it():
+    q, kc, vc, tables, lens = _case(torch.float32, 6, 2, 64, 16, [3, 40, 77, 128])
+    together = paged_decode_attention(q, kc, vc, tables, lens, 0.125)
+    alone = torch.cat([paged_decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], 0.125)
+                       for i in range(4)])
+    assert torch.equal(together, alone)
+
+
+def test_bad_inputs_are_refused_with_what_to_change():
+    q, kc, vc, tables, lens = _case(torch.float32, 6, 2, 64, 4, [5, 9])
+    with pytest.raises(RuntimeError, match="outside 1.."):
+        paged_decode_attention(q, kc, vc, tables, torch.tensor([5, 99]), 0.125)  # longer than its table
+    with pytest.raises(RuntimeError, match="not in the cache"):
+        paged_decode_attention(q, kc, vc, torch.full_like(tables, 10_000), lens, 0.125)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        paged_decode_attention(q.bfloat16(), kc, vc, tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="int32"):
+        paged_decode_attention(q, kc, vc, tables.long(), lens, 0.125)

@@ -1,0 +1,49 @@
+"""The PyTorch attention backend's decode rows through minivllm's C++ kernel (reading the paged cache in
+place) instead of gather + SDPA: chosen by measurement at warm-up, and the engine's tokens match HF's
+whichever way decode attention runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import varied_prompts
+
+from minivllm import LLM, SamplingParams
+from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.layers.torch_attention import DecodeKernelChoice, TorchAttentionBackend
+from minivllm.teaching.hf_check import assert_hf_greedy
+
+needs_kernels = pytest.mark.skipif(not load_cpu_kernels().available, reason=load_cpu_kernels().detail)
+
+
+@needs_kernels
+@pytest.mark.parametrize("used", [True, False])
+@pytest.mark.parametrize("family", ["qwen3", "llama_mha_tied_llama3"])
+def test_engine_tokens_match_hf_with_and_without_the_kernel(family, used, model_factory, hf_factory):
+    """Decode batches of 1-9 rows of unequal contexts, beside prefill chunks (max_num_batched_tokens)."""
+    llm = LLM(model_factory(family), block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
+    backend = llm.llm_engine.model_runner.backend
+    assert isinstance(backend, TorchAttentionBackend)
+    backend.decode_kernel = DecodeKernelChoice(used, "forced by the test")
+    prompts = varied_prompts(9, llm.llm_engine.spec.vocab_size, seed=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    hf = hf_factory(family)
+    for p, out in zip(prompts, outs):
+        assert_hf_greedy(hf, p, out.outputs[0].token_ids)
+    llm.shutdown()
+
+
+@needs_kernels
+def test_warm_up_measures_the_kernel_and_says_what_it_chose(model_factory):
+    llm = LLM(model_factory("qwen3"), block_size=4, num_kv_blocks=64)
+    choice = llm.llm_engine.model_runner.backend.decode_kernel
+    assert "measured" in choice.detail and "rows" in choice.detail
+    assert str(choice).startswith("decode attention: ")
+    llm.shutdown()
+
+
+def test_without_warm_up_or_for_fp16_the_backend_keeps_gather_and_sdpa():
+    backend = TorchAttentionBackend(4, 2, 16)
+    assert not backend.decode_kernel.used and "not measured" in backend.decode_kernel.detail
+    assert not backend.choose_decode_kernel(torch.float16, block_size=4).used
