@@ -1,4 +1,4 @@
-"""Triton kernels for minivllm (and one CPU kernel in C++), each beside the plain-PyTorch `naive_*`
+"""Triton kernels for minivllm (and two CPU kernels in C++), each beside the plain-PyTorch `naive_*`
 reference it must match.
 
     kv_cache_write.py     store a step's new K/V into their paged slots
@@ -9,7 +9,10 @@ reference it must match.
     rejection_sampling.py speculative decoding: accept drafts or draw from the residual distribution
     gated_delta_rule.py   hybrid models: the recurrent (decode) update of a gated-DeltaNet layer's state
     skinny_gemm.py (.cpp) CPU, C++: x W^T for a few rows, one sequential read of a re-laid-out weight
-                          (compiled on first use; one of the forms layers/matmul_plan.py times)
+                          (one of the forms layers/matmul_plan.py times)
+    paged_decode_attention.py (.cpp)  CPU, C++: decode attention reading K/V in place in the paged cache
+                          (layers/torch_attention.py uses it where warm-up measured it faster)
+    cpu_build.py          compiles the two C++ kernels on first use, for the CPU at hand
 
 This folder is installed as `minivllm.kernels` (see pyproject.toml), never as a top-level
 `kernels` package: transformers looks for Hugging Face's kernel hub under that name. It also
