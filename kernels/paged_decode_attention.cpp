@@ -56,6 +56,33 @@ inline float dot(const float* q, const T* k, int64_t D) {
   return s;
 }
 
+// s[0:L] = exp(s[0:L] - m), returning their sum. s - m <= 0, so only underflow needs care.
+inline float exp_shifted(float* s, int64_t L, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  // exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln2 / 2; exp(r) by its Taylor series to r^6
+  // (relative error ~1e-7, fp32's own), 2^n applied exactly by vscalefps.
+  const __m512 mv = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.44269504f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  const float c[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  __m512 acc = _mm512_setzero_ps();
+  for (; t + 16 <= L; t += 16) {
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv), lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, ln2_lo, _mm512_fnmadd_ps(n, ln2_hi, x));
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+    const __m512 e = _mm512_scalef_ps(p, n);
+    _mm512_storeu_ps(s + t, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; t < L; ++t) sum += (s[t] = std::exp(s[t] - m));
+  return sum;
+}
+
 // o (fp32, D values) += p * v
 template <typename T>
 inline void axpy(float* o, float p, const T* v, int64_t D) {
@@ -97,10 +124,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       std::vector<float> denom(G);
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * L;
-        const float m = *std::max_element(s, s + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) sum += (s[t] = std::exp(s[t] - m));
-        denom[g] = sum;
+        denom[g] = exp_shifted(s, L, *std::max_element(s, s + L));
       }
       // pass 2: weighted sum of the value rows
       std::fill(acc.begin(), acc.end(), 0.f);

@@ -59,3 +59,10 @@ def test_bad_inputs_are_refused_with_what_to_change():
         paged_decode_attention(q.bfloat16(), kc, vc, tables, lens, 0.125)
     with pytest.raises(RuntimeError, match="int32"):
         paged_decode_attention(q, kc, vc, tables.long(), lens, 0.125)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 20.0])  # flat to one-hot softmaxes: the vector exp's whole range
+def test_matches_naive_from_flat_to_peaked_scores(scale):
+    q, kc, vc, tables, lens = _case(torch.float32, 6, 2, 64, 16, [1, 40, 200], seed=3)
+    torch.testing.assert_close(paged_decode_attention(q, kc, vc, tables, lens, scale),
+                               naive_paged_decode_attention(q, kc, vc, tables, lens, scale), rtol=1e-5, atol=1e-5)
