@@ -64,7 +64,7 @@ def test_bad_inputs_are_refused_with_what_to_change():
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 20.0])  # flat to one-hot softmaxes: the vector exp's whole range
 def test_matches_naive_from_flat_to_peaked_scores(scale):
     q, kc, vc, tables, lens = _case(torch.float32, 6, 2, 64, 16, [1, 40, 200], seed=3)
-    # scores reach ~scale * 8 * 20 here: fp32's rounding of a dot product that large moves the softmax
+    # the scores have a spread of ~8 * scale here: fp32 rounding of dot products that large moves the softmax
     # (the same with std::exp: the sum order differs from the reference's), so atol grows with scale
     torch.testing.assert_close(paged_decode_attention(q, kc, vc, tables, lens, scale),
                                naive_paged_decode_attention(q, kc, vc, tables, lens, scale),
