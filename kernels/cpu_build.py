@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -52,9 +53,6 @@ def load_cpu_kernels() -> CpuKernelsBuild:
         return CpuKernelsBuild(False, f"built only on Linux x86-64 / arm64, not {sys.platform} {platform.machine()}")
     log = logging.getLogger("minivllm")
     try:
-        from torch.utils.cpp_extension import verify_ninja_availability
-
-        verify_ninja_availability()
         name = f"minivllm_cpu_kernels_{_machine_key()}"
         log.info("loading minivllm's CPU kernels %s (compiled the first time on this machine, ~15-20 s)", name)
         build_cpu_kernels(name, ["-march=native"])
@@ -80,19 +78,27 @@ def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY) -> N
     except FileNotFoundError:
         pass
     here = Path(__file__).parent
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:  # the `ninja` wheel's binary, when its venv's bin/ is not on PATH
+        import ninja  # a dependency of minivllm
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path  # for torch's build only; restored below
     # -fopenmp: at::parallel_for is inlined from torch's headers as an OpenMP loop. The extension links
     # libgomp.so.1, the soname torch's bundled copy has, so the one runtime already loaded (and
     # torch.set_num_threads) serves both.
-    load(name, [str(here / source) for source in SOURCES],
-         extra_cflags=["-O3", "-fopenmp", *cflags, f"-DMINIVLLM_CPU_LIBRARY={library}"], extra_ldflags=["-fopenmp"],
-         build_directory=str(build_dir), is_python_module=False, verbose=False)
+    try:
+        load(name, [str(here / source) for source in SOURCES],
+             extra_cflags=["-O3", "-fopenmp", *cflags, f"-DMINIVLLM_CPU_LIBRARY={library}"],
+             extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
+    finally:
+        os.environ["PATH"] = path
 
 
 def _cause(text: str) -> str:
-    """The informative part of a build failure: the compiler's `error:` lines, else the last line (the
-    first is ninja's command line)."""
+    """The informative part of a build failure: the compiler's `error:` lines (or the shell's "not found"
+    for a missing compiler), else the last line (the first is ninja's command line)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if "error:" in line.lower()]
+    errors = [line for line in lines if "error:" in line.lower() or line.endswith("not found")]
     return "; ".join(errors[-2:] or lines[-1:])[:300]
 
 

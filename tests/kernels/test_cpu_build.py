@@ -19,6 +19,8 @@ def test_a_failed_build_reports_the_compiler_error_not_the_command_line():
             "FAILED: sg.o\nc++: error: unrecognized command-line option '-mfoo'\nninja: build stopped")
     assert _cause(text) == "c++: error: unrecognized command-line option '-mfoo'"
     assert _cause("something else went wrong\nlast line") == "last line"
+    missing = "[1/3] /x/c++ -c a.cpp\n/bin/sh: 1: /x/c++: not found\nninja: build stopped: subcommand failed."
+    assert _cause(missing) == "/bin/sh: 1: /x/c++: not found"
 
 
 def test_the_build_is_loaded_here_or_says_why():
