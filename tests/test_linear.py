@@ -11,8 +11,8 @@ from helpers import varied_prompts
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers.linear import Linear, linear
-from minivllm.layers.matmul_plan import (MARGIN, PREFILL_BUCKET, ROW_BUCKETS, CpuInfo, MatmulForm, MatmulKey,
-                                         MatmulPlan, matmul, row_bucket)
+from minivllm.layers.matmul_forms import MatmulForm, matmul
+from minivllm.layers.matmul_plan import MARGIN, PREFILL_BUCKET, ROW_BUCKETS, CpuInfo, MatmulKey, MatmulPlan, row_bucket
 from minivllm.teaching.hf_check import assert_hf_greedy
 
 def available_forms() -> list[MatmulForm]:

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.layers.custom_op import direct_register_custom_op
-from minivllm.layers.matmul_plan import MatmulForm, MatmulPlan, matmul, packed_linear, skinny_linear
+from minivllm.layers.matmul_forms import MatmulForm, matmul, packed_linear, skinny_linear
+from minivllm.layers.matmul_plan import MatmulPlan
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -1,16 +1,8 @@
 """`MatmulPlan`: which of four equal matmul forms each CPU linear layer uses, chosen by timing them.
 
-A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Four forms give the same y:
-
-    LINEAR       y = F.linear(x, W) = x W^T    torch's default; MKL / oneDNN picks the kernel
-    WEIGHT_LEFT  y = (W x^T)^T                 W stays the left, row-major operand; a single row is
-                                               stacked twice so the product stays a gemm, not a gemv
-    PACKED       y = x W^T, W reordered once   oneDNN's blocked weight layout, made at warm-up
-                 into oneDNN's blocked layout  (`pack`), as vLLM's CPU backend and Inductor's
-                                               freezing pass prepack theirs
-    SKINNY       y = x W^T, W re-laid out      minivllm's own CPU kernel for a few rows
-                 in blocks of 16 columns       (kernels/skinny_gemm.py): one sequential read of the
-                                               weight, no horizontal sums; compiled on first use
+A decode step multiplies a few rows x (rows, in) by each weight W (out, in); matmul_forms.py holds four
+ways to compute the same y: LINEAR (F.linear), WEIGHT_LEFT ((W x^T)^T), PACKED (oneDNN's prepacked
+weight) and SKINNY (minivllm's own few-row kernel).
 
 Which one is faster is a property of the machine, not of the maths. On 2 AMD EPYC cores WEIGHT_LEFT
 streams fp32 weights 1.5-3x faster for 1-4 rows (about even above) and PACKED is 1.2-1.6x faster
@@ -54,72 +46,16 @@ import math
 import platform
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
-from minivllm.kernels.skinny_gemm import can_pack_skinny, pack_skinny_weight, skinny_gemm
+from minivllm.kernels.skinny_gemm import can_pack_skinny
+from minivllm.layers.matmul_forms import MatmulForm, can_pack, matmul, pack, pack_skinny
 
 MARGIN = 0.05  # another form must be at least 5 % faster to replace the default
-
-
-class MatmulForm(Enum):
-    LINEAR = "x W^T"
-    WEIGHT_LEFT = "(W x^T)^T"
-    PACKED = "packed"
-    SKINNY = "skinny"
-
-
-def matmul(x: torch.Tensor, weight: torch.Tensor, form: MatmulForm) -> torch.Tensor:
-    """x (rows, in) times weight (out, in)^T -> (rows, out), computed in the given form."""
-    if form is MatmulForm.LINEAR:
-        return F.linear(x, weight)
-    if form is MatmulForm.PACKED:
-        return packed_linear(x, weight)
-    if form is MatmulForm.SKINNY:
-        return skinny_linear(x, weight)
-    if x.shape[0] == 1:  # W @ (one column) would take the gemv path: two columns, keep the first
-        return (weight @ torch.cat([x, x]).t())[:, :1].t()  # (1, out)
-    return (weight @ x.t()).t().contiguous()  # (rows, out)
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
-
-
-def pack(weight: torch.Tensor) -> None:
-    """Keep a copy of `weight` in oneDNN's blocked layout as `weight.packed` (an opaque mkldnn tensor,
-    only for `packed_linear`), the way vLLM sets attributes on its parameters."""
-    with torch.no_grad():
-        weight.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b through oneDNN with the packed copy of W (packed now, once, if the plan has not)."""
-    if getattr(weight, "packed", None) is None:
-        pack(weight)
-    return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")  # (rows, out)
-
-
-def pack_skinny(weight: torch.Tensor) -> None:
-    """Keep a copy of `weight` in the skinny kernel's layout of 16-column blocks as `weight.skinny`."""
-    with torch.no_grad():
-        weight.skinny = pack_skinny_weight(weight)
-
-
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b through minivllm's skinny kernel (its copy of W laid out now, once, if the plan has not)."""
-    build = load_cpu_kernels()  # loaded once per process; the plan only picks SKINNY where it loaded
-    if not build.available:
-        raise RuntimeError(f"the {MatmulForm.SKINNY.name} matmul form needs minivllm's CPU kernels, {build.detail}")
-    if getattr(weight, "skinny", None) is None:
-        pack_skinny(weight)
-    return skinny_gemm(x, weight.skinny, weight.shape[0], bias)  # (rows, out)
 
 
 class RowBucket(NamedTuple):

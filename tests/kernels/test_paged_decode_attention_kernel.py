@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from minivllm.kernels.cpu_build import load_cpu_kernels
+from kernel_helpers import require_cpu_kernels
 from minivllm.kernels.paged_decode_attention import naive_paged_decode_attention, paged_decode_attention
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    build = load_cpu_kernels()
-    if not build.available:
-        assert not os.environ.get("CI"), f"CI must build the CPU kernels: {build.detail}"
-        pytest.skip(build.detail)
+require_cpu_kernels()
 
 
 def _case(dtype, Hq, Hkv, D, block_size, lens, seed=0):

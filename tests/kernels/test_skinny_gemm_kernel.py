@@ -6,20 +6,13 @@ code paths for other instruction sets are checked in test_cpu_build.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from minivllm.kernels.cpu_build import load_cpu_kernels
+from kernel_helpers import require_cpu_kernels
 from minivllm.kernels.skinny_gemm import LANES, can_pack_skinny, naive_skinny_gemm, pack_skinny_weight, skinny_gemm
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    build = load_cpu_kernels()
-    if not build.available:
-        assert not os.environ.get("CI"), f"CI must build the CPU kernels: {build.detail}"
-        pytest.skip(build.detail)
+require_cpu_kernels()
 
 
 def test_the_packed_layout_is_blocks_of_16_output_columns():
