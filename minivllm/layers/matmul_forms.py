@@ -75,9 +75,10 @@ def pack_skinny(weight: torch.Tensor) -> None:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b through minivllm's skinny kernel (its copy of W laid out now, once, if the plan has not)."""
-    build = load_cpu_kernels()  # loaded once per process; the plan only picks SKINNY where it loaded
-    if not build.available:
-        raise RuntimeError(f"the {MatmulForm.SKINNY.name} matmul form needs minivllm's CPU kernels, {build.detail}")
-    if getattr(weight, "skinny", None) is None:
+    if getattr(weight, "skinny", None) is None:  # first use outside the plan (which packs only where it loaded)
+        build = load_cpu_kernels()  # checked here, off the per-step path
+        if not build.available:
+            raise RuntimeError(f"the {MatmulForm.SKINNY.name} matmul form needs minivllm's CPU kernels, "
+                               f"{build.detail}")
         pack_skinny(weight)
     return skinny_gemm(x, weight.skinny, weight.shape[0], bias)  # (rows, out)
