@@ -66,8 +66,9 @@ class EngineConfig:
     # only; layers/quantization.py); None: the weights stay in `dtype`. vLLM's name.
     quantization: str | None = None
     # False: the forward runs as one torch.compile graph per token count in compile_sizes, each step
-    # padded up to the next size, attention kept opaque (models/compiled_forward.py). True: every step
-    # runs eagerly (vLLM's name). None (default): compiled on CUDA; eager on CPU, where compiling costs
+    # padded up to the next size, attention kept opaque (models/compiled_forward.py); on CUDA, decode steps
+    # of those sizes also replay CUDA graphs (engine/cuda_graphs.py). True: every step runs eagerly, no
+    # graphs (vLLM's name). None (default): compiled on CUDA; eager on CPU, where compiling costs
     # ~20 s a size of start-up on 2 cores (less once cached on disk) for a measured +5-30 % a step
     # (docs/guides/benchmarks.md).
     enforce_eager: bool | None = None

@@ -100,7 +100,6 @@ class LLMEngine:
             self.model, num_blocks = rank.model, rank.num_blocks
             # Eager or compiled (decided in load_rank the same way on every rank), in words.
             self.compilation = compile_decision(self.model, config, self.device)[1]
-            logging.getLogger("minivllm").info("minivllm: forward %s", self.compilation)
             # Hybrid models: the linear-attention layers' state pool, one slot pair per running request.
             self.state_pool = (StatePool(spec, config.max_num_seqs, self.dtype, self.device)
                                if spec.linear_attn is not None else None)
@@ -108,6 +107,9 @@ class LLMEngine:
                                             block_size=config.block_size, dtype=self.dtype, device=self.device,
                                             eos_token_ids=self.eos_token_ids, state_pool=self.state_pool,
                                             executor=self.executor)
+            if self.model_runner.cuda_graphs is not None:
+                self.compilation += f"; decode steps replay CUDA graphs {self.model_runner.cuda_graphs.sizes}"
+            logging.getLogger("minivllm").info("minivllm: forward %s", self.compilation)
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
             self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
                                 if config.speculative_config is not None else None)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minivllm.distributed.communication import CopyBlocks, StepInputs
+from minivllm.engine.cuda_graphs import Capture, CUDAGraphRunner, cuda_graph_capture
 from minivllm.engine.kv_cache import allocate_kv_cache
 from minivllm.engine.sampling_metadata import PromptLogprob, RowGroupOutput, SamplingBatch, gather_logprobs
 from minivllm.engine.spec_decode.rejection_sampler import RejectionSampler, TritonRejectionSampler, verify_drafts
@@ -88,6 +89,21 @@ class ModelRunner:
         self.sampler = TritonSampler() if triton else Sampler()
         self.rejection_sampler = TritonRejectionSampler() if triton else RejectionSampler()
         self.last_forward_s = 0.0  # time of the latest model forward + LM head (for overhead stats)
+        # On a GPU, compiled decode steps replay CUDA graphs (engine/cuda_graphs.py); None: no graphs.
+        self.cuda_graphs: CUDAGraphRunner | None = None
+        if self.compile_sizes and device.type == "cuda" and backend.supports_cuda_graphs and state_pool is None:
+            self.enable_cuda_graphs(cuda_graph_capture(torch.cuda.graph_pool_handle()))
+
+    def enable_cuda_graphs(self, capture: Capture) -> None:
+        """Decode steps of the compiled sizes run as recorded graphs from now on (`capture` records one;
+        tests on CPU pass `cuda_graphs.replay_by_rerun`). Needs the scratch block of a compiled model."""
+        if self.scratch_block is None or not self.backend.supports_cuda_graphs or self.executor is not None:
+            raise ValueError("CUDA graphs need the compiled forward (enforce_eager=False), the Triton attention "
+                             "backend and one rank")
+        max_blocks = min(self.num_blocks, -(-self.spec.max_position_embeddings // self.block_size))
+        self.cuda_graphs = CUDAGraphRunner(self.compile_sizes, max_blocks_per_seq=max_blocks,
+                                           scratch_block=self.scratch_block, block_size=self.block_size,
+                                           backend=self.backend, device=self.device, capture=capture)
 
     # --- 1. pack ---------------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> StepBatch:
@@ -154,9 +170,11 @@ class ModelRunner:
                 state = self._linear_attn_metadata(out)
                 hidden, _ = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
                                        self.backend, state)  # (T, hidden); new states are in the staging slots
+            elif self.cuda_graphs is not None and self.cuda_graphs.can_run(len(batch.input_ids), batch.attn_metadata):
+                hidden = self.cuda_graphs.run(batch.input_ids, batch.positions, batch.attn_metadata,
+                                              self._forward)  # (T, hidden), a decode step replayed
             else:
-                hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
-                                    self.backend)  # (T, hidden)
+                hidden = self._forward(batch.input_ids, batch.positions, batch.attn_metadata)  # (T, hidden)
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S + P, V)
         result = [RowGroupOutput() for _ in out.scheduled]
         if self.device.type == "cuda":
@@ -180,6 +198,9 @@ class ModelRunner:
             r = sb.sampled[i]
             (result[r.entry].fork_tokens if r.is_fork else result[r.entry].tokens).append(tok)
         return result
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, self.kv_caches, self.backend)  # (T, hidden)
 
     def _on_every_rank(self, batch: StepBatch) -> AbstractContextManager[None]:
         if self.executor is None:

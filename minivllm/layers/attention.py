@@ -52,6 +52,8 @@ class AttentionBackend(abc.ABC):
     """What the model needs from attention. One instance serves every layer."""
 
     name: str = "abstract"
+    # Whether `prepare_cuda_graph` exists: decode steps replayed from CUDA graphs (engine/cuda_graphs.py).
+    supports_cuda_graphs: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads (GQA)"
@@ -60,6 +62,11 @@ class AttentionBackend(abc.ABC):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-step work shared by all layers (index tensors, masks); stored in `meta.plan`."""
+
+    def prepare_cuda_graph(self, meta: AttentionMetadata) -> None:
+        """`prepare` for a CUDA graph: one plan for decode rows of any length (every row one request,
+        the lengths only in `meta`'s tensors, which later steps overwrite in place)."""
+        raise NotImplementedError(f"the {self.name} attention backend does not run inside CUDA graphs")
 
     @abc.abstractmethod
     def forward(

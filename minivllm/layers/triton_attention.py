@@ -7,6 +7,8 @@ Per step (`prepare`), the backend chooses between two kernels:
     Rule: rows x heads < 2 x (streaming multiprocessors) and the longest context spans >= 8 blocks;
     the number of splits fills ~2 waves of SMs, at most 16, and at least 2 blocks per split.
     On CPU (the interpreter) there is no SM count; 8 is used, which keeps tests exercising both.
+Inside a CUDA graph (`prepare_cuda_graph`, engine/cuda_graphs.py) the plan cannot look at the lengths:
+the same rule without the length test, as each kernel reads every row's length when it runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class _TritonPlan(NamedTuple):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  block_size: int) -> None:
@@ -53,6 +56,18 @@ class TritonAttentionBackend(AttentionBackend):
         device = meta.slot_mapping.device
         tiles = (torch.tensor(tile_seq, dtype=torch.int32, device=device),
                  torch.tensor(tile_start, dtype=torch.int32, device=device))
+        meta.plan = _TritonPlan(tiles, 0)
+
+    def prepare_cuda_graph(self, meta: AttentionMetadata) -> None:
+        # Nothing here may depend on the lengths, which only meta's tensors hold (a graph replays for any).
+        # Both kernels read each row's length and blocks when they run: split-KV where `prepare` would
+        # choose it for long contexts (few rows), its split count from the rows alone (a short context
+        # leaves some splits empty, which the merge weighs 0); else the one-pass kernel, a tile per row.
+        n, device = meta.num_seqs, meta.slot_mapping.device
+        if n * self.num_heads < 2 * self.num_sms:
+            meta.plan = _TritonPlan(None, max(2, min(16, -(-2 * self.num_sms // (n * self.num_heads)))))
+            return
+        tiles = (torch.arange(n, dtype=torch.int32, device=device), torch.zeros(n, dtype=torch.int32, device=device))
         meta.plan = _TritonPlan(tiles, 0)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
