@@ -9,8 +9,9 @@ GPU); its figures go into the project's notes. Three parts, each reported even w
      MINIVLLM_KERNEL_TEST_DEVICE=cuda (tests/kernels/conftest.py runs each launcher on the GPU against the
      CPU references). The C++ CPU kernels' tests are left out.
   2. Correctness of the compiled forward with CUDA graphs (engine/cuda_graphs.py), fp32: requests of
-     different lengths finishing one by one (decode steps of several sizes, padded), each output checked
-     against HF transformers by teacher forcing; the graphs must have been replayed.
+     different lengths finishing one by one (decode steps of several sizes, padded, split-KV in the
+     graphs), then 48 at once (a graph of the one-pass kernel), each output checked against HF
+     transformers by teacher forcing; the graphs must have been replayed.
   3. Speed, bf16, the `minivllm bench` model (a random ~30M Qwen3): the throughput workload and a single
      stream, eager (`enforce_eager=True`), compiled without graphs, and compiled with graphs; HF
      `generate` on the same workload; all measured in this run.
@@ -28,7 +29,8 @@ import traceback
 
 import torch
 
-CPU_KERNEL_TESTS = ("test_skinny_gemm_kernel.py", "test_paged_decode_attention_kernel.py", "test_cpu_build.py")
+CPU_KERNEL_TESTS = ("test_skinny_gemm_kernel.py", "test_paged_decode_attention_kernel.py",
+                    "test_kv_cache_write_cpu_kernel.py", "test_cpu_build.py")
 
 
 def kernel_tests() -> bool:
@@ -53,18 +55,23 @@ def graphs_match_hf(path: str) -> bool:
 
     lengths = (5, 40, 130, 300, 17)  # 300 tokens: contexts of 19+ blocks
     prompts = [[(7 * i + 13 * j) % 31000 + 10 for j in range(n)] for i, n in enumerate(lengths)]
-    max_tokens = (24, 3, 12, 20, 7)  # requests finish one by one: decode steps of 5 (-> 8), 4, 3 (-> 4), 2, 1 rows
-    with LLM(path, device="cuda", dtype="float32", enforce_eager=False, compile_sizes=(1, 2, 4, 8)) as llm:
-        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False) for m in max_tokens]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    max_tokens = [24, 3, 12, 20, 7]  # requests finish one by one: decode steps of 5 (-> 8), 4, 3 (-> 4), 2, 1 rows
+    # then 48 short requests at once: decode steps of 48 rows padded to 64, a graph of the one-pass kernel
+    # (few rows x heads take split-KV)
+    many = [[(11 * i + 3 * j) % 31000 + 10 for j in range(8 + i % 5)] for i in range(48)]
+    greedy = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False) for m in max_tokens]
+    with LLM(path, device="cuda", dtype="float32", enforce_eager=False, compile_sizes=(1, 2, 4, 8, 64)) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        outs += llm.generate([{"prompt_token_ids": p} for p in many], greedy[0], use_tqdm=False)
         graphs = llm.llm_engine.model_runner.cuda_graphs
         print(f"forward: {llm.llm_engine.compilation}\n{graphs!r}, {graphs.num_replays} replays", flush=True)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        for p, o in zip(prompts, outs):
+        for p, o in zip(prompts + many, outs):
             assert_hf_greedy(hf, p, o.outputs[0].token_ids)
-    assert graphs.num_replays > 0, "no decode step replayed a graph"
-    print(f"fp32 with CUDA graphs: all {sum(max_tokens)} tokens of {len(prompts)} requests are HF's argmax", flush=True)
+    assert graphs.num_replays > 0 and 64 in graphs.graphs, "decode steps did not replay graphs"
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"fp32 with CUDA graphs: all {num_tokens} tokens of {len(outs)} requests are HF's argmax", flush=True)
     return True
 
 

@@ -39,7 +39,7 @@ def test_warm_up_measures_the_kernel_and_says_what_it_chose(model_factory):
     llm = LLM(model_factory("qwen3"), block_size=4, num_kv_blocks=64)
     choice = llm.llm_engine.model_runner.backend.decode_kernel
     assert "measured" in choice.detail and "rows" in choice.detail
-    assert str(choice).startswith("decode attention: ")
+    assert str(choice).startswith("decode attention and K/V writes: ")
     llm.shutdown()
 
 

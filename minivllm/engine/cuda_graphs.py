@@ -18,7 +18,7 @@ its grid, its scalars. So a graph can only serve a step that
     static buffers (max size N)           graph for 4 rows reads rows 0..3
     input_ids     [ t0 t1 t2 | 0 | ... ]   3 requests decode: rows 0..2 are theirs,
     context_lens  [ 9  17 5  | 1 | ... ]   row 3 is padding: a sequence of its own, context 1,
-    block_tables  [ [..], [..], [..], [scratch] ]   whose K/V and keys live in the scratch block
+    block_tables  [ [..], [..], [..], [scratch] ]   whose K/V live in the scratch block
 
 Padding rows are token 0 at position 0 in the scratch block that no request owns (as in the compiled
 forward, models/compiled_forward.py), but here each is a one-row "request" attending to itself, so
@@ -28,7 +28,9 @@ Which steps. Decode steps only (every request one new row, no drafts to verify) 
 size, on CUDA with the Triton attention backend and the compiled forward, on one rank. vLLM's
 `enforce_eager=True` turns graphs off with the compiling. Prefill, mixed and larger steps run as before.
 A size's graph is recorded the first time a step of that size runs: that step runs normally over the
-static buffers (which also compiles any kernel not yet built for the shapes), then it is recorded.
+static buffers first, because a recording must not be the first run of anything (Triton compiles a
+kernel on its first launch, torch sets up its libraries on first use), then it is recorded. A recording
+that fails (out of memory, say) is logged, and steps of that size run without a graph.
 
 The recording is done by `capture`; on a GPU it is `cuda_graph_capture`. Tests on CPU pass
 `replay_by_rerun`, which replays by running the recorded forward again over the same static buffers and
@@ -37,6 +39,7 @@ metadata: everything a graph does but the saving, so the buffers and padding are
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -50,7 +53,9 @@ Capture = Callable[[Replay], Replay]  # records a forward, returns how to replay
 
 def cuda_graph_capture(pool: tuple[int, int]) -> Capture:
     """Record with `torch.cuda.graph`. Every size's graph shares one memory pool (`pool`, from
-    `torch.cuda.graph_pool_handle()`): only one replays at a time, and each keeps its output alive."""
+    `torch.cuda.graph_pool_handle()`), as vLLM's do: a graph's scratch memory may be another's, and a
+    size recorded later may even place its output where an earlier size's output was. That is safe
+    because replays never overlap and each step reads its output before the next replay."""
 
     def capture(forward: Replay) -> Replay:
         graph = torch.cuda.CUDAGraph()
@@ -85,6 +90,10 @@ class CUDAGraphRunner:
         with torch.inference_mode():
             self._allocate(n, max_blocks_per_seq, device)
         self.graphs: dict[int, Replay] = {}  # size -> replay of its recording
+        # size -> the metadata its graph was recorded with. A graph reads every tensor at the address it
+        # had when recorded, the attention plan's own (the tile lists) too: they must live as long as it.
+        # (Freed after recording, they were reused and the graph read garbage: an illegal memory access.)
+        self.metadata: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
 
     def _allocate(self, n: int, max_blocks_per_seq: int, device: torch.device) -> None:
@@ -104,7 +113,7 @@ class CUDAGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             forward: Forward) -> torch.Tensor:
         """The step's hidden states (T, hidden), T = input_ids' rows (already padded to a size). The
-        returned tensor is the graph's own output: read it before the next step."""
+        returned tensor is the graph's own output: read it before any other replay."""
         T, B = input_ids.shape[0], meta.num_seqs
         # --- this step's inputs into the static buffers (the padding rows' too: earlier steps may
         # have left a real request's lengths and blocks there) ---
@@ -124,12 +133,19 @@ class CUDAGraphRunner:
                                    context_lens=self.context_lens[:T], block_tables=self.block_tables[:T],
                                    query_lens=[1] * T, context_lens_host=[1] * T, block_size=self.block_size)
         self.backend.prepare_cuda_graph(static)
+        self.metadata[T] = static
 
         def recorded() -> torch.Tensor:
             return forward(self.input_ids[:T], self.positions[:T], static)
 
         hidden = recorded()  # (T, hidden): this step's result; it also builds every kernel the graph launches
-        self.graphs[T] = self.capture(recorded)
+        try:
+            self.graphs[T] = self.capture(recorded)
+        except Exception as error:  # e.g. out of memory: this size keeps running as before, the step is fine
+            logging.getLogger("minivllm").warning("no CUDA graph for %d rows (%s: %s); those steps run without",
+                                                  T, type(error).__name__, error)
+            self.sizes = tuple(s for s in self.sizes if s != T)
+            del self.metadata[T]
         return hidden
 
     def __repr__(self) -> str:

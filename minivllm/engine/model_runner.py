@@ -91,15 +91,17 @@ class ModelRunner:
         self.last_forward_s = 0.0  # time of the latest model forward + LM head (for overhead stats)
         # On a GPU, compiled decode steps replay CUDA graphs (engine/cuda_graphs.py); None: no graphs.
         self.cuda_graphs: CUDAGraphRunner | None = None
-        if self.compile_sizes and device.type == "cuda" and backend.supports_cuda_graphs and state_pool is None:
+        if (self.compile_sizes and device.type == "cuda" and backend.supports_cuda_graphs and state_pool is None
+                and executor is None):
             self.enable_cuda_graphs(cuda_graph_capture(torch.cuda.graph_pool_handle()))
 
     def enable_cuda_graphs(self, capture: Capture) -> None:
         """Decode steps of the compiled sizes run as recorded graphs from now on (`capture` records one;
         tests on CPU pass `cuda_graphs.replay_by_rerun`). Needs the scratch block of a compiled model."""
-        if self.scratch_block is None or not self.backend.supports_cuda_graphs or self.executor is not None:
+        if (self.scratch_block is None or not self.backend.supports_cuda_graphs or self.executor is not None
+                or self.state_pool is not None):
             raise ValueError("CUDA graphs need the compiled forward (enforce_eager=False), the Triton attention "
-                             "backend and one rank")
+                             "backend, one rank and a model without linear-attention layers")
         max_blocks = min(self.num_blocks, -(-self.spec.max_position_embeddings // self.block_size))
         self.cuda_graphs = CUDAGraphRunner(self.compile_sizes, max_blocks_per_seq=max_blocks,
                                            scratch_block=self.scratch_block, block_size=self.block_size,
@@ -185,8 +187,13 @@ class ModelRunner:
             self._record_prompt_logprobs(logits[num_sampled:].float(), sb, result)
         if not num_sampled:
             return result
-        logits = logits[:num_sampled].float()  # (S, V)
+        logits = logits[:num_sampled]  # (S, V), in the model's dtype
         want_logprobs = any(r.num_logprobs is not None for r in sb.sampled)
+        # Greedy rows with nothing to process need only an argmax, the same in the model's dtype (a bf16
+        # value converts to float32 exactly); anything else computes in float32.
+        if (want_logprobs or sb.spec_groups or not batch.sampling.all_greedy
+                or not all(r.is_noop for r in sb.processing)):
+            logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None  # the model's own distribution
         processed = apply_logits_processing(logits, sb.processing)
         tokens = self.sampler(processed, batch.sampling).tolist()

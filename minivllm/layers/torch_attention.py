@@ -5,7 +5,8 @@ Per layer:
   2. decode rows (query_len == 1), all at once: gather each request's blocks into a padded
      (Bd, Hkv, K, D) tensor and run one SDPA with a key-length mask -- or, on a CPU where warm-up
      measured it faster (`choose_decode_kernel`), minivllm's C++ kernel that reads the blocks in place
-     (kernels/paged_decode_attention.py): no copy, no mask;
+     (kernels/paged_decode_attention.py): no copy, no mask. With it, step 1 is minivllm's C++ copy
+     loop too (kernels/kv_cache_write_cpu.py), and the timing covers both;
   3. prefill chunks, one request at a time: gather its context from the cache (this is what makes
      cached prefixes and later chunks correct) and run SDPA with a causal mask shifted by the
      number of earlier tokens. A whole prompt with nothing cached before it is its own context:
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.kernels.kv_cache_write_cpu import kv_cache_write_cpu
 from minivllm.kernels.paged_decode_attention import paged_decode_attention
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 
@@ -34,11 +36,12 @@ MARGIN = 0.05
 
 
 class DecodeKernelChoice(NamedTuple):
-    used: bool  # decode rows run minivllm's CPU kernel (else gather + SDPA)
+    used: bool  # decode rows run minivllm's CPU kernel, K/V writes its memcpy loop (else gather + SDPA, index_copy_)
     detail: str  # what was measured, or why it was not
 
     def __str__(self) -> str:
-        return f"decode attention: {'minivllm CPU kernel' if self.used else 'gather + SDPA'} ({self.detail})"
+        way = "minivllm CPU kernels" if self.used else "gather + SDPA"
+        return f"decode attention and K/V writes: {way} ({self.detail})"
 
 
 class _Prefill(NamedTuple):
@@ -110,9 +113,12 @@ class TorchAttentionBackend(AttentionBackend):
 
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, Hkv, D) each
         bs = k_cache.shape[1]
-        # --- store new K/V into their slots ---
-        k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
+        # --- store new K/V into their slots (with the CPU kernels chosen, by their memcpy loop) ---
+        if self.decode_kernel.used:
+            kv_cache_write_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
 
         # --- decode rows: the CPU kernel over the cache in place, or one padded SDPA call ---
         if plan.decode_lens is not None:

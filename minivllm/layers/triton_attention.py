@@ -75,8 +75,11 @@ class TritonAttentionBackend(AttentionBackend):
         plan: _TritonPlan = meta.plan
         self._write(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         if plan.num_splits:
-            out = self._sk.split_kv_decode(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
-                                           self.scale, plan.num_splits)
+            n = meta.num_seqs  # the requests' rows; a compiled step's padding rows after them get zeros
+            out = self._sk.split_kv_decode(q[:n], kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
+                                           self.scale, plan.num_splits)  # (n, Hq, D)
+            if n < T:
+                out = torch.cat([out, out.new_zeros(T - n, *out.shape[1:])])
         else:
             out = self._pa.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.cu_seqlens_q,
                                            meta.context_lens, self.scale, plan.tiles, self.block_m)

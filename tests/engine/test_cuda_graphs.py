@@ -46,6 +46,11 @@ def test_decode_steps_replay_graphs_and_match_hf(graphed, hf_factory, monkeypatc
     assert sorted(graphs.graphs) == [1, 2, 4]
     assert graphs.num_replays >= 5
     assert set(split_rows) == {1, 2}  # never for 4 rows, nor in the eager (short-context) steps
+    # A real graph reads the tensors of its metadata and plan where they were when it was recorded: the
+    # runner keeps them (on an H200 the freed tile lists of the 4-row plan were reused: illegal access).
+    four = graphs.metadata[4]
+    assert four.plan.tiles is not None and four.plan.tiles[0].tolist() == [0, 1, 2, 3]
+    assert sorted(graphs.metadata) == [1, 2, 4] and four.block_tables.data_ptr() == graphs.block_tables.data_ptr()
     assert graphed.get_stats().num_mixed_steps > 0
 
 
@@ -82,3 +87,48 @@ def test_compiled_forward_replays_without_compiling_again(model_factory, hf_fact
     for p, o in zip(prompts, outs):
         assert_hf_greedy(hf_factory("qwen3"), p, o.outputs[0].token_ids)
     assert sorted(graphs.graphs) == [1, 2] and graphs.num_replays > 0
+
+
+def _padded_triton_llm(model_factory, max_num_batched_tokens: int = 64) -> LLM:
+    """Triton backend, the compiled sizes' padding, the forward run eagerly (no compiling), no graphs."""
+    llm = LLM(model_factory("qwen3"), attention_backend="triton", enforce_eager=False, compile_sizes=SIZES,
+              warmup=False, block_size=16, num_kv_blocks=64, max_num_batched_tokens=max_num_batched_tokens)
+    llm.llm_engine.model.compiled.runs = lambda num_tokens: False
+    llm.llm_engine.model_runner.cuda_graphs = None
+    return llm
+
+
+def test_split_kv_decode_skips_padding_rows_without_graphs(model_factory, hf_factory, monkeypatch):
+    """Three long decodes padded to 4 rows take split-KV outside a graph: the kernel must see only the
+    3 requests' rows (the padding row has no block table or length; reading them was out of bounds)."""
+    from minivllm.kernels import split_kv_decode
+
+    rows = []
+    original = split_kv_decode.split_kv_decode
+    monkeypatch.setattr(split_kv_decode, "split_kv_decode",
+                        lambda q, *args: rows.append(q.shape[0]) or original(q, *args))
+    prompts = [[(7 * i + 5 * j) % 380 + 3 for j in range(130 + i)] for i in range(3)]  # 9 blocks each: split-KV
+    assert min(map(len, prompts)) >= 129
+    with _padded_triton_llm(model_factory, max_num_batched_tokens=512) as llm:  # one prefill step, then decodes
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert_hf_greedy(hf_factory("qwen3"), p, o.outputs[0].token_ids)
+    assert 3 in rows
+
+
+def test_a_failed_recording_leaves_the_step_and_later_ones_running(model_factory, hf_factory, caplog):
+    def failing(forward):
+        raise RuntimeError("out of memory (a test)")
+
+    with _padded_triton_llm(model_factory) as llm:
+        llm.llm_engine.model_runner.enable_cuda_graphs(failing)
+        graphs = llm.llm_engine.model_runner.cuda_graphs
+        prompts = [[3, 4, 5], [6, 7, 8, 9]]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.error for o in outs] == [None, None]
+    for p, o in zip(prompts, outs):
+        assert_hf_greedy(hf_factory("qwen3"), p, o.outputs[0].token_ids)
+    assert 2 not in graphs.sizes and not graphs.graphs and not graphs.metadata
+    assert "no CUDA graph for 2 rows" in caplog.text
