@@ -15,6 +15,7 @@ Scripts that do this need the usual `if __name__ == "__main__":` guard (the work
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from minivllm.engine.stats import EngineStats
 from minivllm.engine.trace import StepTrace
 from minivllm.model_source import resolve_model
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
 T = TypeVar("T")
@@ -52,8 +53,9 @@ class LLM:
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order. `priority`: one int per prompt,
-        used by scheduling_policy="priority" (lower = sooner), as in vLLM."""
-        return self._run(self._add(prompts, sampling_params, priority), use_tqdm)
+        used by scheduling_policy="priority" (lower = sooner), as in vLLM. As vLLM's does, it asks the
+        engine for final outputs only (`output_kind=FINAL_ONLY`), the one kind it reads."""
+        return self._run(self._add(prompts, sampling_params, priority, RequestOutputKind.FINAL_ONLY), use_tqdm)
 
     def generate_stream(
         self,
@@ -61,8 +63,9 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Streaming, offline: run the prompts as one batch and yield `(prompt index, output)` every
-        time a request gains text or finishes (outputs are cumulative; interleaved across prompts).
-        Stopping the iteration early aborts what is still running."""
+        step a request gains tokens or finishes (interleaved across prompts). Outputs are cumulative,
+        or what each SamplingParams' `output_kind` asks (DELTA: only what is new). Stopping the
+        iteration early aborts what is still running."""
         order = self._add(prompts, sampling_params)
         remaining = set(order)
         try:
@@ -78,8 +81,9 @@ class LLM:
 
     def _add(self, prompts: PromptType | list[PromptType],
              sampling_params: SamplingParams | list[SamplingParams] | None,
-             priority: list[int] | None = None) -> dict[str, int]:
-        """Validate every prompt, then enqueue them all: request id -> prompt index."""
+             priority: list[int] | None = None, output_kind: RequestOutputKind | None = None) -> dict[str, int]:
+        """Validate every prompt, then enqueue them all: request id -> prompt index. `output_kind`
+        replaces the params' own."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if isinstance(sampling_params, list):
@@ -89,6 +93,9 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params] * len(prompts)
+        if output_kind is not None:
+            params = [dataclasses.replace(SamplingParams() if sp is None else sp, output_kind=output_kind)
+                      if sp is None or isinstance(sp, SamplingParams) else sp for sp in params]
         engine = self.llm_engine
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")

@@ -21,6 +21,7 @@ ints. Token ids are checked against the model's vocabulary when the request reac
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 import operator
@@ -28,6 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a request while it runs (vLLM's names)."""
+
+    CUMULATIVE = 0  # every step that changed it: the whole output so far
+    DELTA = 1  # every step that changed it: only what is new since its previous output
+    FINAL_ONLY = 2  # nothing until it finishes, then the whole output (what `LLM.generate` asks)
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class SamplingParams:
     logprobs: int | None = None  # return the N most likely tokens (+ the sampled one) per output token
     prompt_logprobs: int | None = None  # the same for each prompt token (bypasses the prefix cache)
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # see RequestOutputKind
     # Normalised copies (frozen dataclass: set through object.__setattr__ in __post_init__).
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -147,6 +157,8 @@ class SamplingParams:
             if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in words):
                 raise bad("bad_words", "must be a list of non-empty strings")
             setfield("bad_words", list(words))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind: CUMULATIVE, DELTA or FINAL_ONLY")
         why = "must be a list of non-negative token ids"
         object.__setattr__(self, "_stop", stop)
         object.__setattr__(self, "_stop_token_ids", tuple(as_int("stop_token_ids", why, t, lo=0)

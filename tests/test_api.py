@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from minivllm import LLM, LLMEngine, SamplingParams
+from minivllm import LLM, LLMEngine, RequestOutputKind, SamplingParams
 from minivllm.config import EngineConfig
 
 
@@ -44,6 +44,58 @@ def test_engine_step_is_incremental(qwen3_dir):
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == 32
     engine.shutdown()
+
+
+def _run_engine(engine: LLMEngine, sp: SamplingParams, prompt: str) -> list:
+    engine.add_request("r", prompt, sp)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    return outs
+
+
+def test_output_kinds_cumulative_delta_final_only(qwen3_dir):
+    """vLLM's `output_kind`: the deltas of a request (n=2, stop string, logprobs, prompt logprobs) add up to
+    its cumulative output; FINAL_ONLY gives only that final output."""
+    engine = LLMEngine(EngineConfig(model=qwen3_dir, block_size=4, num_kv_blocks=64))
+    base = dict(temperature=0.8, seed=3, n=2, max_tokens=10, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    ref = first = None
+    for kind in RequestOutputKind:
+        outs = _run_engine(engine, SamplingParams(**base, output_kind=kind), "Hello world")
+        if kind is RequestOutputKind.CUMULATIVE:
+            ref = outs[-1]
+            stop = ref.outputs[0].text[3:5]  # a stop string the next runs meet
+            base["stop"] = [stop]
+            ref = (outs := _run_engine(engine, SamplingParams(**base, output_kind=kind), "Hello world"))[-1]
+            assert len(outs) > 1 and ref.outputs[0].finish_reason == "stop"
+        elif kind is RequestOutputKind.DELTA:
+            assert len(outs) > 1 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+            for i, c in enumerate(ref.outputs):
+                parts = [d for o in outs for d in o.outputs if d.index == i]
+                assert "".join(d.text for d in parts) == c.text
+                assert [t for d in parts for t in d.token_ids] == c.token_ids
+                assert [lp for d in parts for lp in d.logprobs] == c.logprobs
+                assert parts[-1].finish_reason == c.finish_reason
+                assert parts[-1].cumulative_logprob == c.cumulative_logprob
+            assert outs[0].prompt_logprobs == ref.prompt_logprobs and all(o.prompt_logprobs is None for o in outs[1:])
+        else:
+            [first] = outs
+    assert first.finished and first.outputs == ref.outputs
+    with pytest.raises(ValueError, match="SamplingParams.output_kind='delta' is invalid"):
+        SamplingParams(output_kind="delta")
+    engine.shutdown()
+
+
+def test_generate_asks_for_final_outputs_only(llm, monkeypatch):
+    reported = []
+    original = llm.llm_engine._report
+    monkeypatch.setattr(llm.llm_engine, "_report", lambda state: reported.append(state.finished) or original(state))
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)  # CUMULATIVE, as a caller leaves it
+    [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)
+    assert reported == [True] and len(out.outputs[0].token_ids) == 5
+    assert sp.output_kind is RequestOutputKind.CUMULATIVE  # the caller's params are not changed
+    streamed = list(llm.generate_stream([{"prompt_token_ids": [5, 6, 7]}], sp))
+    assert len(streamed) == 5 and streamed[-1][1].outputs[0].token_ids == out.outputs[0].token_ids
 
 
 def first_greedy_tokens(llm, prompt_ids, n=8):

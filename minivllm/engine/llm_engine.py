@@ -64,7 +64,7 @@ from minivllm.layers.sampler import noise_seed
 from minivllm.models.hf_config import ModelSpec, load_model_spec
 from minivllm.models.sharding import check_shardable
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
@@ -372,7 +372,8 @@ class LLMEngine:
                 self.scheduler.finish(current, "error", error=f"committing this request's token failed: "
                                                               f"{type(e).__name__}: {e}")
                 changed[state.request_id] = state
-        return [self._report(state) for state in changed.values()]
+        return [self._report(state) for state in changed.values()
+                if state.finished or state.seqs[0].sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY]
 
     # --- introspection and shutdown ----------------------------------------------------------------
     def get_stats(self) -> EngineStats:

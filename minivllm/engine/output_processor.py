@@ -1,8 +1,11 @@
 """From sequences to `RequestOutput`s: detokenization, stop strings and logprobs with their text.
 
 One `RequestState` per request (vLLM's name): its sequences — one, or n after an `n > 1` request
-forks — each with its own incremental detokenizer. Outputs are cumulative, so logprobs are turned
-into vLLM's `{token_id: Logprob}` dicts once per token and kept, not rebuilt at every step.
+forks — each with its own incremental detokenizer. Logprobs are turned into vLLM's
+`{token_id: Logprob}` dicts once per token and kept, not rebuilt at every step. What a running
+request's outputs hold is its `SamplingParams.output_kind` (vLLM's): the whole output so far
+(CUMULATIVE, the default), only what is new (DELTA), or nothing until it finishes (FINAL_ONLY, which
+`LLM.generate` asks for: it reads only finished outputs, and a RequestOutput a step is work for nothing).
 
 A stop string is searched only in the text a new token completed (engine/detokenizer.py). While a
 request is running, its text holds back the last `len(longest stop) - 1` characters, which could be
@@ -11,13 +14,14 @@ the start of a stop string: streamed text therefore never has to shrink.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer, StopMatch, find_stop_string
 from minivllm.engine.sampling_metadata import SampledToken
 from minivllm.engine.sequence import Sequence
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from minivllm.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -27,6 +31,8 @@ class RequestState:
     detoks: list[IncrementalDetokenizer]
     logprobs: list[SampleLogprobs] = field(default_factory=list)  # converted so far, per sequence
     prompt_logprobs: PromptLogprobs | None = None
+    # output_kind=DELTA: per sequence, (tokens, characters of text, logprobs) already in an output
+    sent: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -51,6 +57,7 @@ class OutputProcessor:
         state.seqs.append(seq)
         state.detoks.append(detok)
         state.logprobs.append([])
+        state.sent.append((0, 0, 0))
 
     def detokenize(self, state: RequestState, seq: Sequence) -> tuple[int, StopMatch | None]:
         """Add `seq`'s new tokens (several after accepted drafts) to its text, token by token.
@@ -77,13 +84,29 @@ class OutputProcessor:
         return len(new), None
 
     def output(self, state: RequestState) -> RequestOutput:
+        """The request's output now: everything so far, or with output_kind=DELTA what is new since its
+        previous output (the prompt's logprobs only in its first)."""
         seqs = state.seqs
         first = seqs[0]
+        delta = first.sampling_params.output_kind is RequestOutputKind.DELTA
+        prompt_logprobs = state.prompt_logprobs
         if first.sampling_params.prompt_logprobs is not None:
+            if delta and len(prompt_logprobs) > 1:  # converted (and sent) by an earlier output
+                prompt_logprobs = None
             self._convert_prompt_logprobs(state)
-        return RequestOutput(first.group_id, first.prompt, first.prompt_token_ids,
-                             [self._completion(state, s) for s in seqs], state.finished, first.num_cached_tokens,
-                             next((s.error for s in seqs if s.error), None), prompt_logprobs=state.prompt_logprobs)
+        completions = [self._completion(state, s) for s in seqs]
+        if delta:
+            completions = [self._delta(state, c) for c in completions]
+        return RequestOutput(first.group_id, first.prompt, first.prompt_token_ids, completions, state.finished,
+                             first.num_cached_tokens, next((s.error for s in seqs if s.error), None),
+                             prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _delta(state: RequestState, c: CompletionOutput) -> CompletionOutput:
+        tokens, chars, logprobs = state.sent[c.index]
+        state.sent[c.index] = (len(c.token_ids), len(c.text), len(c.logprobs or ()))
+        return replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
+                       logprobs=c.logprobs[logprobs:] if c.logprobs is not None else None)
 
     def _completion(self, state: RequestState, seq: Sequence) -> CompletionOutput:
         text = state.detoks[seq.index].text

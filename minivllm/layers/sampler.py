@@ -124,10 +124,10 @@ class Sampler:
     """The PyTorch sampler (torch.Generator noise per row)."""
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # (S, V) -> (S,)
-        if t.all_greedy:
-            return argmax_rows(logits)  # in any dtype: converting to float32 would not move the maximum
         logits = logits.float()
         greedy = argmax_rows(logits)
+        if t.all_greedy:
+            return greedy
         temps = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
         scaled = apply_top_k_top_p_min_p(logits / temps[:, None], t)
         gumbel = self.gumbel_noise(t.seeds, t.positions, logits.shape[1], logits.device)  # (S, V)
