@@ -3,8 +3,9 @@
     skinny_gemm.cpp             x W^T for a few rows (the matmul plan's SKINNY form)
     paged_decode_attention.cpp  decode attention that reads K/V where they lie in the paged cache
     kv_cache_write.cpp          the new tokens' K/V rows into their slots (one memcpy a row)
+    greedy_argmax.cpp           each row's argmax, straight from bf16 or fp32 logits
 
-All three register their ops under one library, `torch.ops.minivllm_cpu`. `load_cpu_kernels()` compiles them
+All of them register their ops under one library, `torch.ops.minivllm_cpu`. `load_cpu_kernels()` compiles them
 with torch.utils.cpp_extension (ninja and the system's C++ compiler; ~15-20 s the first time, then
 cached) with -march=native, i.e. for the machine that runs them: AVX-512 paths where the CPU has them,
 plain loops the compiler vectorises elsewhere. The build folder is named after this CPU's
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp")
+SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp", "greedy_argmax.cpp")
 LIBRARY = "minivllm_cpu"
 STALE_LOCK_S = 300  # a build takes ~20 s; a lock file this old was left by a build that died
 

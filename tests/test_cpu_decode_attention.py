@@ -1,6 +1,6 @@
 """The PyTorch attention backend's decode rows through minivllm's C++ kernel (reading the paged cache in
-place) instead of gather + SDPA: chosen by measurement at warm-up, and the engine's tokens match HF's
-whichever way decode attention runs."""
+place) instead of gather + SDPA, and greedy sampling through its argmax kernel: each chosen by measurement
+at warm-up, and the engine's tokens match HF's whichever way they run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from helpers import varied_prompts
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.layers.sampler import GreedyKernelChoice, Sampler
 from minivllm.layers.torch_attention import DecodeKernelChoice, TorchAttentionBackend
 from minivllm.teaching.hf_check import assert_hf_greedy
 
@@ -25,6 +26,7 @@ def test_engine_tokens_match_hf_with_and_without_the_kernel(family, used, model_
     backend = llm.llm_engine.model_runner.backend
     assert isinstance(backend, TorchAttentionBackend)
     backend.decode_kernel = DecodeKernelChoice(used, "forced by the test")
+    llm.llm_engine.model_runner.sampler.greedy_kernel = GreedyKernelChoice(used, "forced by the test")
     prompts = varied_prompts(9, llm.llm_engine.spec.vocab_size, seed=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -40,6 +42,9 @@ def test_warm_up_measures_the_kernel_and_says_what_it_chose(model_factory):
     choice = llm.llm_engine.model_runner.backend.decode_kernel
     assert "measured" in choice.detail and "rows" in choice.detail
     assert str(choice).startswith("decode attention and K/V writes: ")
+    greedy = llm.llm_engine.model_runner.sampler.greedy_kernel
+    assert "measured" in greedy.detail and "rows x 384" in greedy.detail
+    assert str(greedy).startswith("greedy sampling: ")
     llm.shutdown()
 
 
@@ -47,3 +52,18 @@ def test_without_warm_up_or_for_fp16_the_backend_keeps_gather_and_sdpa():
     backend = TorchAttentionBackend(4, 2, 16)
     assert not backend.decode_kernel.used and "not measured" in backend.decode_kernel.detail
     assert not backend.choose_decode_kernel(torch.float16, block_size=4).used
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_sampling_kernel_matches_argmax_rows(dtype):
+    """All-greedy rows: the kernel over the model's dtype picks argmax_rows' tokens over float32."""
+    from minivllm.layers.sampler import SamplingRow, SamplingTensors, argmax_rows
+
+    logits = torch.randn(9, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[3, [10, 500]] = 9.0  # a tie: the first
+    t = SamplingTensors.from_params([SamplingRow(0.0, 0, 1.0, 0.0, 0, 5)] * 9, 1000, torch.device("cpu"))
+    sampler = Sampler()
+    sampler.greedy_kernel = GreedyKernelChoice(True, "forced by the test")
+    assert sampler(logits, t).tolist() == argmax_rows(logits.float()).tolist()
+    assert sampler(logits, t)[3] == 10

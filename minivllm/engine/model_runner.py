@@ -187,10 +187,14 @@ class ModelRunner:
             self._record_prompt_logprobs(logits[num_sampled:].float(), sb, result)
         if not num_sampled:
             return result
-        # (S, V) float32: sampling and logprobs compute in it (even a greedy argmax: measured 3x faster
-        # than one over bf16 on CPU, the conversion included)
-        logits = logits[:num_sampled].float()
+        logits = logits[:num_sampled]  # (S, V), in the model's dtype
         want_logprobs = any(r.num_logprobs is not None for r in sb.sampled)
+        # Logprobs, logits processing, drafts and random draws compute in float32. A step of greedy rows
+        # with none of those needs only each row's argmax, which the sampler takes as it likes
+        # (`Sampler.greedy`: on CPU maybe straight from bf16, skipping this copy).
+        if (want_logprobs or sb.spec_groups or not batch.sampling.all_greedy
+                or not all(r.is_noop for r in sb.processing)):
+            logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None  # the model's own distribution
         processed = apply_logits_processing(logits, sb.processing)
         tokens = self.sampler(processed, batch.sampling).tolist()
@@ -257,14 +261,17 @@ class ModelRunner:
             self.execute_model(SchedulerOutput(self._warmup_batch(min(n, self.num_blocks * self.block_size))))
 
     def measure_cpu_kernels(self) -> list[str]:
-        """On this machine, time the matmul forms (layers/matmul_plan.py) and decode attention's two ways
-        (layers/torch_attention.py), keep the faster, and say what was chosen. Idempotent for the
-        matmuls; a GPU or a backend without the choice keeps its defaults."""
+        """On this machine, time the matmul forms (layers/matmul_plan.py), decode attention's two ways
+        (layers/torch_attention.py) and greedy sampling's (layers/sampler.py), keep the faster, and say
+        what was chosen. Idempotent for the matmuls; a GPU, or a backend or sampler without the choice,
+        keeps its defaults."""
         said = []
         if hasattr(self.model, "plan_matmuls"):
             said.append(self.model.plan_matmuls().summary())
         if self.device.type == "cpu" and hasattr(self.backend, "choose_decode_kernel"):
             said.append(str(self.backend.choose_decode_kernel(self.kv_cache.dtype, self.block_size)))
+        if self.device.type == "cpu" and isinstance(self.sampler, Sampler):
+            said.append(str(self.sampler.choose_greedy_kernel(self.spec.vocab_size, self.kv_cache.dtype)))
         return said
 
     def _warmup_batch(self, n: int) -> list[ScheduledSequence]:

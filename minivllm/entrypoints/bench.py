@@ -56,11 +56,14 @@ def _greedy(outputs: list[int]) -> list[SamplingParams]:
 
 def print_matmul_plan(llm: LLM) -> None:
     """Measure the CPU matmul forms now if the engine's warm-up has not (idempotent), and print them with
-    the way decode attention runs."""
+    the ways decode attention and greedy sampling run."""
     print(llm.llm_engine.model.plan_matmuls().summary())
     decode_kernel = getattr(llm.llm_engine.model_runner.backend, "decode_kernel", None)  # the PyTorch backend's
     if decode_kernel is not None:
         print(decode_kernel)
+    greedy_kernel = getattr(llm.llm_engine.model_runner.sampler, "greedy_kernel", None)  # the PyTorch sampler's
+    if greedy_kernel is not None:
+        print(greedy_kernel)
     print(f"forward: {llm.llm_engine.compilation}")
 
 

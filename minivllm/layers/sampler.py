@@ -15,16 +15,28 @@ Every argmax here is `argmax_rows`: on CPU, torch's argmax along a row is not ve
 So the row is cut into blocks of 128: the max of each block (fast), the first block holding the row's
 maximum (a short argmax), then the first maximum inside that block (another) = the first index of the
 maximum, exactly `argmax`'s answer, ties and NaN included. 4-6x faster for 1-128 rows.
+
+A step whose rows are all greedy needs nothing but that argmax. On a CPU where warm-up measured it
+faster (`Sampler.choose_greedy_kernel`), minivllm's C++ kernel takes it straight from the model's bf16
+or fp32 logits (kernels/greedy_argmax.py): one pass, no float32 copy.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.kernels.greedy_argmax import greedy_argmax
 from minivllm.kernels.seeding import noise_seed  # also imported from here by the engine
+
+# Where warm-up times greedy sampling both ways: (rows, of the model's vocabulary). The kernel must win
+# both by MARGIN, as the other CPU kernels must (layers/matmul_plan.py, layers/torch_attention.py).
+GREEDY_PROBES = (32, 1)
+MARGIN = 0.05
 
 
 class SamplingRow(NamedTuple):
@@ -120,19 +132,63 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
     return logits
 
 
+class GreedyKernelChoice(NamedTuple):
+    used: bool  # all-greedy steps take their argmax from minivllm's CPU kernel (else argmax_rows, float32)
+    detail: str  # what was measured, or why it was not
+
+    def __str__(self) -> str:
+        way = "minivllm CPU kernel" if self.used else "argmax_rows over float32"
+        return f"greedy sampling: {way} ({self.detail})"
+
+
 class Sampler:
     """The PyTorch sampler (torch.Generator noise per row)."""
 
+    def __init__(self) -> None:
+        self.greedy_kernel = GreedyKernelChoice(False, "not measured: no CPU warm-up")
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:  # (S, V) in the model's dtype -> (S,)
+        if self.greedy_kernel.used and logits.dtype in (torch.float32, torch.bfloat16):
+            return greedy_argmax(logits)
+        return argmax_rows(logits.float())
+
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # (S, V) -> (S,)
+        if t.all_greedy:
+            return self.greedy(logits)
         logits = logits.float()
         greedy = argmax_rows(logits)
-        if t.all_greedy:
-            return greedy
         temps = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
         scaled = apply_top_k_top_p_min_p(logits / temps[:, None], t)
         gumbel = self.gumbel_noise(t.seeds, t.positions, logits.shape[1], logits.device)  # (S, V)
         drawn = argmax_rows(scaled + gumbel)
         return torch.where(t.temperatures > 0, drawn, greedy)
+
+    @torch.inference_mode()
+    def choose_greedy_kernel(self, vocab_size: int, dtype: torch.dtype, repeats: int = 5) -> GreedyKernelChoice:
+        """Time an all-greedy step's argmax both ways on this machine (GREEDY_PROBES rows of random logits)
+        and keep the kernel only if it wins every probe by MARGIN. CPU only."""
+        build = load_cpu_kernels()
+        if not build.available:
+            self.greedy_kernel = GreedyKernelChoice(False, f"CPU kernels {build.detail}")
+        elif dtype not in (torch.float32, torch.bfloat16):
+            self.greedy_kernel = GreedyKernelChoice(False, f"the kernel takes float32 or bfloat16, not {dtype}")
+        else:
+            g = torch.Generator().manual_seed(0)
+            speedups = []
+            for rows in GREEDY_PROBES:
+                logits = torch.randn(rows, vocab_size, generator=g).to(dtype)
+                times = {False: [], True: []}
+                for round_ in range(repeats + 1):  # round 0 warms up; interleaved, so drift hits both alike
+                    for used in (False, True):
+                        t0 = time.perf_counter()
+                        greedy_argmax(logits) if used else argmax_rows(logits.float())
+                        if round_:
+                            times[used].append(time.perf_counter() - t0)
+                speedups.append(min(times[False]) / min(times[True]))
+            measured = ", ".join(f"{s:.2f}x at {r} rows x {vocab_size}" for s, r in zip(speedups, GREEDY_PROBES))
+            self.greedy_kernel = GreedyKernelChoice(min(speedups) > 1 + MARGIN,
+                                                    f"kernel vs argmax_rows: {measured}, measured")
+        return self.greedy_kernel
 
     @staticmethod
     def gumbel_noise(seeds: list[int], positions: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,113 @@
+// greedy_argmax: each row's argmax, read straight from the model's logits (see greedy_argmax.py for why).
+//
+//   logits (S, V) bfloat16 or float32, rows contiguous     ->  out (S,) int64
+//   out[s] = the first index of row s's maximum, or of its first NaN if it has one (torch.argmax's rule)
+//
+// One pass over a row, 16 lanes at a time. Each lane keeps the largest value it has seen and where:
+//     for i in 0, 16, 32, ...:  v = x[i .. i+16]  (bf16 -> fp32: the bf16 is the top half of an fp32)
+//                               if v has a NaN: return i + its first NaN lane
+//                               where v > best:  best = v, at = i + lane      (strictly: ties keep the first)
+//     m = max over lanes of best;  out = min over lanes with best == m of at  (the first index of the max)
+//     the last V % 16 values: one by one, the same rules
+// Rows are split across threads (at::parallel_for).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// The scalar rules, from index `start` on, against the best value so far (`best` at `at`).
+template <typename T>
+int64_t finish_row(const T* x, int64_t start, int64_t V, float best, int64_t at) {
+  for (int64_t i = start; i < V; ++i) {
+    const float v = to_float(x[i]);
+    if (std::isnan(v)) return i;
+    if (v > best) best = v, at = i;
+  }
+  return at;
+}
+
+template <typename T>
+int64_t row_argmax(const T* x, int64_t V) {
+  int64_t i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t at = 0;
+#if defined(__AVX512F__)
+  if (V >= 16) {
+    __m512 vbest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512i vat = _mm512_setzero_si512();  // int32 lanes: V < 2^31
+    __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    for (; i + 16 <= V; i += 16) {
+      const __m512 v = load16(x + i);
+      const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      if (nan) return i + __builtin_ctz(nan);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
+      vbest = _mm512_mask_mov_ps(vbest, gt, v);
+      vat = _mm512_mask_mov_epi32(vat, gt, lane);
+      lane = _mm512_add_epi32(lane, sixteen);
+    }
+    best = _mm512_reduce_max_ps(vbest);
+    const __mmask16 is_max = _mm512_cmp_ps_mask(vbest, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    // lanes that never saw a value above -inf keep index 0, which is right: then the max is -inf, first at 0
+    at = _mm512_mask_reduce_min_epi32(is_max, vat);
+  }
+#endif
+  if (i == 0) {  // no vector pass: start from the first value
+    best = to_float(x[0]);
+    if (std::isnan(best)) return 0;
+    i = 1;
+  }
+  return finish_row(x, i, V, best, at);
+}
+
+template <typename T>
+void run(const at::Tensor& logits, at::Tensor& out) {
+  const int64_t S = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  const T* x = logits.data_ptr<T>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) o[s] = row_argmax(x + s * stride, V);
+  });
+}
+
+at::Tensor greedy_argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
+              "greedy_argmax: logits must be (S, V) with V > 0 and each row contiguous");
+  TORCH_CHECK(logits.size(1) < (int64_t{1} << 31), "greedy_argmax: V must be below 2^31");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  if (logits.scalar_type() == at::kFloat) {
+    run<float>(logits, out);
+  } else if (logits.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(logits, out);
+  } else {
+    TORCH_CHECK(false, "greedy_argmax: logits must be float32 or bfloat16, not ", logits.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(MINIVLLM_CPU_LIBRARY, m) { m.def("greedy_argmax(Tensor logits) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(MINIVLLM_CPU_LIBRARY, CPU, m) { m.impl("greedy_argmax", &greedy_argmax); }
