@@ -22,6 +22,7 @@ ints. Token ids are checked against the model's vocabulary when the request reac
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import numbers
 import operator
@@ -164,16 +165,16 @@ class SamplingParams:
         object.__setattr__(self, "_stop_token_ids", tuple(as_int("stop_token_ids", why, t, lo=0)
                                                           for t in (ids or ())))
 
-    @property
+    @functools.cached_property  # read for every row of every step; the fields never change
     def greedy(self) -> bool:
         """Temperatures this small are greedy (as in vLLM): dividing logits by them overflows."""
         return self.temperature < _SAMPLING_EPS
 
-    @property
+    @functools.cached_property  # read for every row of every step; the fields never change
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    @property
+    @functools.cached_property  # read for every row of every step; the fields never change
     def needs_logits_processing(self) -> bool:
         """Does anything change this request's logits before temperature (besides min_tokens)?"""
         return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None \

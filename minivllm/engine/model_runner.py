@@ -27,6 +27,7 @@ collectives keep the ranks in step and `compute_logits` gathers the whole vocabu
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from array import array
@@ -109,19 +110,27 @@ class ModelRunner:
 
     # --- 1. pack ---------------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> StepBatch:
+        # Packed in Python arrays, each turned into a tensor once: a few tensor calls a step whatever the
+        # batch (each costs µs of fixed overhead on CPU, where this runs between forwards).
         bs = self.block_size
-        input_ids, positions, seq_index = array("i"), array("q"), array("q")
+        input_ids, positions, slots = array("i"), array("q"), array("q")
         query_lens, context_lens, tables = [], [], []
         sb = SamplingBatch()
         row = 0
         for i, (seq, start, n, spec) in enumerate(out.scheduled):
+            table = seq.block_table
             input_ids.extend(seq.token_ids[start:start + n - spec])
             input_ids.extend(seq.spec_token_ids[:spec])  # drafts, verified by this step
-            positions.extend(range(start, start + n))
-            seq_index.extend([i] * n)
+            # slot = physical block of the position's logical block * block_size + offset in the block
+            if n == 1:  # a decode row
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions.extend(range(start, start + n))
+                slots.extend([table[p // bs] * bs + p % bs for p in range(start, start + n)])
             query_lens.append(n)
             context_lens.append(start + n)
-            tables.append(seq.block_table)
+            tables.append(table)
             sb.add_prompt_rows(i, seq, start, n, row)
             row += n
             if spec:  # the last token and every draft are sampled: verification
@@ -130,32 +139,29 @@ class ModelRunner:
                 sb.add_sampled(i, seq, row - 1, self.eos_token_ids)
         dev = self.device
         num_padding = padded_num_tokens(self.compile_sizes, row) - row if self.compile_sizes else 0
-        if num_padding:  # token 0 at position 0, K/V to the scratch block (see __init__)
+        if num_padding:  # token 0 at position 0, K/V to slot 0 of the scratch block (see __init__)
             input_ids.extend([0] * num_padding)
             positions.extend([0] * num_padding)
-            seq_index.extend([len(tables)] * num_padding)
-            tables.append([self.scratch_block])
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        positions_t = torch.frombuffer(positions, dtype=torch.int64)
-        seq_index_t = torch.frombuffer(seq_index, dtype=torch.int64)
-        # slot = physical block of the position's logical block * block_size + offset in the block
-        slot_mapping = block_tables[seq_index_t, positions_t // bs].long() * bs + positions_t % bs
-        if num_padding:
-            block_tables = block_tables[:-1]  # the scratch "table" was only for the slots above
-        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+            slots.extend([self.scratch_block * bs] * num_padding)
+        width = max(map(len, tables))
+        flat_tables = array("i")
+        for t in tables:  # padded with 0 (attention masks what is past each context)
+            flat_tables.extend(t)
+            flat_tables.extend([0] * (width - len(t)))
+        cu = array("i", [0])
+        cu.extend(itertools.accumulate(query_lens))
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev), cu_seqlens_q=cu.to(dev),
+            slot_mapping=torch.frombuffer(slots, dtype=torch.int64).to(dev),
+            cu_seqlens_q=torch.frombuffer(cu, dtype=torch.int32).to(dev),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev), query_lens=query_lens, context_lens_host=context_lens,
-            block_size=bs,
+            block_tables=torch.frombuffer(flat_tables, dtype=torch.int32).view(len(tables), width).to(dev),
+            query_lens=query_lens, context_lens_host=context_lens, block_size=bs,
         )
         self.backend.prepare(meta)
         sampling = SamplingTensors.from_params(sb.rows, self.spec.vocab_size, dev) if sb.rows else None
         return StepBatch(
             input_ids=torch.frombuffer(input_ids, dtype=torch.int32).long().to(dev),
-            positions=positions_t.to(dev), attn_metadata=meta,
+            positions=torch.frombuffer(positions, dtype=torch.int64).to(dev), attn_metadata=meta,
             logits_indices=torch.tensor(sb.logits_indices + sb.prompt_indices, dtype=torch.int64, device=dev),
             sampling_batch=sb, sampling=sampling,
         )

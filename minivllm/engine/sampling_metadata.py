@@ -113,11 +113,17 @@ class SamplingBatch:
             self.prompt_rows.append(PromptRow(entry, p + 1, seq.token_ids[p + 1], n))
 
 
+NO_PROCESSING = RowProcessing()  # what a row that asks for nothing gets (shared: nothing may change it)
+
+
 def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[int] = ()) -> RowProcessing:
     """What `seq` asks the logits processors to do at its next token (after `drafts`, if any)."""
     sp = seq.sampling_params
+    before_min_tokens = seq.num_output_tokens + len(drafts) < sp.min_tokens
+    if not before_min_tokens and not sp.needs_logits_processing:
+        return NO_PROCESSING  # most rows: one shared, never-changed "nothing to do"
     banned: list[int] = []
-    if seq.num_output_tokens + len(drafts) < sp.min_tokens:  # no EOS / stop token before min_tokens
+    if before_min_tokens:  # no EOS / stop token before min_tokens
         banned += list(sp.all_stop_token_ids) + ([] if sp.ignore_eos else list(eos_token_ids))
     if not sp.needs_logits_processing:
         return RowProcessing(banned_token_ids=banned)

@@ -78,11 +78,10 @@ class SamplingTensors:
         top_ks = [r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows]
         top_ps = [r.top_p for r in rows]
         min_ps = [r.min_p for r in rows]
+        floats = torch.tensor([temps, top_ps, min_ps], dtype=torch.float32, device=device)  # one copy, not three
         return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            temperatures=floats[0], top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_ps=floats[1], min_ps=floats[2],
             seeds=[r.seed for r in rows], positions=[r.position for r in rows],
             all_greedy=all(t == 0.0 for t in temps),
             any_top_k=any(k < vocab_size for k in top_ks),

@@ -54,7 +54,7 @@ class _Prefill(NamedTuple):
 
 class _Plan(NamedTuple):
     all_decode: bool
-    decode_rows: torch.Tensor | None  # (Bd,) token rows that are decodes
+    decode_rows: torch.Tensor | None  # (Bd,) token rows that are decodes (None when all are: rows 0 .. Bd-1)
     decode_block_tables: torch.Tensor | None  # (Bd, max_blocks)
     decode_mask: torch.Tensor | int | None  # (Bd, 1, 1, K) bool, or the one shared context length
     prefills: list[_Prefill]
@@ -78,21 +78,24 @@ class TorchAttentionBackend(AttentionBackend):
         dec = [i for i, q in enumerate(meta.query_lens) if q == 1]
         decode_rows = decode_tables = decode_mask = decode_lens = None
         if dec:
-            dec_t = torch.tensor(dec, device=device)
+            all_decode = len(dec) == len(meta.query_lens)  # then row i is request i: no index to build
+            dec_t = None if all_decode else torch.tensor(dec, device=device)
             max_blocks = -(-max(meta.context_lens_host[i] for i in dec) // bs)
             lens_host = [meta.context_lens_host[i] for i in dec]
+            tables = meta.block_tables[:, :max_blocks] if all_decode else meta.block_tables[dec_t, :max_blocks]
             if self.decode_kernel.used:  # the kernel walks the block tables itself: no mask, no gather index
-                decode_tables = meta.block_tables[dec_t, :max_blocks].int().contiguous()  # (Bd, nb)
+                decode_tables = tables.int().contiguous()  # (Bd, nb)
                 decode_lens = torch.tensor(lens_host, dtype=torch.int64)
             else:
-                decode_tables = meta.block_tables[dec_t, :max_blocks].long()  # (Bd, nb)
+                decode_tables = tables.long()  # (Bd, nb)
                 if min(lens_host) == max(lens_host):  # e.g. a single stream: slice, no mask needed
                     decode_mask = lens_host[0]
                 else:
-                    lens = meta.context_lens[dec_t]  # (Bd,)
+                    lens = meta.context_lens if all_decode else meta.context_lens[dec_t]  # (Bd,)
                     keys = torch.arange(max_blocks * bs, device=device)
                     decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # (Bd, 1, 1, K)
-            decode_rows = torch.tensor([cu[i] for i in dec], device=device)
+            if not all_decode:  # where the decode rows sit among the step's rows (all decode: 0 .. Bd-1)
+                decode_rows = torch.tensor([cu[i] for i in dec], device=device)
         prefills = []
         for i, q in enumerate(meta.query_lens):
             if q == 1:
@@ -121,14 +124,13 @@ class TorchAttentionBackend(AttentionBackend):
             v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
 
         # --- decode rows: the CPU kernel over the cache in place, or one padded SDPA call ---
+        od = None  # (Bd, Hq*D): the decode rows' output
         if plan.decode_lens is not None:
             Bd = plan.decode_block_tables.shape[0]
             qd = q[:Bd] if plan.all_decode else q[plan.decode_rows]  # (Bd, Hq, D)
             od = paged_decode_attention(qd, k_cache, v_cache, plan.decode_block_tables, plan.decode_lens,
                                         self.scale).reshape(Bd, self.num_heads * D)
-            if plan.all_decode and Bd == T:
-                return od
-        elif plan.decode_rows is not None:
+        elif plan.decode_block_tables is not None:
             Bd, nb = plan.decode_block_tables.shape
             # Gather each request's blocks: index_select along dim 0 of the contiguous K (and V) pool is a
             # row memcpy; along any other dim PyTorch takes a generic path measured 10-20x slower on CPU.
@@ -142,12 +144,14 @@ class TorchAttentionBackend(AttentionBackend):
             qd = qd.view(Bd, Hkv, G, D)  # the G query heads of a KV head become G "query rows"
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
             od = od.reshape(Bd, self.num_heads * D)  # (Bd, Hkv, G, D) -> (Bd, Hq*D)
-            if plan.all_decode and Bd == T:
-                return od  # a decode step: done, nothing else to write
+        if od is not None and plan.all_decode and od.shape[0] == T:
+            return od  # a decode step: done, nothing else to write
 
         # Rows past the requests' own (padding for a compiled step: models/compiled_forward.py) get zeros.
         out = q.new_empty(T, self.num_heads * D) if T == meta.num_tokens else q.new_zeros(T, self.num_heads * D)
-        if plan.decode_rows is not None:
+        if od is not None and plan.all_decode:  # rows 0 .. Bd-1, then the padding
+            out[:od.shape[0]] = od
+        elif od is not None:
             out.index_copy_(0, plan.decode_rows, od)
 
         # --- prefill chunks: one SDPA per request, causal mask shifted by the cached prefix ---
