@@ -93,9 +93,13 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params] * len(prompts)
-        if output_kind is not None:
-            params = [dataclasses.replace(SamplingParams() if sp is None else sp, output_kind=output_kind)
-                      if sp is None or isinstance(sp, SamplingParams) else sp for sp in params]
+        if output_kind is not None:  # once per distinct params object (one is often shared by every prompt)
+            replaced: dict[int, SamplingParams] = {}
+            for sp in params:
+                if (sp is None or isinstance(sp, SamplingParams)) and id(sp) not in replaced:
+                    replaced[id(sp)] = dataclasses.replace(SamplingParams() if sp is None else sp,
+                                                           output_kind=output_kind)
+            params = [replaced.get(id(sp), sp) for sp in params]
         engine = self.llm_engine
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt")

@@ -86,6 +86,15 @@ def test_output_kinds_cumulative_delta_final_only(qwen3_dir):
     engine.shutdown()
 
 
+def test_delta_sends_prompt_logprobs_once_even_for_a_one_token_prompt(qwen3_dir):
+    engine = LLMEngine(EngineConfig(model=qwen3_dir, block_size=4, num_kv_blocks=16))
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1,
+                        output_kind=RequestOutputKind.DELTA)
+    outs = _run_engine(engine, sp, {"prompt_token_ids": [5]})
+    assert outs[0].prompt_logprobs == [None] and [o.prompt_logprobs for o in outs[1:]] == [None, None]
+    engine.shutdown()
+
+
 def test_generate_asks_for_final_outputs_only(llm, monkeypatch):
     reported = []
     original = llm.llm_engine._report

@@ -90,7 +90,9 @@ class AsyncLLMEngine:
     # --- caller side (event loop) ----------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield this request's outputs as they change (cumulative text); the last one is finished.
+        """Yield this request's outputs as they change (cumulative text, or what the params'
+        `output_kind` asks: DELTA yields what is new, FINAL_ONLY only the finished output, which then
+        also counts as the first token for the latency metrics); the last one is finished.
 
         Raises ValueError/TypeError for a request that can never run, before yielding anything;
         `StepFailedError` if a step it was in failed; `EngineDeadError` if the engine is dead."""

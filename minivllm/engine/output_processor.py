@@ -33,6 +33,7 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     # output_kind=DELTA: per sequence, (tokens, characters of text, logprobs) already in an output
     sent: list[tuple[int, int, int]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # DELTA: the prompt's logprobs went out with the first output
 
     @property
     def finished(self) -> bool:
@@ -91,9 +92,10 @@ class OutputProcessor:
         delta = first.sampling_params.output_kind is RequestOutputKind.DELTA
         prompt_logprobs = state.prompt_logprobs
         if first.sampling_params.prompt_logprobs is not None:
-            if delta and len(prompt_logprobs) > 1:  # converted (and sent) by an earlier output
-                prompt_logprobs = None
             self._convert_prompt_logprobs(state)
+            if delta:  # once, as a list of its own
+                prompt_logprobs = None if state.prompt_logprobs_sent else list(prompt_logprobs)
+                state.prompt_logprobs_sent = True
         completions = [self._completion(state, s) for s in seqs]
         if delta:
             completions = [self._delta(state, c) for c in completions]

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class RowProcessing:
-    """What one sampled row asks of this stage (defaults: nothing)."""
+    """What one sampled row asks of this stage (defaults: nothing). Frozen: the no-op one is shared by
+    every row that asks for nothing (engine/sampling_metadata.py)."""
 
     banned_token_ids: list[int] = field(default_factory=list)  # bad words, min_tokens bans
     allowed_token_ids: list[int] | None = None
