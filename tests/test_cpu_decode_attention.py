@@ -67,3 +67,6 @@ def test_greedy_sampling_kernel_matches_argmax_rows(dtype):
     sampler.greedy_kernel = GreedyKernelChoice(True, "forced by the test")
     assert sampler(logits, t).tolist() == argmax_rows(logits.float()).tolist()
     assert sampler(logits, t)[3] == 10
+    # rows whose values are strided, as the LM head's (W x^T)^T form returns them (a CI run chose it)
+    strided = torch.stack([logits, logits], dim=-1)[..., 0]  # (9, 1000), stride (2000, 2)
+    assert strided.stride(1) == 2 and sampler(strided, t).tolist() == argmax_rows(logits.float()).tolist()

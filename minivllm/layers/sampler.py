@@ -148,7 +148,9 @@ class Sampler:
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:  # (S, V) in the model's dtype -> (S,)
         if self.greedy_kernel.used and logits.dtype in (torch.float32, torch.bfloat16):
-            return greedy_argmax(logits)
+            # The kernel reads each row as one run; the LM head's `(W xᵀ)ᵀ` form (layers/matmul_forms.py)
+            # returns rows whose values are strided.
+            return greedy_argmax(logits if logits.stride(1) == 1 else logits.contiguous())
         return argmax_rows(logits.float())
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # (S, V) -> (S,)
