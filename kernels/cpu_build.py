@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp", "greedy_argmax.cpp")
+SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp", "greedy_argmax.cpp", "rms_norm.cpp",
+           "rotary_embedding.cpp")
 LIBRARY = "minivllm_cpu"
 STALE_LOCK_S = 300  # a build takes ~20 s; a lock file this old was left by a build that died
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.layers.norm import RMSNorm
-from minivllm.layers.rotary import RopeSpec, RotaryEmbedding, apply_rotary, rope_inv_freq, rotate
+from minivllm.layers.rotary import RopeSpec, RopeTables, RotaryEmbedding, apply_rotary, rope_inv_freq, rotate
 
 
 def textbook_rope(x, cos, sin):  # HF's apply_rotary_pos_emb for one tensor, sin not negated
@@ -19,11 +19,11 @@ def test_rotate_is_bit_identical_to_rotate_half(dtype):
     rope = RotaryEmbedding(64, 512, RopeSpec(theta=10000.0), torch.device("cpu"))
     positions = torch.tensor([0, 1, 7, 300, 511])
     x = torch.randn(5, 6, 64).to(dtype)  # (T, H, D)
-    cos, signed_sin = rope.lookup(positions, dtype)
+    cos, signed_sin, _ = rope.lookup(positions, dtype)
     freqs = torch.outer(positions.float(), rope_inv_freq(64, RopeSpec(theta=10000.0)))  # (T, D/2)
     sin = torch.cat((freqs, freqs), -1).sin()[:, None].to(dtype)  # the textbook table
     assert torch.equal(signed_sin, torch.cat((-sin[..., :32], sin[..., 32:]), -1))  # first half negated
-    assert torch.equal(rotate(x, (cos, signed_sin)), textbook_rope(x, cos, sin))
+    assert torch.equal(rotate(x, RopeTables(cos, signed_sin)), textbook_rope(x, cos, sin))
 
 
 def test_joint_qk_rotation_equals_separate():

@@ -267,13 +267,15 @@ class ModelRunner:
             self.execute_model(SchedulerOutput(self._warmup_batch(min(n, self.num_blocks * self.block_size))))
 
     def measure_cpu_kernels(self) -> list[str]:
-        """On this machine, time the matmul forms (layers/matmul_plan.py), decode attention's two ways
-        (layers/torch_attention.py) and greedy sampling's (layers/sampler.py), keep the faster, and say
-        what was chosen. Idempotent for the matmuls; a GPU, or a backend or sampler without the choice,
-        keeps its defaults."""
+        """On this machine, time the matmul forms (layers/matmul_plan.py), RMSNorm's and RoPE's two ways
+        (layers/norm_rope_kernels.py), decode attention's (layers/torch_attention.py) and greedy
+        sampling's (layers/sampler.py), keep the faster, and say what was chosen. Idempotent for the
+        matmuls; a GPU, or a model, backend or sampler without the choice, keeps its defaults."""
         said = []
         if hasattr(self.model, "plan_matmuls"):
             said.append(self.model.plan_matmuls().summary())
+        if self.device.type == "cpu" and hasattr(self.model, "choose_norm_rope_kernels"):
+            said.append(str(self.model.choose_norm_rope_kernels()))
         if self.device.type == "cpu" and hasattr(self.backend, "choose_decode_kernel"):
             said.append(str(self.backend.choose_decode_kernel(self.kv_cache.dtype, self.block_size)))
         if self.device.type == "cpu" and isinstance(self.sampler, Sampler):

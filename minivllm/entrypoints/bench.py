@@ -56,8 +56,11 @@ def _greedy(outputs: list[int]) -> list[SamplingParams]:
 
 def print_matmul_plan(llm: LLM) -> None:
     """Measure the CPU matmul forms now if the engine's warm-up has not (idempotent), and print them with
-    the ways decode attention and greedy sampling run."""
+    the ways RMSNorm and RoPE, decode attention and greedy sampling run."""
     print(llm.llm_engine.model.plan_matmuls().summary())
+    norm_rope = getattr(llm.llm_engine.model, "norm_rope_kernels", None)  # the Llama-family decoder's
+    if norm_rope is not None:
+        print(norm_rope)
     decode_kernel = getattr(llm.llm_engine.model_runner.backend, "decode_kernel", None)  # the PyTorch backend's
     if decode_kernel is not None:
         print(decode_kernel)

@@ -2,22 +2,47 @@
 
 The order matters in fp16/bf16 (scaling before the cast would round differently), and matching it
 is what lets the half-precision tests agree with HF. In fp32 there is no cast, so one fused op does it.
+
+`forward(x, residual)` also takes the residual add that comes just before a norm (vLLM's signature):
+it returns the normalised `x + residual` and `x + residual` itself, the next residual. On CPU, where
+warm-up measured it faster (layers/norm_rope_kernels.py), both forms run as one pass of minivllm's C++
+kernel (kernels/rms_norm.py) instead of a handful of torch ops; the results are the same values.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+if TYPE_CHECKING:
+    from minivllm.layers.norm_rope_kernels import NormRopeKernels
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: NormRopeKernels | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernels = kernels  # the model's shared choice; None: always torch's ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x (..., dim) -> normalised (..., dim); with `residual`: (normalised x + residual, x + residual)."""
+        if self.kernels is not None and self.kernels.active(x):
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self.forward_native(x)
+        h = residual + x
+        return self.forward_native(h), h
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim), torch's ops
         if x.dtype == torch.float32:  # no casts to order: one fused op (decode is dispatch-bound)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         if x.device.type == "cpu":

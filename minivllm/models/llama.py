@@ -11,6 +11,8 @@ Weights are packed as vLLM packs them: q/k/v in one `qkv_proj`, gate/up in one `
 (one matmul instead of three or two); the loader slices the checkpoint's tensors into them.
 Every `Linear` shares the model's `matmul_plan`: on CPU, warm-up (`plan_matmuls`) times two forms of
 the same product on this machine and each projection uses the faster (see `layers/matmul_plan.py`).
+Likewise every RMSNorm and the RoPE step share `norm_rope_kernels`: warm-up times torch's ops against
+minivllm's C++ kernels for them (see `layers/norm_rope_kernels.py`).
 There is no batch dimension and no padding: tokens of all requests are rows of one matrix.
 
 Tensor parallelism (`tp`, a `ParallelContext` of N ranks): the layers are built from `rank_spec`, the
@@ -30,25 +32,26 @@ from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear import Linear, linear
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
+from minivllm.layers.norm_rope_kernels import NormRopeKernels
 from minivllm.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
-from minivllm.layers.rotary import RotaryEmbedding, apply_rotary, rotate
+from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rotate
 from minivllm.models.compiled_forward import Attend, CompiledForward
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.sharding import ShardLayout
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan, tp: ParallelContext) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan, tp: ParallelContext, kernels: NormRopeKernels) -> None:
         super().__init__()
         self.spec = spec  # this rank's view: its heads only
         self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias,
                                plan=plan)  # column-parallel: this rank's heads
         self.o_proj = RowParallelLinear(spec.q_size, spec.hidden_size, bias=spec.o_proj_bias, plan=plan, tp=tp)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, kernels)
 
-    def project(self, cos_sin, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, rope: RopeTables, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> q (T, Hq, D), k and v (T, Hkv, D), RoPE applied: everything before attention."""
         s = self.spec
         T, Hq = x.shape[0], s.num_attention_heads
@@ -56,9 +59,9 @@ class Attention(nn.Module):
         qk = qk.view(T, Hq + s.num_key_value_heads, s.head_dim)  # (T, Hq + Hkv, D): q's heads, then k's
         v = v.view(T, s.num_key_value_heads, s.head_dim)  # (T, Hkv, D)
         if s.qk_norm:  # Qwen3: q and k have their own norm weights
-            return (*apply_rotary(self.q_norm(qk[:, :Hq]), self.k_norm(qk[:, Hq:]), cos_sin), v)
+            return (*apply_rotary(self.q_norm(qk[:, :Hq]), self.k_norm(qk[:, Hq:]), rope), v)
         # Without qk-norm, q and k get the same rotation: rotate their heads in one call (half the ops).
-        qk = rotate(qk, cos_sin)
+        qk = rotate(qk, rope)
         return qk[:, :Hq], qk[:, Hq:], v
 
 
@@ -77,29 +80,30 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan, tp: ParallelContext) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan, tp: ParallelContext, kernels: NormRopeKernels) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, plan, tp)
+        self.self_attn = Attention(spec, plan, tp, kernels)
         self.mlp = MLP(spec, plan, tp)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
 
     # A layer is the code before attention and the code after it; between them, attention is the backend
     # (eager) or an opaque op (compiled: models/compiled_forward.py).
-    def pre_attention(self, cos_sin, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.self_attn.project(cos_sin, self.input_layernorm(h))  # q (T, Hq, D), k, v (T, Hkv, D)
+    def pre_attention(self, rope: RopeTables, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.project(rope, self.input_layernorm(h))  # q (T, Hq, D), k, v (T, Hkv, D)
 
     def post_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:  # o (T, Hq*D) -> h (T, hidden)
-        h = h + self.self_attn.o_proj(o)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed, h = self.post_attention_layernorm(self.self_attn.o_proj(o), residual=h)  # h += o_proj(o), normed
+        return h + self.mlp(normed)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan, layout: ShardLayout, tp: ParallelContext) -> None:
+    def __init__(self, spec: ModelSpec, plan: MatmulPlan, layout: ShardLayout, tp: ParallelContext,
+                 kernels: NormRopeKernels) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout.vocab_size, spec.hidden_size, layout.vocab_start, tp)
-        self.layers = nn.ModuleList(DecoderLayer(spec, plan, tp) for _ in range(spec.num_hidden_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, plan, tp, kernels) for _ in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,7 +115,9 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp = tp if tp is not None else ParallelContext()
         self.shard_layout = layout = ShardLayout.of(spec, tp.rank, tp.world_size)
         self.matmul_plan = MatmulPlan()  # shared by every Linear; filled by `plan_matmuls` at warm-up
-        self.model = DecoderModel(layout.rank_spec(spec), self.matmul_plan, layout, tp)
+        # shared by every RMSNorm and the RoPE step; set by `choose_norm_rope_kernels` at warm-up
+        self.norm_rope_kernels = NormRopeKernels()
+        self.model = DecoderModel(layout.rank_spec(spec), self.matmul_plan, layout, tp, self.norm_rope_kernels)
         if not spec.tie_word_embeddings:  # vocab-parallel: this rank's rows
             self.lm_head = Linear(spec.hidden_size, layout.vocab_size, bias=False, plan=self.matmul_plan)
         self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
@@ -136,9 +142,10 @@ class LlamaForCausalLM(nn.Module):
         """The decoder, with attention as `attend(layer, q, k, v)`: the backend itself when eager, the
         opaque op that calls it when compiled (models/compiled_forward.py)."""
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
-        cos_sin = self.rotary.lookup(positions, h.dtype)  # once per step, shared by all layers
+        # once per step, shared by all layers (the C++ RoPE kernel reads the tables itself: no lookup)
+        rope = self.rotary.lookup(positions, h.dtype, kernel=self.norm_rope_kernels.active(h))
         for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.pre_attention(cos_sin, h)
+            q, k, v = layer.pre_attention(rope, h)
             h = layer.post_attention(h, attend(i, q, k, v))  # attention: (T, Hq*D)
         return self.model.norm(h)
 
@@ -164,3 +171,10 @@ class LlamaForCausalLM(nn.Module):
             weights = [m.weight for m in self.model.layers.modules() if isinstance(m, Linear)]
             self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,))
         return self.matmul_plan
+
+    def choose_norm_rope_kernels(self) -> NormRopeKernels:
+        """Time this model's norms and RoPE both ways on this CPU and keep the faster (layers/norm_rope_kernels.py).
+        Called at warm-up."""
+        s = self.shard_layout.rank_spec(self.spec)  # this rank's heads
+        return self.norm_rope_kernels.choose(s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim,
+                                             self.model.norm.weight.dtype)

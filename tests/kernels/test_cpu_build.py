@@ -11,7 +11,10 @@ import pytest
 import torch
 from minivllm.kernels.cpu_build import _cause, build_cpu_kernels, load_cpu_kernels
 from minivllm.kernels.paged_decode_attention import naive_paged_decode_attention
+from minivllm.kernels.rms_norm import naive_rms_norm
+from minivllm.kernels.rotary_embedding import naive_rotary_embedding
 from minivllm.kernels.skinny_gemm import naive_skinny_gemm, pack_skinny_weight
+from minivllm.layers.rotary import RopeSpec, RotaryEmbedding
 
 
 def test_a_failed_build_reports_the_compiler_error_not_the_command_line():
@@ -64,3 +67,14 @@ def test_the_other_instruction_set_paths_match_naive_too(variant, cflags):
         q, lens = torch.randn(3, 6, 80, generator=g).to(dtype), torch.tensor([1, 7, 12])
         torch.testing.assert_close(ops.paged_decode_attention(q, kc, vc, tables, lens, 0.1).float(),
                                    naive_paged_decode_attention(q, kc, vc, tables, lens, 0.1).float(), **tol)
+        x, res = torch.randn(5, 80, generator=g).to(dtype), torch.randn(5, 80, generator=g).to(dtype)
+        w = torch.randn(80, generator=g).to(dtype)
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-6).float(), naive_rms_norm(x, w, 1e-6).float(), **tol)
+        out, h = ops.fused_add_rms_norm(x, res, w, 1e-6)
+        assert torch.equal(h, x + res)
+        torch.testing.assert_close(out.float(), naive_rms_norm(h, w, 1e-6).float(), **tol)
+        # RoPE is exact on every path: no fused multiply-add may creep in where the compiler would add one
+        rope = RotaryEmbedding(40, 64, RopeSpec(), torch.device("cpu"))
+        qk, positions = torch.randn(6, 3, 40, generator=g).to(dtype), torch.tensor([0, 1, 9, 33, 63, 2])
+        assert torch.equal(ops.rotary_embedding(qk, positions, rope.cos, rope.signed_sin),
+                           naive_rotary_embedding(qk, positions, rope.cos, rope.signed_sin))

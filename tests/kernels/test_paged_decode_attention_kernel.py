@@ -23,7 +23,8 @@ def _case(dtype, Hq, Hkv, D, block_size, lens, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 64), (4, 4, 32), (9, 3, 80)])  # GQA, MHA, a head dim with a tail
+# GQA, MHA, D = 80 (5 vectors: chunks of 48 keys), D = 128 (chunks of 32 keys), D = 40 (the generic path)
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 64), (4, 4, 32), (9, 3, 80), (4, 2, 128), (2, 1, 40)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_matches_naive(dtype, Hq, Hkv, D, block_size):
     q, kc, vc, tables, lens = _case(dtype, Hq, Hkv, D, block_size, [1, 5, 16, 17, 63, 130])
