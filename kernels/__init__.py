@@ -1,4 +1,4 @@
-"""Triton kernels for minivllm (and two CPU kernels in C++), each beside the plain-PyTorch `naive_*`
+"""Triton kernels for minivllm (and six CPU kernels in C++), each beside the plain-PyTorch `naive_*`
 reference it must match.
 
     kv_cache_write.py     store a step's new K/V into their paged slots
@@ -12,7 +12,11 @@ reference it must match.
                           (one of the forms layers/matmul_plan.py times)
     paged_decode_attention.py (.cpp)  CPU, C++: decode attention reading K/V in place in the paged cache
                           (layers/torch_attention.py uses it where warm-up measured it faster)
-    cpu_build.py          compiles the two C++ kernels on first use, for the CPU at hand
+    kv_cache_write_cpu.py (kv_cache_write.cpp)  CPU, C++: the K/V write, one memcpy a row
+    greedy_argmax.py (.cpp)  CPU, C++: an all-greedy step's tokens straight from bf16 or fp32 logits
+    rms_norm.py (.cpp)    CPU, C++: RMSNorm in HF's rounding order, and vLLM's fused_add_rms_norm
+    rotary_embedding.py (.cpp)  CPU, C++: RoPE over a step's heads, bit-identical to the torch form
+    cpu_build.py          compiles the C++ kernels on first use, for the CPU at hand
 
 This folder is installed as `minivllm.kernels` (see pyproject.toml), never as a top-level
 `kernels` package: transformers looks for Hugging Face's kernel hub under that name. It also

@@ -4,6 +4,8 @@
     paged_decode_attention.cpp  decode attention that reads K/V where they lie in the paged cache
     kv_cache_write.cpp          the new tokens' K/V rows into their slots (one memcpy a row)
     greedy_argmax.cpp           each row's argmax, straight from bf16 or fp32 logits
+    rms_norm.cpp                RMSNorm (and the residual add before it) in one pass over each row
+    rotary_embedding.cpp        RoPE over a step's heads, reading the cos / sin tables at each position
 
 All of them register their ops under one library, `torch.ops.minivllm_cpu`. `load_cpu_kernels()` compiles them
 with torch.utils.cpp_extension (ninja and the system's C++ compiler; ~15-20 s the first time, then

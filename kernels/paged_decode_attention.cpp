@@ -78,7 +78,9 @@ inline float exp_shifted(float* s, int64_t L, float m) {
   const float c[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
   __m512 acc = _mm512_setzero_ps();
   for (; t + 16 <= L; t += 16) {
-    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv), lo);
+    // max(lo, x), in this order: vmaxps returns its second operand when one is NaN, so a NaN score (a NaN
+    // or infinite key) stays NaN and reaches the output, as in torch's softmax, instead of weighing 0.
+    const __m512 x = _mm512_max_ps(lo, _mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_fnmadd_ps(n, ln2_lo, _mm512_fnmadd_ps(n, ln2_hi, x));
     __m512 p = _mm512_set1_ps(c[0]);
@@ -107,7 +109,7 @@ inline void axpy(float* o, float p, const T* v, int64_t D) {
 #if defined(__AVX512F__)
 // r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: each round halves the lanes that still hold
 // partial sums and packs two vectors' partials into one (a transpose folded into adds), so 16 sums cost
-// 15 + 8 shuffles and 15 adds instead of 16 horizontal reductions.
+// 31 shuffles and 15 adds instead of 16 horizontal reductions of 4 dependent steps each.
 inline __m512 sum16(const __m512* v) {
   __m512 a[8], b[4];
   for (int i = 0; i < 8; ++i)  // 256-bit halves: a[i] = v[2i] on 8 lanes, then v[2i+1] on 8 lanes
@@ -130,8 +132,6 @@ inline __m512 sum16(const __m512* v) {
 // them reads L1, not L2 (with 256 keys of D = 64, 64 KB, the walks took half the kernel's time).
 constexpr int64_t CHUNK_VALUES = 4096;
 
-// fp32 pointers to `n` cache rows starting at key t0: the rows themselves for a float cache, widened
-// copies in `scratch` for bf16.
 // max(s[0:L]), 16 lanes at a time (a scalar running max waits on itself every step)
 inline float max16(const float* s, int64_t L) {
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -142,6 +142,8 @@ inline float max16(const float* s, int64_t L) {
   return r;
 }
 
+// fp32 pointers to `n` cache rows starting at key t0: the rows themselves for a float cache (read in
+// place), widened copies in `scratch` for bf16.
 template <typename T, int NC>
 void fp32_rows(const T* cache, const int32_t* table, int64_t bs, int64_t token_stride, int64_t h, int64_t t0,
                int64_t n, float* scratch, const float** rows) {
@@ -168,7 +170,8 @@ void run_avx512(const T* qp, const T* kc, const T* vc, const int32_t* tables, co
   constexpr int64_t D = 16 * NC, CHUNK = CHUNK_VALUES / D / 16 * 16;  // whole groups of 16 keys
   const int64_t G = Hq / Hkv, token_stride = Hkv * D;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(G * D), acc(G * D), denom(G), scores, scratch(CHUNK * D);
+    std::vector<float> qf(G * D), acc(G * D), denom(G), scores;
+    std::vector<float> scratch(std::is_same<T, float>::value ? 0 : CHUNK * D);  // fp32 rows are read in place
     std::vector<const float*> rows(CHUNK);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv, L = lens[b];

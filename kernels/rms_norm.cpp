@@ -9,8 +9,9 @@
 //
 // round() is to x's dtype (nothing for fp32): HF normalises in fp32, casts back, and only then scales
 // by the weight, so a bf16 result is rounded twice, as here. Every product is rounded to bf16 exactly
-// as torch rounds (to nearest, ties to even), so the only difference from torch's ops is the order in
-// which the squares are summed: a last-bit difference in r, which rarely moves a bf16 result.
+// as torch rounds (to nearest, ties to even), so the only difference from torch's ops is how the squares
+// are summed (in another order, with fused multiply-adds): a last-bit difference in r, which rarely
+// moves a bf16 result and moves an fp32 one by an ulp or two.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

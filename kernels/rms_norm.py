@@ -8,8 +8,9 @@ weight, each a separate trip through memory with its own dispatch. Measured on 2
 its squares in float32, and writes `weight * round(x * r)`: ~8 µs.
 
 The results are HF's, rounding for rounding: normalise in float32, round to the model's dtype, then
-multiply by the weight and round again (layers/norm.py explains why that order matters). Only the order
-in which a row's squares are summed differs from torch's, which can move the last bit of r.
+multiply by the weight and round again (layers/norm.py explains why that order matters). Only how a
+row's squares are summed differs from torch's (another order, fused multiply-adds), which can move the
+last bit of r: a bf16 result rarely, an fp32 one by an ulp or two.
 
 `fused_add_rms_norm` is vLLM's op of that name (there it works in place): the residual add that comes
 just before the MLP's norm, `h = x + residual`, done in the same pass; it returns the normalised h and

@@ -78,3 +78,20 @@ def test_a_compiled_graph_traces_torch_ops_not_the_kernels():
         eager = norm(x, residual=res)
         compiled = torch.compile(lambda a, b: norm(a, residual=b), fullgraph=True, dynamic=False)(x, res)
     torch.testing.assert_close(compiled, eager)
+
+
+@needs_kernels
+def test_inputs_the_kernel_does_not_take_run_torch_ops_instead():
+    """Another dtype for the weight or the residual, a 4-D x, or autograd: the torch path, never an error."""
+    kernels = NormRopeKernels(True, "forced by the test")
+    norm = RMSNorm(8, 1e-6, kernels)  # an fp32 weight
+    x = torch.randn(2, 3, 4, 8)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), norm.forward_native(x))  # 4-D
+        xb = x[0].bfloat16()
+        assert torch.equal(norm(xb), norm.forward_native(xb))  # bf16 x, fp32 weight
+        normed, h = norm(x[0], residual=x[1].bfloat16())  # a residual in another dtype
+        assert h.dtype == torch.float32 and torch.equal(normed, norm.forward_native(h))
+    y = norm(x[0])  # grad enabled: autograd needs torch's ops
+    y.sum().backward()
+    assert norm.weight.grad is not None

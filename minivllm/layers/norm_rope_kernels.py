@@ -46,9 +46,10 @@ class NormRopeKernels:
         return f"RMSNorm and RoPE: {way} ({self.detail})"
 
     def active(self, x: torch.Tensor) -> bool:
-        """Whether the kernels run for this tensor now: chosen, on CPU, in their dtypes, not while tracing."""
+        """Whether the kernels run for this tensor now: chosen, on CPU, in their dtypes, not while tracing, and
+        without autograd (the engine runs in inference mode; the kernels record no gradients)."""
         return (self.used and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-                and not torch.compiler.is_compiling())
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
 
     @torch.inference_mode()
     def choose(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

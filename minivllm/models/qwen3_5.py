@@ -33,7 +33,7 @@ from minivllm.layers.linear import Linear, linear
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata, LinearAttnState
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm_variants import GatedRMSNorm, ZeroCenteredRMSNorm
-from minivllm.layers.rotary import RotaryEmbedding, apply_rotary
+from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.llama import MLP
 
@@ -63,7 +63,7 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.rms_norm_eps)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, cos_sin: RopeTables, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
         s = self.spec
         T, H, D, r = x.shape[0], s.num_attention_heads, s.head_dim, s.rotary_dim

@@ -63,3 +63,18 @@ def test_matches_naive_from_flat_to_peaked_scores(scale):
     torch.testing.assert_close(paged_decode_attention(q, kc, vc, tables, lens, scale),
                                naive_paged_decode_attention(q, kc, vc, tables, lens, scale),
                                rtol=1e-5, atol=1e-5 * max(1.0, scale / 4))
+
+
+@pytest.mark.parametrize("D", [64, 40])  # the AVX-512 path and the generic one
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_infinite_key_gives_nan_as_torch_does(D, bad):
+    """Wherever the key falls, in a 16-lane block or in the tail, its KV head's outputs are NaN (torch's
+    softmax over a NaN or +inf score), not a silent average that hides the overflow."""
+    for position in (3, 18):
+        q, kc, vc, tables, lens = _case(torch.float32, 4, 2, D, 4, [20, 20])
+        kc[tables[0, position // 4], position % 4, 1] = bad  # request 0, KV head 1
+        out = paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
+        ref = naive_paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
+        assert out[0, 2:].isnan().all() and ref[0, 2:].isnan().all()  # the query heads of KV head 1
+        torch.testing.assert_close(out[0, :2], ref[0, :2])  # the other KV head, and the other request
+        torch.testing.assert_close(out[1], ref[1])
