@@ -7,11 +7,12 @@
     rms_norm.cpp                RMSNorm (and the residual add before it) in one pass over each row
     rotary_embedding.cpp        RoPE over a step's heads, reading the cos / sin tables at each position
 
-All of them register their ops under one library, `torch.ops.minivllm_cpu`. `load_cpu_kernels()` compiles them
-with torch.utils.cpp_extension (ninja and the system's C++ compiler; ~15-20 s the first time, then
-cached) with -march=native, i.e. for the machine that runs them: AVX-512 paths where the CPU has them,
-plain loops the compiler vectorises elsewhere. The build folder is named after this CPU's
-instruction-set flags, so a home directory shared with a different CPU builds its own copy.
+They share the float32 / bfloat16 helpers of cpu_simd.h and register their ops under one library,
+`torch.ops.minivllm_cpu`. `load_cpu_kernels()` compiles them with torch.utils.cpp_extension (ninja and the
+system's C++ compiler; ~15-20 s the first time, then cached) with -march=native, i.e. for the machine that
+runs them: AVX-512 paths where the CPU has them, plain loops the compiler vectorises elsewhere. The
+build folder is named after this CPU's instruction-set flags, so a home directory shared with a
+different CPU builds its own copy.
 
 It never raises. Where the kernels cannot be built (no compiler, not Linux x86-64 / arm64, a compile
 error) it logs a warning with the compiler's message and returns a `CpuKernelsBuild` saying why; the
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+HEADERS = ("cpu_simd.h",)  # included by the sources: the float32 / bfloat16 helpers they share
 SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp", "greedy_argmax.cpp", "rms_norm.cpp",
            "rotary_embedding.cpp")
 LIBRARY = "minivllm_cpu"
@@ -91,9 +93,13 @@ def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY) -> N
     # -fopenmp: at::parallel_for is inlined from torch's headers as an OpenMP loop. The extension links
     # libgomp.so.1, the soname torch's bundled copy has, so the one runtime already loaded (and
     # torch.set_num_threads) serves both.
+    # torch rebuilds when a source or a flag changes, but does not read the headers: their digest goes into
+    # the flags, so editing cpu_simd.h rebuilds too.
+    headers = hashlib.sha256(b"".join((here / h).read_bytes() for h in HEADERS)).hexdigest()[:12]
     try:
         load(name, [str(here / source) for source in SOURCES],
-             extra_cflags=["-O3", "-fopenmp", *cflags, f"-DMINIVLLM_CPU_LIBRARY={library}"],
+             extra_cflags=["-O3", "-fopenmp", *cflags, f"-DMINIVLLM_CPU_LIBRARY={library}",
+                           f"-DMINIVLLM_HEADERS_DIGEST={headers}"],
              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path

@@ -21,43 +21,18 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #pragma GCC optimize("fp-contract=off")
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
 
+#include "cpu_simd.h"  // after the pragma: its helpers are compiled under it too
+
 namespace {
 
+using namespace minivllm_cpu_simd;
+
 constexpr int64_t GRAIN_VALUES = 32768;  // below this many values a thread's wake-up costs more than it saves
-
-template <typename T>
-inline float round_to(float v) { return static_cast<float>(T(v)); }  // float -> T -> float
-
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // a bf16 is the top half of an fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-// Each lane rounded to the nearest bf16 (ties to even; NaN -> 0x7FC0, as c10::BFloat16), kept as fp32.
-inline __m512 round_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded,
-                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
-}
-template <typename T>
-inline __m512 round16(__m512 v) { return std::is_same<T, float>::value ? v : round_bf16(v); }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {  // v already rounded: its top halves are the bf16s
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-#endif
 
 // One head: out = x * c + swap_halves(x) * s, rounded as torch rounds.
 template <typename T>

@@ -27,9 +27,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -37,8 +35,7 @@ constexpr int64_t kLanes = 16;  // outputs per column block
 constexpr int kBlocks = 4;      // NB: column blocks walked side by side
 constexpr int kRows = 4;        // MB: rows of x sharing each loaded W vector
 
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+using namespace minivllm_cpu_simd;
 
 // acc[j][m][0:16] = sum over k of Wp[block0 + j][k][0:16] * x[m][k], the portable version.
 template <typename T, int NB, int MB>

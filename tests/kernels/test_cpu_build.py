@@ -33,6 +33,23 @@ def test_the_build_is_loaded_here_or_says_why():
         assert build.available, f"CI must build the CPU kernels: {build.detail}"
 
 
+def test_the_shared_header_is_part_of_the_build_flags(monkeypatch, tmp_path):
+    """torch's builder rebuilds when a .cpp or a flag changes, not a header: cpu_simd.h's digest is a flag."""
+    import hashlib
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    from minivllm.kernels import cpu_build
+
+    seen = {}
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: seen.update(kw, sources=sources))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build_cpu_kernels("header_flag_test", ["-O0"], library="header_flag_test")
+    header = (Path(cpu_build.__file__).parent / "cpu_simd.h").read_bytes()
+    assert f"-DMINIVLLM_HEADERS_DIGEST={hashlib.sha256(header).hexdigest()[:12]}" in seen["extra_cflags"]
+    assert len(seen["sources"]) == len(cpu_build.SOURCES)
+
+
 def _cpu_flags() -> set[str]:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
