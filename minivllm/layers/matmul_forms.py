@@ -15,6 +15,9 @@ A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Fou
 
 PACKED and SKINNY read a copy of W in their own layout, kept on the weight as `weight.packed` /
 `weight.skinny` (made by the plan at warm-up for the shapes where that form won, or here on first use).
+
+Every form returns a contiguous (rows, out) tensor: what comes next (RMSNorm, RoPE, the K/V write)
+may be one of minivllm's C++ kernels, which read each row as one run.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, form: MatmulForm) -> torch.Ten
     if form is MatmulForm.SKINNY:
         return skinny_linear(x, weight)
     if x.shape[0] == 1:  # W @ (one column) would take the gemv path: two columns, keep the first
-        return (weight @ torch.cat([x, x]).t())[:, :1].t()  # (1, out)
+        # `[:, :1].t()` alone is a strided view (stride (1, 2)); the next op (the C++ norm, RoPE and K/V-write
+        # kernels read each row as one contiguous run) must get the row as every other form returns it.
+        return (weight @ torch.cat([x, x]).t())[:, :1].t().contiguous()  # (1, out)
     return (weight @ x.t()).t().contiguous()  # (rows, out)
 
 

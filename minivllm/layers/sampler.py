@@ -148,8 +148,8 @@ class Sampler:
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:  # (S, V) in the model's dtype -> (S,)
         if self.greedy_kernel.used and logits.dtype in (torch.float32, torch.bfloat16):
-            # The kernel reads each row as one run; the LM head's `(W xᵀ)ᵀ` form (layers/matmul_forms.py)
-            # returns rows whose values are strided.
+            # The kernel reads each row as one run (every matmul form returns contiguous rows; a caller's
+            # strided view is copied first).
             return greedy_argmax(logits if logits.stride(1) == 1 else logits.contiguous())
         return argmax_rows(logits.float())
 
