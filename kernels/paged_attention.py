@@ -97,11 +97,13 @@ def _paged_attention_kernel(
         # --- block table -> physical block -> (BLOCK_SIZE, D) keys and values ---
         phys = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
         kv_offs = ((phys * BLOCK_SIZE + slots)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=d_ok[None, :], other=0.0)
+        k_pos = j * BLOCK_SIZE + slots
+        # slots past the context are never read: a stale NaN there would survive a weight of 0 (0 * NaN)
+        kv_ok = (k_pos < ctx)[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0)
         # --- scores, causal + length mask ---
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BLOCK_M, BLOCK_SIZE)
-        k_pos = j * BLOCK_SIZE + slots
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx)
         s = tl.where(visible, s, float("-inf"))
         # --- online softmax update (rows that see nothing yet keep m = -inf safely) ---

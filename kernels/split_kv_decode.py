@@ -79,10 +79,13 @@ def _split_kv_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, ctx_ptr,
     for j in range(j_lo, j_hi):
         phys = tl.load(block_tables_ptr + row * stride_bt + j).to(tl.int64)
         kv_offs = ((phys * BLOCK_SIZE + slots)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=d_ok[None, :], other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_offs, mask=d_ok[None, :], other=0.0).to(tl.float32)
+        # slots past the context are never read: a stale NaN there would survive a weight of 0 (0 * NaN)
+        in_ctx = j * BLOCK_SIZE + slots < ctx  # (BLOCK_SIZE,)
+        kv_ok = in_ctx[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(tl.float32)
         s = tl.sum(q[None, :] * k, 1) * scale  # (BLOCK_SIZE,)
-        s = tl.where(j * BLOCK_SIZE + slots < ctx, s, float("-inf"))
+        s = tl.where(in_ctx, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)

@@ -140,6 +140,13 @@ class TorchAttentionBackend(AttentionBackend):
             mask = plan.decode_mask
             if isinstance(mask, int):  # every row has the same context: cut the padding instead
                 kd, vd, mask = kd[:, :, :mask], vd[:, :, :mask], None
+            else:
+                # Past each context lie a block's unwritten tail and padding blocks: whatever an earlier request
+                # (or a failed step) left there, NaN included. SDPA's mask keeps those keys out of the softmax,
+                # but a weight of 0 times a NaN value is NaN: zero them by selection, on our own gathered copy.
+                outside = ~mask.transpose(-1, -2)  # (Bd, 1, K, 1)
+                kd.masked_fill_(outside, 0)
+                vd.masked_fill_(outside, 0)
             qd = q[:Bd] if plan.all_decode else q[plan.decode_rows]  # all decode: rows 0..Bd-1
             qd = qd.view(Bd, Hkv, G, D)  # the G query heads of a KV head become G "query rows"
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)

@@ -19,6 +19,45 @@ def require_cpu_kernels() -> None:
         pytest.skip(build.detail, allow_module_level=True)
 
 
+def decode_attention_with_error_bound(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """The exact answer (float64) of decode attention over a paged cache, and how far from it any float32
+    implementation may land, element by element: a first-order error bound of the arithmetic, so a test's
+    tolerance follows from the inputs, not from the CPU it was written on (another summation order, FMA or
+    not, a vectorised exp: each stays inside it). With u = 2^-24 and g(n) = n u / (1 - n u), per key t:
+
+        score     |ŝ_t - s_t| <= e_t = g(D) scale sum_d |q_d K_td| + u |s_t|    (a dot product of D terms)
+        exp       p̂_t = exp(ŝ_t - m)(1 + δ_t),  |δ_t| <= 8 u                     (a few ulps, any exp)
+        softmax   a change δ in the scores moves o by sum_t p_t (δ_t - sum_j p_j δ_j) V_t
+                    = sum_t p_t δ_t (V_t - o),   so |δo| <= sum_t p_t (e_t + 8u) |V_t - o|
+        sums      numerator and denominator over L keys: (2 g(L) + 2u) sum_t p_t |V_t|
+
+    Returns (exact (B, Hq, D) float64, bound (B, Hq, D) float64)."""
+    B, Hq, D = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    u = 2.0 ** -24
+
+    def g(n: int) -> float:
+        return n * u / (1 - n * u)
+
+    exact = torch.empty(B, Hq, D, dtype=torch.float64)
+    bound = torch.empty(B, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        ctx = int(context_lens[b])
+        blocks = block_tables[b, : -(-ctx // block_size)].long()
+        k = k_cache[blocks].reshape(-1, Hkv, D)[:ctx].double().repeat_interleave(Hq // Hkv, dim=1)  # (L, Hq, D)
+        v = v_cache[blocks].reshape(-1, Hkv, D)[:ctx].double().repeat_interleave(Hq // Hkv, dim=1)
+        qb = q[b].double()  # (Hq, D)
+        s = torch.einsum("hd,khd->hk", qb, k) * scale  # (Hq, L)
+        p = s.softmax(-1)
+        o = torch.einsum("hk,khd->hd", p, v)  # (Hq, D)
+        e = g(D) * scale * torch.einsum("hd,khd->hk", qb.abs(), k.abs()) + u * s.abs()  # (Hq, L)
+        spread = (v - o[None]).abs()  # (L, Hq, D)
+        bound[b] = (torch.einsum("hk,khd->hd", p * (e + 8 * u), spread)
+                    + (2 * g(ctx) + 2 * u) * torch.einsum("hk,khd->hd", p, v.abs()))
+        exact[b] = o
+    return exact, bound
+
+
 def make_batch(query_lens, context_lens, Hq, Hkv, D, block_size, dtype, seed=0):
     """Random paged caches and a batch whose request i has context_lens[i] tokens, the last
     query_lens[i] of them queried now (the earlier ones are a cached prefix / earlier chunks)."""
@@ -39,3 +78,16 @@ def make_batch(query_lens, context_lens, Hq, Hkv, D, block_size, dtype, seed=0):
     cu = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)
     tables_t = torch.tensor(tables, dtype=torch.int32)
     return q, k_cache, v_cache, tables_t, cu, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def poison_outside_contexts(k_cache, v_cache, block_tables, context_lens) -> None:
+    """NaN into every cache slot no request's context covers (block tails, unused and padding blocks), as a
+    reused block may hold from an earlier request or a failed step. Attention must never read them: a key's
+    weight of 0 times a NaN value is still NaN."""
+    block_size = k_cache.shape[1]
+    inside = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
+    for b, ctx in enumerate(context_lens.tolist()):
+        for p in range(int(ctx)):
+            inside[int(block_tables[b, p // block_size]) * block_size + p % block_size] = True
+    for cache in (k_cache, v_cache):
+        cache.view(-1, *cache.shape[2:])[~inside] = float("nan")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import make_batch
+from kernel_helpers import make_batch, poison_outside_contexts
 from minivllm.kernels.paged_attention import naive_paged_attention, paged_attention, plan_tiles
 
 
-def run_both(query_lens, context_lens, Hq=4, Hkv=2, D=64, block_size=16, dtype=torch.float32):
+def run_both(query_lens, context_lens, Hq=4, Hkv=2, D=64, block_size=16, dtype=torch.float32, poison=False):
     q, kc, vc, bt, cu, cl = make_batch(query_lens, context_lens, Hq, Hkv, D, block_size, dtype)
+    if poison:
+        poison_outside_contexts(kc, vc, bt, cl)
     ts, st = plan_tiles(query_lens, 16)
     tiles = (torch.tensor(ts, dtype=torch.int32), torch.tensor(st, dtype=torch.int32))
     out = paged_attention(q, kc, vc, bt, cu, cl, D ** -0.5, tiles, 16)
@@ -41,6 +43,11 @@ def test_gqa_ratios(Hq, Hkv):
 @pytest.mark.parametrize("D,block_size", [(128, 16), (64, 32), (80, 16)])  # 80 is padded to 128
 def test_head_dims_and_block_sizes(D, block_size):
     run_both([3, 1], [40, 21], Hq=2, Hkv=1, D=D, block_size=block_size)
+
+
+def test_nan_outside_every_context_is_never_read():
+    """Block tails past a context and padding blocks may hold anything a reused block held (NaN included)."""
+    run_both([1, 20, 5, 1], [17, 20, 40, 1], poison=True)
 
 
 def test_refuses_unsupported_block_sizes():

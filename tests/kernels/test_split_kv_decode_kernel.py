@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import make_batch
+from kernel_helpers import make_batch, poison_outside_contexts
 from minivllm.kernels.paged_attention import naive_paged_attention
 from minivllm.kernels.split_kv_decode import naive_split_kv_decode, split_kv_decode
 
@@ -20,3 +20,11 @@ def test_matches_references(dtype, num_splits):
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), two_pass.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(out.float(), plain.float(), atol=tol, rtol=tol)
+
+
+def test_nan_outside_every_context_is_never_read():
+    """Block tails past a context and the table's padding may hold anything a reused block held (NaN included)."""
+    q, kc, vc, bt, _, cl = make_batch([1, 1, 1], [17, 64, 130], 8, 2, 64, 16, torch.float32)
+    clean = split_kv_decode(q, kc, vc, bt, cl, 0.125, 3)
+    poison_outside_contexts(kc, vc, bt, cl)
+    torch.testing.assert_close(split_kv_decode(q, kc, vc, bt, cl, 0.125, 3), clean)
