@@ -101,3 +101,32 @@ def test_admission_waits_for_a_free_state_slot(hybrid_dir):
     assert all(len(o.outputs) == 2 and all(len(c.token_ids) == 4 for c in o.outputs) for o in outs)
     pool = llm.llm_engine.state_pool
     assert pool.num_pairs == 2 and pool.num_free == 2
+
+
+def test_a_fork_with_no_block_for_its_copy_recomputes_the_child_from_scratch(hybrid_dir):
+    """The pool is full when the prompt forks: the child gets no copy of the partial last block. A pure-attention
+    child would recompute those few tokens; a hybrid child's recurrent state (the parent's copy) already holds
+    them, so it recomputes its whole prompt instead, and decodes exactly what a lone request does."""
+    a = {"prompt_token_ids": list(range(40, 53))}  # 13 tokens: a partial last block to copy
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = hybrid(hybrid_dir).generate(a, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    llm = hybrid(hybrid_dir, num_kv_blocks=10)
+    outs = llm.generate([a, {"prompt_token_ids": list(range(60, 84))}],
+                        [SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True),
+                         SamplingParams(max_tokens=1)], use_tqdm=False)
+    assert [c.token_ids for c in outs[0].outputs] == [alone] * 3
+    stats, pool = llm.get_stats(), llm.llm_engine.state_pool
+    assert stats.num_preemptions > 0  # the child, at birth
+    assert stats.num_free_blocks == stats.num_total_blocks and pool.num_free == pool.num_pairs
+
+
+def test_n_above_max_num_seqs_is_refused_before_it_can_block_the_queue(hybrid_dir):
+    """n sequences need n state pairs at once; the pool has max_num_seqs. Such a request could never be
+    admitted: it is refused at once, and the requests behind it run."""
+    llm = hybrid(hybrid_dir, max_num_seqs=2, max_admission_skips=1)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] + [{"prompt_token_ids": [8 + i, 9]} for i in range(3)],
+                        [SamplingParams(n=3, max_tokens=2)] + [SamplingParams(max_tokens=3)] * 3, use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "n=3" in outs[0].error and "max_num_seqs=2" in outs[0].error
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs[1:])
+    pool = llm.llm_engine.state_pool
+    assert pool.num_free == pool.num_pairs

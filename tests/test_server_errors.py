@@ -72,6 +72,17 @@ def test_a_failed_request_is_an_error_not_a_stop(engine, url):
     assert ok.choices[0].finish_reason == "length"
 
 
+def test_more_completions_than_max_num_seqs_is_a_400_naming_n(engine, url):
+    """n = 20,000 once held every other request for half a minute and grew memory until the worker died."""
+    for n in (129, 20_000, 10 ** 9):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": n}, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "n", r.text
+        assert f"n={n}" in error["message"] and "max_num_seqs=128" in error["message"]
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 3}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 3
+
+
 def test_a_failed_step_answers_500_and_the_server_goes_on(engine, url):
     step, failures = engine.engine.step, [RuntimeError("two rows together overflowed")]
 
@@ -140,7 +151,7 @@ def slow_steps(engine, seconds: float) -> None:
     engine.engine.step = slow_step
 
 
-def wait_until_idle(engine, timeout: float = 5.0) -> bool:
+def wait_until_idle(engine, timeout: float = 120.0) -> bool:  # a bound only a hang reaches
     deadline = time.time() + timeout
     while time.time() < deadline:
         if not engine.engine.has_unfinished_requests() and engine.stats.num_free_blocks == 64:
@@ -152,12 +163,11 @@ def wait_until_idle(engine, timeout: float = 5.0) -> bool:
 def test_a_client_that_times_out_is_aborted_with_one_log_line(engine, url, caplog):
     caplog.set_level(logging.INFO, logger="minivllm.server")
     slow_steps(engine, 0.02)  # 200 tokens would take over 4 s
-    t0 = time.time()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 200, "ignore_eos": True},
                    timeout=0.3)
-    assert wait_until_idle(engine, timeout=2.0), "the request kept running after its client left"
-    assert time.time() - t0 < 2.5 and engine.stats.num_decode_tokens < 100
+    assert wait_until_idle(engine, timeout=120), "the request kept running after its client left"
+    assert engine.stats.num_decode_tokens < 100  # stopped early: all 200 tokens would take over 4 s
     notes = [r.getMessage() for r in caplog.records if "client disconnected" in r.getMessage()]
     assert len(notes) == 1, notes
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a disconnect logged an error"

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from minivllm.engine.errors import EngineDeadError, StepFailedError
+from minivllm.engine.input_processor import Unservable
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.stats import EngineStats
 from minivllm.outputs import RequestOutput
@@ -116,8 +117,8 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         self._send(AbortRequest(request_id))
 
-    def check_request(self, prompt: PromptType, sampling_params: SamplingParams | None) -> str | None:
-        """Why a request can never run (prompt too long, pool too small), or None. Changes nothing."""
+    def check_request(self, prompt: PromptType, sampling_params: SamplingParams | None) -> Unservable | None:
+        """Why a request can never run (n too large, prompt too long, pool too small), or None. Changes nothing."""
         seq = self.engine.make_sequence("check", prompt, sampling_params)
         return self.engine.unservable_reason(seq)
 
@@ -201,7 +202,7 @@ class AsyncLLMEngine:
             # learns it before any output, like any other refusal.
             reason = self.engine.unservable_reason(seq)
             if reason is not None:
-                raise ValueError(reason)
+                raise ValueError(reason.message)
             self.engine.enqueue(seq)
         except Exception as e:
             _notify(stream, _set_exception, stream.added, e)

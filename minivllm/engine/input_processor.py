@@ -3,15 +3,15 @@
 Everything a request carries is checked here, before it can reach a step (see
 docs/concepts/failures.md): the prompt (non-empty, token ids inside the vocabulary, numpy integers
 accepted), every token-id field of its `SamplingParams`, logprobs within `max_logprobs`, and whether
-it can ever run at all (`unservable_reason`: longer than max_model_len, or needing more KV blocks
-than the whole pool). Messages say which limit to change.
+it can ever run at all (`unservable_reason`: more completions than max_num_seqs, longer than
+max_model_len, or needing more KV blocks than the whole pool). Messages say which limit to change.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
@@ -21,6 +21,17 @@ from minivllm.models.hf_config import ModelSpec
 from minivllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+
+
+class Unservable(NamedTuple):
+    """Why a request can never run: the request field that makes it so (None: the prompt's length) and
+    a message that says what to change."""
+
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class InputProcessor:
@@ -76,17 +87,21 @@ class InputProcessor:
                              "of this model; use integer token ids in that range")
         return out
 
-    def unservable_reason(self, seq: Sequence, block_manager: BlockManager) -> str | None:
+    def unservable_reason(self, seq: Sequence, block_manager: BlockManager) -> Unservable | None:
         """Which limit makes this request impossible to run, and what to change; None if it fits."""
         cfg, n = self.config, seq.num_prompt_tokens
+        num_seqs = seq.sampling_params.n
+        if num_seqs > cfg.max_num_seqs:  # its n sequences run together once forked: they must fit in one step
+            return Unservable("n", f"n={num_seqs} completions run as {num_seqs} sequences at once, but "
+                                   f"max_num_seqs={cfg.max_num_seqs}; lower n or raise max_num_seqs")
         if n >= cfg.max_model_len:
-            return (f"the prompt has {n} tokens but max_model_len={cfg.max_model_len} leaves no room to "
-                    "generate; shorten the prompt or raise max_model_len")
+            return Unservable(None, f"the prompt has {n} tokens but max_model_len={cfg.max_model_len} leaves no "
+                                    "room to generate; shorten the prompt or raise max_model_len")
         max_tokens = seq.sampling_params.max_tokens
         final_len = cfg.max_model_len if max_tokens is None else min(n + max_tokens, cfg.max_model_len)
         needed = block_manager.blocks_needed(final_len - 1)  # the last token is never computed
         if needed > block_manager.num_blocks:
-            return (f"the request needs {needed} KV blocks ({final_len} tokens) but the pool has only "
-                    f"{block_manager.num_blocks}; raise num_kv_blocks (or the KV memory budget), "
-                    "or lower max_tokens")
+            return Unservable(None, f"the request needs {needed} KV blocks ({final_len} tokens) but the pool has "
+                                    f"only {block_manager.num_blocks}; raise num_kv_blocks (or the KV memory "
+                                    "budget), or lower max_tokens")
         return None

@@ -23,8 +23,10 @@ A request can only fail itself (the failure model, engine/errors.py):
   * the commit (appending tokens, detokenizing, stop strings) runs request by request: an exception
     there finishes that request with an error and leaves no half-finished entry behind.
 
-Requests that can never run (longer than max_model_len, or needing more KV blocks than the whole
-pool) finish at once with finish_reason "error" and a message saying which limit to change.
+Requests that can never run (more completions than max_num_seqs, longer than max_model_len, or needing
+more KV blocks than the whole pool) finish at once with finish_reason "error" and a message saying
+which limit to change. A plug-in's failure (the scheduling policy's, the proposer's) is not a
+request's: the step is undone and the error raised.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.errors import EngineDeadError, is_fatal
 from minivllm.engine.loading import RankModel, compile_decision, load_rank, resolve_device, resolve_dtype
 from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.input_processor import InputProcessor, PromptType
+from minivllm.engine.input_processor import InputProcessor, PromptType, Unservable
 from minivllm.engine.output_processor import OutputProcessor, RequestState
 from minivllm.engine.sampling_metadata import RowGroupOutput
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -114,7 +116,8 @@ class LLMEngine:
             self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
                                 if config.speculative_config is not None else None)
             self.speculator = (Speculator(self.spec_config, build_proposer(self.spec_config, self, num_blocks),
-                                          self.check_token_ids) if self.spec_config is not None else None)
+                                          self.check_token_ids, spec.vocab_size)
+                               if self.spec_config is not None else None)
         except BaseException:  # e.g. a draft model that fails to load: the workers must not outlive us
             if self.executor is not None:
                 self.executor.shutdown()
@@ -126,6 +129,8 @@ class LLMEngine:
             max_admission_skips=config.max_admission_skips,
             num_speculative_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             state_pool=self.state_pool, policy=get_policy(config.scheduling_policy))
+        if self.speculator is not None:
+            self.scheduler.on_release = self.speculator.on_release
         self.input_processor = InputProcessor(self.tokenizer, spec, config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests by id
@@ -209,13 +214,13 @@ class LLMEngine:
         state = self.output_processor.new_request(seq)
         error = self.unservable_reason(seq)
         if error is not None:
-            seq.finish("error", error=error)
+            seq.finish("error", error=error.message)
             self._pending.append(self.output_processor.output(state))
             return
         self.requests[seq.group_id] = state
         self.scheduler.add_sequence(seq)
 
-    def unservable_reason(self, seq: Sequence) -> str | None:
+    def unservable_reason(self, seq: Sequence) -> Unservable | None:
         """Which limit makes this request impossible to run, and what to change; None if it fits."""
         return self.input_processor.unservable_reason(seq, self.block_manager)
 
@@ -251,14 +256,17 @@ class LLMEngine:
             return outputs
         t0 = time.perf_counter()
         self.scheduler.begin()
-        plan = self.scheduler.schedule()
-        if self.speculator is not None:
-            try:
+        try:
+            plan = self.scheduler.schedule()
+            if self.speculator is not None and not plan.is_empty:
                 self.speculator.propose(plan, self.scheduler)
-            except BaseException:  # the proposer's failure, not a request's: undo the step, raise
-                self.scheduler.rollback()
-                self._pending = outputs + self._pending
-                raise
+        except BaseException:  # a scheduling policy's or the proposer's failure, not a request's: undo, raise
+            self.scheduler.rollback()
+            self._pending = outputs + self._pending
+            raise
+        if plan.is_empty:  # nothing could run (every candidate preempted or waiting): no forward to make
+            self.scheduler.commit()
+            return outputs
         try:
             sampled = self.model_runner.execute_model(plan)
         except Exception as error:
@@ -274,9 +282,13 @@ class LLMEngine:
             raise
         self.scheduler.commit()
         committed = self._commit(plan, sampled)
-        if self.speculator is not None:
-            self.speculator.after_step(plan, sampled)
         outputs.extend(committed)
+        if self.speculator is not None:
+            try:
+                self.speculator.after_step(plan, sampled)
+            except BaseException:  # the proposer's failure, after the commit: the step's outputs still go out
+                self._pending = outputs + self._pending
+                raise
         if self.config.record_trace:
             done = [o.request_id for o in committed if o.finished]
             accepted = [max(0, len(o.tokens) - 1) if sch.num_spec_tokens else 0
@@ -299,7 +311,7 @@ class LLMEngine:
         try:
             if is_fatal(error):
                 raise _dead(error) from error
-            culprits = self._blame(plan.scheduled)
+            culprits = self._blame(plan, plan.scheduled)
         finally:
             self.scheduler.rollback(written)
         if not culprits:
@@ -312,11 +324,14 @@ class LLMEngine:
             failed[seq.group_id] = self.requests[seq.group_id]
         return [self._report(state) for state in failed.values()]
 
-    def _blame(self, group: list[ScheduledSequence]) -> list[tuple[ScheduledSequence, Exception]]:
-        """Bisection: re-run `group`; if it fails, re-run each half, down to single requests. Costs
-        O(culprits x log(batch)) forwards, paid only by a failed step."""
-        try:
-            self.model_runner.execute_model(SchedulerOutput(list(group)))
+    def _blame(self, plan: SchedulerOutput, group: list[ScheduledSequence]
+               ) -> list[tuple[ScheduledSequence, Exception]]:
+        """Bisection: re-run `group` (a part of `plan`); if it fails, re-run each half, down to single
+        requests. Costs O(culprits x log(batch)) forwards, paid only by a failed step."""
+        if not group:
+            return []
+        try:  # the drafts' proposal distributions go with them: verification must be re-run as it ran
+            self.model_runner.execute_model(SchedulerOutput(list(group), draft_probs=plan.draft_probs))
             return []
         except Exception as error:
             if is_fatal(error):
@@ -324,7 +339,7 @@ class LLMEngine:
             if len(group) == 1:
                 return [(group[0], error)]
         mid = len(group) // 2
-        return self._blame(group[:mid]) + self._blame(group[mid:])
+        return self._blame(plan, group[:mid]) + self._blame(plan, group[mid:])
 
     def _count_tokens(self, seq: Sequence, num_new: int, first: bool) -> None:
         """Tokens are counted here, at commit: recomputed or rejected ones never count."""
@@ -354,10 +369,10 @@ class LLMEngine:
                 if row_out.prompt_logprobs:
                     seq.prompt_logprobs.extend(row_out.prompt_logprobs)
                 result = self.scheduler.postprocess_one(sched, row_out)
+                for child in result.updated[1:]:  # forked children join their request before anything can fail
+                    self.output_processor.add_sequence(state, child)
                 self.model_runner.copy_blocks(result.blocks_to_copy)
                 for current in result.updated:
-                    if current.index >= len(state.seqs):
-                        self.output_processor.add_sequence(state, current)
                     first = state.detoks[current.index].num_output_tokens == 0
                     num_new, match = self.output_processor.detokenize(state, current)
                     if match is not None:
@@ -369,11 +384,23 @@ class LLMEngine:
             except EngineDeadError:  # copy-on-write on the workers failed: fatal, not this request's fault
                 raise
             except Exception as e:
-                self.scheduler.finish(current, "error", error=f"committing this request's token failed: "
-                                                              f"{type(e).__name__}: {e}")
+                error = f"committing this request's token failed: {type(e).__name__}: {e}"
+                if not current.is_finished:
+                    self.scheduler.finish(current, "error", error=error)
+                self._adopt_orphans(state, error)
                 changed[state.request_id] = state
         return [self._report(state) for state in changed.values()
                 if state.finished or state.seqs[0].sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY]
+
+    def _adopt_orphans(self, state: RequestState, error: str) -> None:
+        """After a failed commit: a sequence of this request that the scheduler runs but the request does
+        not know (a child forked before the failure, not yet handed over) would run for nobody, holding
+        its blocks. It joins its request and finishes with the same error."""
+        known = {id(s) for s in state.seqs}
+        orphans = [s for s in self.scheduler.live_sequences if s.group_id == state.request_id and id(s) not in known]
+        for seq in sorted(orphans, key=lambda s: s.index):
+            self.output_processor.add_sequence(state, seq)
+            self.scheduler.finish(seq, "error", error=error)
 
     # --- introspection and shutdown ----------------------------------------------------------------
     def get_stats(self) -> EngineStats:

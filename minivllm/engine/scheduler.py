@@ -1,7 +1,8 @@
 """`Scheduler`: who runs in this step, and how many tokens each.
 
 One step = one forward pass over a flat batch of up to `max_num_batched_tokens` tokens from at most
-`max_num_seqs` requests. Prefill and decode share the batch ("mixed batches"):
+`max_num_seqs` sequences (a request with n > 1 counts its n: its children, forked when the prompt is
+done, are reserved a seat at admission). Prefill and decode share the batch ("mixed batches"):
 
   1. RUNNING requests first, oldest first. Each gets the tokens it has not computed yet, capped by
      the budget: one token for a decode, the next chunk for a request still in (chunked) prefill.
@@ -36,6 +37,7 @@ project built on nano-vllm, whose guide writes a scheduler with these method nam
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -127,6 +129,9 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens  # draft slots per decoding sequence
         self.state_pool = state_pool  # hybrid models: a state slot per running request, too
         self.policy = policy or FCFSPolicy()  # which waiting request to try first, whom to preempt
+        # Told of every sequence that gives its blocks back (finished, aborted, failed, preempted): a
+        # proposer with a cache of its own forgets it (spec_decode/speculator.py).
+        self.on_release: Callable[[Sequence], None] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
         self.num_preemptions = 0
@@ -178,8 +183,9 @@ class Scheduler:
             return out
         still_waiting: deque[Sequence] = deque()
         hold = False  # set once a starving request must be served before anyone behind it
+        seats = self.max_num_seqs - self.num_seats_taken
         for seq in self.policy.admission_order(self.waiting):
-            if hold or budget == 0 or len(self.running) >= self.max_num_seqs:
+            if hold or budget == 0 or seats == 0:
                 still_waiting.append(seq)
                 continue
             prefix = bm.get_computed_blocks(seq)
@@ -187,8 +193,9 @@ class Scheduler:
             fits_budget = n <= budget or self.enable_chunked_prefill
             n = min(n, budget)
             self._record_seq(seq)
+            no_seat = 1 + seq.num_forks_pending > seats  # n > 1: its children will run beside it
             no_state = self.state_pool is not None and not self.state_pool.can_allocate(seq)
-            if not fits_budget or no_state or not bm.can_allocate(seq, n, prefix):
+            if not fits_budget or no_seat or no_state or not bm.can_allocate(seq, n, prefix):
                 seq.num_admission_skips += 1
                 hold = seq.num_admission_skips > self.max_admission_skips
                 still_waiting.append(seq)
@@ -203,13 +210,21 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, prefix.num_tokens, n))
             budget -= n
+            seats -= 1 + seq.num_forks_pending
         self.waiting = still_waiting
         return out
 
+    @property
+    def num_seats_taken(self) -> int:
+        """Sequences running, counting the children each still has to fork (n > 1): a step never holds
+        more than max_num_seqs of them, forks included."""
+        return len(self.running) + sum(s.num_forks_pending for s in self.running)
+
     def _draft_slots(self, seq: Sequence, budget: int) -> int:
         """How many draft slots a decoding sequence may reserve: within the token budget, and never
-        past max_tokens or max_model_len (d drafts commit at most d + 1 tokens)."""
-        if not self.num_speculative_tokens or seq.num_uncomputed_tokens != 1:
+        past max_tokens or max_model_len (d drafts commit at most d + 1 tokens). None for a prompt that
+        is about to fork (n > 1): its last row is sampled once per child, which verification does not do."""
+        if not self.num_speculative_tokens or seq.num_uncomputed_tokens != 1 or seq.num_forks_pending:
             return 0
         room = self.max_model_len - seq.num_tokens - 1
         max_tokens = seq.sampling_params.max_tokens
@@ -221,14 +236,20 @@ class Scheduler:
         """Recompute preemption: free the blocks, forget the K/V, back to the front of WAITING."""
         self._record_seq(seq)
         self.running.remove(seq)
-        self.block_manager.free(seq)
-        if self.state_pool is not None:  # the state is recomputed from scratch with the prompt
-            self.state_pool.release(seq)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back everything `seq` holds: blocks, its state pair, and what a proposer keeps for it."""
+        self.block_manager.free(seq)
+        if self.state_pool is not None:  # the state is recomputed from scratch with the prompt
+            self.state_pool.release(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
 
     # --- the commit ------------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, outputs: list[RowGroupOutput | int | None]) -> CommitResult:
@@ -269,6 +290,12 @@ class Scheduler:
             self.running.append(child)
             self._append(child, first)
             result.updated.append(child)
+            if (self.state_pool is not None and not child.is_finished
+                    and child.num_computed_tokens < seq.num_computed_tokens):
+                # No free block for the copy of the partial last block: the child would recompute those
+                # tokens, but a hybrid model's recurrent state (copied from the parent) already holds
+                # them. It recomputes its whole prompt instead, as a preempted sequence does.
+                self.preempt(child)
         seq.num_forks_pending = 0
         # Verified drafts then the target's token. Each accepted draft's K/V was computed by this
         # step; tokens past a stop are dropped.
@@ -315,9 +342,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
-        if self.state_pool is not None:
-            self.state_pool.release(seq)
+        self._release(seq)
         seq.finish(reason, stop_reason, error)
 
     # --- transactions ----------------------------------------------------------------------------

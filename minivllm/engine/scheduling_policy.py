@@ -9,7 +9,9 @@ that a victim is never a request already scheduled in this step (the candidates 
 needs the block and the ones scheduled after it). `FCFSPolicy` is the default (vLLM's "fcfs"):
 arrival order, and the newest admitted request is preempted so the oldest always progresses.
 `PriorityPolicy` (vLLM's "priority"): a lower `priority` value first, ties by arrival; the victim is
-the least urgent. Write your own by subclassing (see the capstone in docs/teachers.md).
+the least urgent. Write your own by subclassing (see the capstone in docs/teachers.md). A policy of your
+own is wrapped in `CheckedPolicy`, which refuses (`PolicyContractError`, naming the rule) an admission
+order that drops, adds or repeats a request, and a victim that is not one of the candidates.
 """
 
 from __future__ import annotations
@@ -53,12 +55,47 @@ class PriorityPolicy(SchedulingPolicy):
         return max(candidates, key=lambda s: (s.priority, s.arrival_index))
 
 
+class PolicyContractError(AssertionError):
+    """A policy returned something the scheduler cannot use (the rule is in the message)."""
+
+
+class CheckedPolicy(SchedulingPolicy):
+    """Wraps a policy and enforces the seam's contract on every call, naming the rule it breaks. The scheduler
+    wraps every policy in it: a policy that dropped a waiting request would leave it in its request forever,
+    run by nobody; one that chose a request scheduled earlier in the step would corrupt the plan."""
+
+    def __init__(self, inner: SchedulingPolicy) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def admission_order(self, waiting: SequenceABC[Sequence]) -> list[Sequence]:
+        order = list(self.inner.admission_order(waiting))
+        if len(order) != len(waiting) or {id(s) for s in order} != {id(s) for s in waiting}:  # O(waiting)
+            raise PolicyContractError(
+                "RULE: admission_order must return every waiting request exactly once (a reordering: none "
+                f"dropped, none added, none twice); got {_ids(order)} for waiting {_ids(waiting)}")
+        return order
+
+    def choose_victim(self, candidates: SequenceABC[Sequence]) -> Sequence:
+        victim = self.inner.choose_victim(candidates)
+        if not any(victim is c for c in candidates):
+            raise PolicyContractError(
+                "RULE: choose_victim must return one of `candidates` (the request that needs a block or "
+                "one scheduled after it: a request already scheduled in this step cannot be preempted); got "
+                f"{getattr(victim, 'request_id', victim)!r} for candidates {_ids(candidates)}")
+        return victim
+
+
+def _ids(seqs: SequenceABC[Sequence], most: int = 12) -> str:
+    ids = [getattr(s, "request_id", s) for s in list(seqs)[:most + 1]]
+    return str(ids[:most])[:-1] + ", ...]" if len(ids) > most else str(ids)
+
+
 POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
 
 
 def get_policy(policy: str | SchedulingPolicy) -> SchedulingPolicy:
     if isinstance(policy, SchedulingPolicy):
-        return policy
+        return policy if isinstance(policy, CheckedPolicy) else CheckedPolicy(policy)
     if policy not in POLICIES:
         raise ValueError(f"scheduling_policy={policy!r}: use one of {sorted(POLICIES)} or a SchedulingPolicy")
     return POLICIES[policy]()

@@ -12,52 +12,23 @@ shrinks the run to the shortest one that still breaks it.
 
 The project's own tests run this machine on the built-in policies (tests/engine/test_scheduler.py),
 and the capstone's grader runs the very same one on a student's policy (teaching/capstone.py), wrapped
-in `CheckedPolicy`, which names the rule of the seam a policy breaks (`PolicyContractError`).
+in `CheckedPolicy` (engine/scheduling_policy.py, which the engine's scheduler wraps every policy in too):
+it names the rule of the seam a policy breaks (`PolicyContractError`).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler
-from minivllm.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
+from minivllm.engine.scheduling_policy import CheckedPolicy, FCFSPolicy, PolicyContractError, SchedulingPolicy
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
 
 EOS = 1  # the machine's end-of-sequence token: a request that samples it finishes
-
-
-class PolicyContractError(AssertionError):
-    """A policy returned something the scheduler cannot use (the rule is in the message)."""
-
-
-class CheckedPolicy(SchedulingPolicy):
-    """Wraps a policy and enforces the seam's contract on every call, naming the rule it breaks."""
-
-    def __init__(self, inner: SchedulingPolicy) -> None:
-        self.inner, self.name = inner, inner.name
-
-    def admission_order(self, waiting: SequenceABC[Sequence]) -> list[Sequence]:
-        order = list(self.inner.admission_order(waiting))
-        if sorted(map(id, order)) != sorted(map(id, waiting)):
-            raise PolicyContractError(
-                "RULE: admission_order must return every waiting request exactly once (a reordering: none "
-                f"dropped, none added, none twice); got {[s.request_id for s in order]} for waiting "
-                f"{[s.request_id for s in waiting]}")
-        return order
-
-    def choose_victim(self, candidates: SequenceABC[Sequence]) -> Sequence:
-        victim = self.inner.choose_victim(candidates)
-        if not any(victim is c for c in candidates):
-            raise PolicyContractError(
-                "RULE: choose_victim must return one of `candidates` (the request that needs a block or "
-                "one scheduled after it: a request already scheduled in this step cannot be preempted); got "
-                f"{getattr(victim, 'request_id', victim)!r} for candidates {[s.request_id for s in candidates]}")
-        return victim
 
 
 def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, *, priorities: bool = False,
@@ -111,6 +82,8 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
             outputs = []
             for i, s in enumerate(out.scheduled):
                 token = SampledToken(self.rng.choice([EOS, 7, 8]))
+                assert not (s.num_spec_tokens and s.seq.num_forks_pending), \
+                    "a prompt about to fork got draft slots: its children would never be forked"
                 if s.num_spec_tokens:  # a proposer drafts d <= k tokens; the target accepts a <= d
                     d = self.rng.randint(0, s.num_spec_tokens)
                     s.seq.spec_token_ids = [self.rng.choice([7, 8]) for _ in range(d)]
@@ -150,6 +123,8 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
                 bm = self.sched.block_manager
                 bm.check_invariants(self.sched.live_sequences)
                 assert all(s.status is SequenceStatus.RUNNING for s in self.sched.running)
+                seats = len(self.sched.running) + sum(s.num_forks_pending for s in self.sched.running)
+                assert seats <= self.sched.max_num_seqs, "more sequences than max_num_seqs (forks to come included)"
                 for s in self.sched.live_sequences:  # rejected drafts leave no trace
                     assert not s.spec_token_ids and len(s.block_table) <= bm.blocks_needed(s.num_tokens)
                     assert s.num_computed_tokens < s.num_tokens

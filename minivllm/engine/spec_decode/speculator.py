@@ -4,10 +4,13 @@
                               reserved; drafts go to `seq.spec_token_ids` (recorded in the step's
                               undo log) and each row group shrinks to the drafts actually proposed
     after_step(plan, out)     count drafts and acceptances; tell the proposer what the target
-                              verified (`on_commit`) and which sequences are gone (`on_free`)
+                              verified (`on_commit`)
+    on_release(seq)           the scheduler gave a sequence's blocks back, for whatever reason: the
+                              proposer forgets it (`on_free`)
 
-The proposer is checked like user input: more drafts than asked or an id outside the vocabulary is
-an error naming the proposer, never silently trimmed.
+The proposer is checked like user input: more drafts than asked, an id outside the vocabulary, or
+`Draft.probs` that is no distribution over the drafts (shape, sign, sum) is an error naming the
+proposer, never silently trimmed or broadcast.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from minivllm.engine.sampling_metadata import RowGroupOutput
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from minivllm.engine.spec_decode.config import SpeculativeConfig
 from minivllm.engine.spec_decode.ngram import NgramProposer
+from minivllm.engine.sequence import Sequence
 from minivllm.engine.spec_decode.proposer import DraftRequest, Proposer
 
 
@@ -41,9 +47,10 @@ def build_proposer(cfg: SpeculativeConfig, engine: Any, num_blocks: int) -> Prop
 
 class Speculator:
     def __init__(self, cfg: SpeculativeConfig, proposer: Proposer,
-                 check_token_ids: Callable[[str, str, list[int]], list[int]]) -> None:
+                 check_token_ids: Callable[[str, str, list[int]], list[int]], vocab_size: int) -> None:
         self.proposer = proposer
         self.check_token_ids = check_token_ids
+        self.vocab_size = vocab_size
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.per_position = [[0, 0] for _ in range(cfg.num_speculative_tokens)]  # [drafted, accepted]
@@ -63,12 +70,35 @@ class Speculator:
                 raise ValueError(f"the proposer drafted {len(ids)} tokens for {seq.request_id!r}, "
                                  f"more than the {sched.num_spec_tokens} asked")
             self.check_token_ids(seq.request_id, "draft token_ids", ids)
+            if draft.probs is not None and ids:
+                self._check_probs(seq.request_id, ids, draft.probs)
             scheduler.undo.record_seq(seq)
             seq.spec_token_ids = ids
             unused = sched.num_spec_tokens - len(ids)
             plan.scheduled[i] = ScheduledSequence(seq, sched.start, sched.num_new_tokens - unused, len(ids))
             if draft.probs is not None and ids:
                 plan.draft_probs[seq.request_id] = draft.probs[:len(ids)]
+
+    def _check_probs(self, request_id: str, ids: list[int], probs: torch.Tensor) -> None:
+        """A proposal distribution must be one: a (drafts, V) row per draft, finite, non-negative, summing to 1,
+        and giving its own draft a chance. Anything else would be broadcast or misread by rejection sampling,
+        silently changing the distribution the target samples from."""
+        name, d, V = type(self.proposer).__name__, len(ids), self.vocab_size
+        where = f"{name} returned Draft.probs for {request_id!r}"
+        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
+            raise ValueError(f"{where} that is not a floating-point tensor ({type(probs).__name__})")
+        if probs.dim() != 2 or probs.shape[0] < d or probs.shape[1] != V:
+            raise ValueError(f"{where} of shape {tuple(probs.shape)}; give one row per draft token: ({d}, {V}) "
+                             "(or more rows, of which the first len(token_ids) are used)")
+        rows = probs[:d].float()
+        if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()):
+            raise ValueError(f"{where} with negative, NaN or infinite entries; give probabilities")
+        sums = rows.sum(-1)
+        if not bool(((sums - 1).abs() <= 1e-3).all()):
+            raise ValueError(f"{where} whose rows sum to {sums.tolist()}, not 1; give normalised distributions")
+        if bool((rows[torch.arange(d), torch.tensor(ids)] <= 0).any()):
+            raise ValueError(f"{where} that gives probability 0 to its own draft token; a draft must be drawn "
+                             "from its distribution")
 
     def after_step(self, plan: SchedulerOutput, sampled: list[RowGroupOutput]) -> None:
         ids, computed = [], []
@@ -81,14 +111,15 @@ class Speculator:
                 for j in range(sched.num_spec_tokens):
                     self.per_position[j][0] += 1
                     self.per_position[j][1] += j < accepted
-            if seq.is_finished:
-                self.proposer.on_free(seq.request_id)
-            else:
+            if not seq.is_finished:  # finished or preempted ones were released (`on_release`)
                 ids.append(seq.request_id)
                 computed.append(seq.num_computed_tokens)
-        for seq in plan.preempted:
-            self.proposer.on_free(seq.request_id)
         self.proposer.on_commit(ids, computed)
+
+    def on_release(self, seq: Sequence) -> None:
+        """The scheduler gave `seq`'s blocks back (finished, aborted, failed, preempted): whatever the
+        proposer keeps for it is stale (a request id may be used again)."""
+        self.proposer.on_free(seq.request_id)
 
     @property
     def acceptance_per_position(self) -> tuple[float, ...]:

@@ -83,6 +83,7 @@ def render_and_check(engine: AsyncLLMEngine, render: Callable[[], list[TokensPro
     prompts = render()
     for p in prompts:
         reason = engine.check_request(p, sp)
-        if reason is not None:
-            raise ApiError(400, reason, param, "context_length_exceeded")
+        if reason is not None:  # a field that can never be served (n), or the prompt's length
+            raise ApiError(400, reason.message, reason.field or param,
+                           None if reason.field else "context_length_exceeded")
     return prompts
