@@ -9,27 +9,38 @@
 
 They share the float32 / bfloat16 helpers of cpu_simd.h and register their ops under one library,
 `torch.ops.minivllm_cpu`. `load_cpu_kernels()` compiles them with torch.utils.cpp_extension (ninja and the
-system's C++ compiler; ~15-20 s the first time, then cached) with -march=native, i.e. for the machine that
-runs them: AVX-512 paths where the CPU has them, plain loops the compiler vectorises elsewhere. The
-build folder is named after this CPU's instruction-set flags, so a home directory shared with a
-different CPU builds its own copy.
+system's C++ compiler; ~20-70 s on 2 cores the first time, then a second to load) with -march=native,
+i.e. for the machine that runs them: AVX-512 paths where the CPU has them, plain loops the compiler
+vectorises elsewhere. The build folder is named after a digest of everything the binary depends on:
+this CPU's instruction-set flags, torch's version, the sources and headers, and the flags. So a home
+directory shared with a different CPU, or two checkouts of different minivllm versions, never load
+each other's build (a binary from other sources would compute something else, quietly).
+
+Several processes at once (two notebooks, tensor-parallel ranks, a test beside a server) take turns:
+one builds while the others wait on an OS file lock (`flock`), which the kernel releases when its
+holder exits, killed or not, so no lock outlives a build. The wait is bounded (`BUILD_WAIT_S`); a
+process that waited that long runs without the kernels and says why. A compile prints a line with its
+expected duration, then one every `PROGRESS_EVERY_S` seconds: a first start is never silent for long.
 
 It never raises. Where the kernels cannot be built (no compiler, not Linux x86-64 / arm64, a compile
-error) it logs a warning with the compiler's message and returns a `CpuKernelsBuild` saying why; the
-engine then runs without them (torch's own kernels), and `minivllm bench` prints the reason. A build
-interrupted half-way (Ctrl-C, a kill) leaves a lock file that would make every later build wait for
-ever; one older than `STALE_LOCK_S` is removed.
+error, a build held by another process for too long) it logs a warning with the reason and returns a
+`CpuKernelsBuild` saying why; the engine then runs without them (torch's own kernels), and
+`minivllm bench` prints the reason.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -40,7 +51,8 @@ HEADERS = ("cpu_simd.h",)  # included by the sources: the float32 / bfloat16 hel
 SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp", "greedy_argmax.cpp", "rms_norm.cpp",
            "rotary_embedding.cpp")
 LIBRARY = "minivllm_cpu"
-STALE_LOCK_S = 300  # a build takes ~20 s; a lock file this old was left by a build that died
+BUILD_WAIT_S = 900.0  # the longest wait for another process's build: ~1 min on 2 idle cores, several on a busy one
+PROGRESS_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -60,9 +72,10 @@ def load_cpu_kernels() -> CpuKernelsBuild:
         return CpuKernelsBuild(False, f"built only on Linux x86-64 / arm64, not {sys.platform} {platform.machine()}")
     log = logging.getLogger("minivllm")
     try:
-        name = f"minivllm_cpu_kernels_{_machine_key()}"
-        log.info("loading minivllm's CPU kernels %s (compiled the first time on this machine, ~15-20 s)", name)
-        build_cpu_kernels(name, ["-march=native"])
+        cflags = ["-march=native"]
+        name = f"minivllm_cpu_kernels_{_build_key(cflags)}"
+        log.info("loading minivllm's CPU kernels %s (compiled the first time on this machine)", name)
+        build_cpu_kernels(name, cflags)
     except Exception as error:  # no compiler, no ninja, a compile error: the engine runs without them
         text = str(error).strip() or type(error).__name__
         log.warning("minivllm's CPU kernels could not be built; running on torch's kernels instead:\n%s", text)
@@ -70,20 +83,28 @@ def load_cpu_kernels() -> CpuKernelsBuild:
     return CpuKernelsBuild(True, f"built for this CPU as {name}")
 
 
-def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY) -> None:
+def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY, wait_s: float = BUILD_WAIT_S) -> None:
     """Compile the kernels as extension `name` with `cflags` (the instruction set) and load them; their
-    ops are torch.ops.<library>.*. The tests build the non-AVX-512 paths this way under other names."""
-    from torch.utils.cpp_extension import get_default_build_root, load
+    ops are torch.ops.<library>.*. The tests build the non-AVX-512 paths this way under other names.
+    Raises TimeoutError if another process holds the folder's build lock for more than `wait_s` seconds."""
+    from torch.utils.cpp_extension import get_default_build_root
 
     build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "minivllm" / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    lock = build_dir / "lock"  # torch's FileBaton: a concurrent build (another rank) holds it ~20 s
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            logging.getLogger("minivllm").warning("removing %s, left by an interrupted build", lock)
-            lock.unlink()
-    except FileNotFoundError:
-        pass
+    with _exclusive(build_dir / "build.lock", wait_s):
+        # Every minivllm process builds under that lock, so torch's own lock file (its FileBaton, which it would
+        # wait on for ever) can only be a leftover of a build that was killed: nobody holds it.
+        (build_dir / "lock").unlink(missing_ok=True)
+        compiled = (build_dir / f"{name}.so").exists()
+        with _progress("" if compiled else
+                       f"minivllm: compiling the C++ CPU kernels for this CPU (first use with these sources; "
+                       f"~20-70 s on 2 cores, later starts load them at once) into {build_dir}"):
+            _load(name, cflags, library, build_dir)
+
+
+def _load(name: str, cflags: list[str], library: str, build_dir: Path) -> None:
+    from torch.utils.cpp_extension import load
+
     here = Path(__file__).parent
     path = os.environ.get("PATH", "")
     if shutil.which("ninja") is None:  # the `ninja` wheel's binary, when its venv's bin/ is not on PATH
@@ -95,7 +116,7 @@ def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY) -> N
     # torch.set_num_threads) serves both.
     # torch rebuilds when a source or a flag changes, but does not read the headers: their digest goes into
     # the flags, so editing cpu_simd.h rebuilds too.
-    headers = hashlib.sha256(b"".join((here / h).read_bytes() for h in HEADERS)).hexdigest()[:12]
+    headers = _digest(HEADERS)
     try:
         load(name, [str(here / source) for source in SOURCES],
              extra_cflags=["-O3", "-fopenmp", *cflags, f"-DMINIVLLM_CPU_LIBRARY={library}",
@@ -113,8 +134,14 @@ def _cause(text: str) -> str:
     return "; ".join(errors[-2:] or lines[-1:])[:300]
 
 
-def _machine_key() -> str:
-    """A digest of this CPU's instruction-set flags (the build is -march=native) and torch's version."""
+def _digest(files: tuple[str, ...]) -> str:
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / f).read_bytes() for f in files)).hexdigest()[:12]
+
+
+def _build_key(cflags: list[str]) -> str:
+    """A digest of what the binary depends on: this CPU's instruction-set flags (the build is -march=native),
+    torch's version, the machine, the sources and headers, and the flags."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -123,5 +150,55 @@ def _machine_key() -> str:
                 break
     except OSError:
         pass
-    text = f"{flags}|{torch.__version__}|{os.uname().machine}"
+    text = f"{flags}|{torch.__version__}|{os.uname().machine}|{_digest(SOURCES + HEADERS)}|{' '.join(cflags)}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@contextmanager
+def _exclusive(path: Path, wait_s: float) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path` (waiting at most `wait_s` seconds for another process to let go).
+    The OS releases it when the holder exits, however it exits: no stale lock to clean up."""
+    with open(path, "a+") as f:
+        start, said = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited >= wait_s:
+                    raise TimeoutError(f"another process has been building minivllm's CPU kernels in {path.parent} "
+                                       f"for more than {wait_s:g} s") from None
+                if not said and waited > 2:  # not a mere load (a second) by another rank: say why we wait
+                    print(f"minivllm: waiting for another process that is building the C++ CPU kernels "
+                          f"(at most {wait_s:g} s)", file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _progress(message: str) -> Iterator[None]:
+    """Print `message` (if any), then the time spent every PROGRESS_EVERY_S seconds until the block ends."""
+    if not message:
+        yield
+        return
+    print(message, file=sys.stderr, flush=True)
+    done, start = threading.Event(), time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(PROGRESS_EVERY_S):
+            print(f"minivllm: still compiling the CPU kernels ({time.monotonic() - start:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+    ticker = threading.Thread(target=tick, name="minivllm-build-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        print(f"minivllm: the CPU kernels are built ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)

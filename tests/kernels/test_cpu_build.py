@@ -3,13 +3,19 @@ does not run (built here under other op-library names and compared with the naiv
 
 from __future__ import annotations
 
+import fcntl
 import os
 import platform
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from minivllm.kernels.cpu_build import _cause, build_cpu_kernels, load_cpu_kernels
+from minivllm.kernels.cpu_build import _build_key, _cause, build_cpu_kernels, load_cpu_kernels
 from minivllm.kernels.paged_decode_attention import naive_paged_decode_attention
 from minivllm.kernels.rms_norm import naive_rms_norm
 from minivllm.kernels.rotary_embedding import naive_rotary_embedding
@@ -48,6 +54,71 @@ def test_the_shared_header_is_part_of_the_build_flags(monkeypatch, tmp_path):
     header = (Path(cpu_build.__file__).parent / "cpu_simd.h").read_bytes()
     assert f"-DMINIVLLM_HEADERS_DIGEST={hashlib.sha256(header).hexdigest()[:12]}" in seen["extra_cflags"]
     assert len(seen["sources"]) == len(cpu_build.SOURCES)
+
+
+def test_a_build_held_by_another_process_is_waited_for_a_bounded_time(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension as cpp_extension
+
+    loads = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: loads.append(name))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = tmp_path / "minivllm" / "held"
+    folder.mkdir(parents=True)
+    with open(folder / "build.lock", "a+") as held:  # what another process building here holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"another process has been building .* for more than 0.5 s"):
+            build_cpu_kernels("held", [], library="held", wait_s=0.5)
+        assert 0.5 <= time.monotonic() - start < 5 and loads == []
+    (folder / "lock").touch()  # torch's own lock file, left by a build that was killed half-way
+    build_cpu_kernels("held", [], library="held", wait_s=0.5)
+    assert loads == ["held"] and not (folder / "lock").exists()  # removed: nobody could hold it
+
+
+def test_the_build_folder_is_keyed_by_the_sources_and_flags(monkeypatch):
+    from minivllm.kernels import cpu_build
+
+    key = _build_key(["-march=native"])
+    assert key == _build_key(["-march=native"]) != _build_key(["-march=native", "-O0"])
+    monkeypatch.setattr(cpu_build, "_digest", lambda files: "other sources")
+    assert _build_key(["-march=native"]) != key  # another checkout never loads this one's binary
+
+
+RACE = textwrap.dedent("""
+    import sys, torch
+    torch.set_num_threads(1)
+    from minivllm import LLM, SamplingParams
+    llm = LLM(sys.argv[1], block_size=4, num_kv_blocks=64)  # its warm-up loads the kernels
+    outs = llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(4)],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    print([(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outs], flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_processes_that_meet_in_a_fresh_build_folder_take_turns(qwen3_dir, tmp_path):
+    """One process is killed half-way through building (its files and torch's lock file stay behind); two
+    engines then start together on that folder: one builds, the other waits for it, and every request of
+    both ends with its finish reason (a build from other sources, or a wait that never ends, once ended a
+    notebook's request after one token, or held a start-up for minutes)."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    killed = subprocess.Popen([sys.executable, "-c", "from minivllm.kernels.cpu_build import load_cpu_kernels; "
+                               "load_cpu_kernels()"], env=env, stderr=subprocess.PIPE, text=True)
+    for line in killed.stderr:  # the compiler is running
+        if "compiling" in line:
+            break
+    time.sleep(3)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    engines = [subprocess.Popen([sys.executable, "-c", RACE, qwen3_dir], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [p.communicate(timeout=800) for p in engines]
+    for p, (out, err) in zip(engines, results):
+        assert p.returncode == 0, err
+        assert out.strip().splitlines()[-1] == str([("length", 12)] * 4), err
+    said = results[0][1] + results[1][1]
+    assert said.count("the CPU kernels are built") == 1 and "waiting for another process" in said
 
 
 def _cpu_flags() -> set[str]:
