@@ -15,7 +15,7 @@ from minivllm.config import EngineConfig
 from minivllm.entrypoints.engine_args import describe, engine_kwargs
 
 
-def run(*args: str, stdin: str | None = None, env: dict | None = None, timeout: int = 300):
+def run(*args: str, stdin: str | None = None, env: dict | None = None, timeout: int = 900):  # only a hang
     return subprocess.run([sys.executable, "-m", "minivllm.entrypoints.cli", *args], input=stdin,
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 

@@ -109,10 +109,10 @@ def test_capstone_grader_fails_a_broken_policy(policy, rule):
 def test_capstone_grader_command(tmp_path):
     """The student's command: the starter is "not written yet" (2); a correct policy passes (0)."""
     grade = [sys.executable, str(CAPSTONE / "grade.py")]
-    r = subprocess.run(grade, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(grade, capture_output=True, text=True, timeout=900)
     assert r.returncode == 2 and "not written yet" in r.stdout, r.stdout + r.stderr
     mine = tmp_path / "mine.py"
     mine.write_text("from minivllm.engine.scheduling_policy import PriorityPolicy\n\n\n"
                     "class Mine(PriorityPolicy):\n    name = 'mine'\n")
-    r = subprocess.run([*grade, str(mine), "--examples", "10", "--no-hf"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*grade, str(mine), "--examples", "10", "--no-hf"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "Mine passed" in r.stdout, r.stdout + r.stderr

@@ -4,7 +4,7 @@ One process per rank; rank 0 is the engine, ranks 1..N-1 are workers (distribute
 builds its context once (`init_parallel_context`) and hands it down to the model: every layer that
 communicates takes it as an argument, so there is no module-level "current group" to look up.
 
-Three groups, each for one kind of wait:
+Four groups, each for one kind of wait:
 
     device_group   the forward's collectives: the all-reduce after the embedding, o_proj and down_proj,
                    and the gather of the logits. NCCL on CUDA, gloo on CPU. Bounded by
@@ -17,9 +17,16 @@ Three groups, each for one kind of wait:
                    bounded like the others (gloo's sender waits for the receiver to be ready, so a
                    stopped worker would otherwise block rank 0's send forever). A group's timeout is
                    each process's own: the same group can be patient on one side and not the other.
+    startup_group  gloo: the meetings of start-up, where one rank may be far behind another for reasons
+                   that are no hang: agreeing on the KV pool's size after loading the weights, and the
+                   first command after start-up, which a worker receives once it has built its shard and
+                   timed its CPU kernels (compiling them the first time: a minute on 2 idle cores,
+                   several on a busy one). Bounded by `STARTUP_TIMEOUT_S` (or the step timeout if longer). A rank
+                   that dies meanwhile closes its connections: the others fail at once, not at the bound.
 
 Joining is bounded separately, by `JOIN_TIMEOUT_S` (or the step timeout if longer): rank 0 waits
-there for the workers to start, and a fresh process takes seconds to import torch.
+there for the workers to start, and a fresh process takes seconds to import torch. (gloo bounds a
+wait by its group's timeout only, never by a call's own: hence one group per kind of wait.)
 
 A single process (tensor_parallel_size=1) uses `ParallelContext()`: rank 0 of 1, no groups, and
 every collective below returns its input unchanged, so the model code has one path.
@@ -41,6 +48,7 @@ import torch.distributed as dist
 
 IDLE_TIMEOUT = timedelta(days=365)  # how long a worker may wait for the next command
 JOIN_TIMEOUT_S = 120.0  # how long rank 0 waits for every rank to join (at least)
+STARTUP_TIMEOUT_S = 1800.0  # how far one rank's start-up may fall behind another's (at least)
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,7 @@ class ParallelContext:
     device_group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
     wake_group: dist.ProcessGroup | None = None
+    startup_group: dist.ProcessGroup | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (every rank gets the sum)."""
@@ -70,11 +79,11 @@ class ParallelContext:
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. how many KV blocks fit: the pool must be as
-        big on every rank, and no rank may promise more than it has)."""
+        big on every rank, and no rank may promise more than it has). A start-up meeting."""
         if self.world_size == 1:
             return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.device_group)
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.startup_group)
         return int(t.item())
 
 
@@ -111,7 +120,8 @@ def init_parallel_context(rank: int, world_size: int, addr: str, port: int, time
     device_group = dist.new_group(backend=backend, timeout=bounded)
     cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=bounded)
     wake_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT if rank > 0 else bounded)
-    return ParallelContext(rank, world_size, device, device_group, cpu_group, wake_group)
+    startup_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
+    return ParallelContext(rank, world_size, device, device_group, cpu_group, wake_group, startup_group)
 
 
 def close_parallel_context() -> None:

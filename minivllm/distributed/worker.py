@@ -5,6 +5,7 @@
       init_parallel_context         join the group: blocks until every rank has joined
       WorkerStart                   the engine's config, from rank 0
       load_rank                     read only this rank's slices of the checkpoint; agree on the pool size
+      warm-up                       time the CPU kernels, as rank 0 does (rank 0's first command waits)
       loop over commands            StepInputs    -> the forward of its shard: the same all-reduces as
                                                      every other rank, then its slice of the logits,
                                                      gathered on rank 0 (which alone samples)
@@ -75,8 +76,10 @@ class Worker:
 
     @torch.inference_mode()
     def serve(self, channel: CommandChannel) -> None:
+        startup = True  # the first command meets rank 0 with the start-up bound (communication.py)
         while True:
-            match channel.receive():
+            command, startup = channel.receive(startup=startup), False
+            match command:
                 case StepInputs() as step:
                     self.execute_model(step)
                 case CopyBlocks(pairs):
