@@ -1,0 +1,301 @@
+"""The whole engine under a random search: where its paths cross.
+
+teaching/scheduler_machine.py drives the scheduler alone, with made-up tokens. This machine drives a
+real `LLMEngine` on a tiny model, where the bugs of the last reviews lived: forks (n > 1) with drafts,
+chunk boundaries, a pool under pressure (preemption, a fork with no block to copy into), failed steps
+(a request to blame, or none), failed commits, a proposer that fails, aborts, and a hybrid model's
+state pool. hypothesis picks an engine configuration and a sequence of actions:
+
+    add        a request: shared prefixes (prefix hits), n in 1..3, greedy or seeded sampling, or
+               "poisoned" (its first chunk fails the forward: bisection must blame it alone)
+    step       one engine step; an injected failure must leave the engine exactly as it was
+    arm_*      the next step fails: a batch of two rows (no single culprit: rolled back, re-raised),
+               a sequence's commit (that sequence fails, its siblings go on), the proposer
+    abort      a live request
+
+After every action: every sequence the scheduler holds belongs to a live request that knows it, blocks
+and state pairs are conserved, no more than max_num_seqs sequences run (forks included), no step's
+transaction is left open, and a draft model keeps nothing for a sequence that left. At the end
+every request has exactly one final output, every block and state pair is free, and every completion
+of a greedy request is what a lone run gives: each token HF's argmax, teacher-forced (within 1e-3, so
+that a near-tie may go either way).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from dataclasses import dataclass, field
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from minivllm import LLM, SamplingParams
+from minivllm.engine.spec_decode.proposer import Draft, Proposer
+from minivllm.teaching.checkpoints import make_tiny_model
+from minivllm.teaching.hf_check import assert_hf_greedy
+
+POISON = 3  # a prompt that starts with it fails the forward of its first chunk, alone or not
+PREFIXES = [[], list(range(20, 32)), [7, 8, 9, 10, 7, 8, 9]]  # shared: prefix-cache hits; repeats: n-gram drafts
+
+
+REQUESTS = st.fixed_dictionaries(dict(
+    prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(5, 40), min_size=1, max_size=9),
+    n=st.sampled_from([1, 1, 2, 3]), greedy=st.booleans(), max_tokens=st.sampled_from([1, 3, 6, 9, 12, 12]),
+    poisoned=st.sampled_from([False] * 8 + [True])))
+
+
+class Injected(RuntimeError):
+    """A failure this machine injected."""
+
+
+class NoisyProposer(Proposer):
+    """Drafts drawn from a random distribution over the vocabulary, which it returns as `Draft.probs`: drafts
+    a target rarely accepts, and a q that rejection sampling must honour. Fails when armed."""
+
+    def __init__(self) -> None:
+        self.rng = torch.Generator().manual_seed(0)
+        self.fail = False
+
+    def propose(self, requests):
+        if self.fail:
+            self.fail = False
+            raise Injected("the proposer failed")
+        drafts = []
+        for r in requests:
+            q = torch.softmax(torch.randn(r.max_tokens, 384, generator=self.rng) * 3, -1)  # (d, V)
+            drafts.append(Draft(torch.multinomial(q, 1, generator=self.rng)[:, 0].tolist(), q))
+        return drafts
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    hybrid: bool = False
+    spec: str | None = None  # None, "ngram", "noisy" (NoisyProposer), "draft" (the model drafts for itself)
+    engine: dict = field(default_factory=dict)
+
+
+SETUPS = [
+    Setup("plain", engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=4)),
+    Setup("ngram", spec="ngram", engine=dict(block_size=2, num_kv_blocks=28, max_num_batched_tokens=8, max_num_seqs=5)),
+    Setup("noisy", spec="noisy", engine=dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=12, max_num_seqs=4)),
+    Setup("draft", spec="draft", engine=dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)),
+    Setup("unchunked", engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=3,
+                                   enable_chunked_prefill=False)),
+    Setup("hybrid", hybrid=True, engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=12, max_num_seqs=4)),
+    Setup("hybrid-small", hybrid=True, engine=dict(block_size=2, num_kv_blocks=24, max_num_batched_tokens=8,
+                                                   max_num_seqs=3)),
+]
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    poisoned: bool
+    finals: list = field(default_factory=list)
+    aborted: bool = False
+
+
+def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: list[Setup],
+                   reach: collections.Counter[str]) -> type:
+    class EngineMachine(RuleBasedStateMachine):
+        @initialize(setup=st.sampled_from(setups), seed=st.integers(0, 10_000),
+                    first=st.lists(REQUESTS, min_size=3, max_size=6))
+        def build(self, setup: Setup, seed: int, first: list[dict]) -> None:
+            self.setup, self.rng = setup, random.Random(seed)
+            spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+                    "noisy": {"proposer": NoisyProposer(), "num_speculative_tokens": 3},
+                    "draft": {"model": paths["qwen3"], "num_speculative_tokens": 2},
+                    None: None}[setup.spec]
+            self.llm = LLM(paths["hybrid" if setup.hybrid else "qwen3"], warmup=False, speculative_config=spec,
+                           seed=seed, **setup.engine)
+            self.engine = engine = self.llm.llm_engine
+            self.requests: dict[str, Request] = {}
+            self.fail_batch = False  # the next forward of two rows or more raises (once)
+            self.fail_commit: str | None = None  # this sequence's next commit raises (once)
+            forward = engine.model_runner.model.forward
+
+            def injected_forward(*args, **kwargs):
+                out = forward(*args, **kwargs)  # the work is done (K/V written), then it fails: the worst case
+                ids, positions = args[0], args[1]
+                if bool(((ids == POISON) & (positions == 0)).any()):
+                    raise Injected("a poisoned prompt")
+                if self.fail_batch and args[2].cu_seqlens_q.numel() > 2:
+                    self.fail_batch = False
+                    raise Injected("two requests together")
+                return out
+
+            engine.model_runner.model.forward = injected_forward
+            detokenize = engine.output_processor.detokenize
+
+            def injected_detokenize(state, seq):
+                if seq.request_id == self.fail_commit:
+                    self.fail_commit = None
+                    raise Injected("a commit")
+                return detokenize(state, seq)
+
+            engine.output_processor.detokenize = injected_detokenize
+            for request in first:  # a load from the start: pool pressure needs several requests at once
+                self.add(**request)
+
+        # --- actions -------------------------------------------------------------------------------
+        @rule(request=REQUESTS)
+        def add_request(self, request: dict) -> None:
+            self.add(**request)
+
+        def add(self, prefix: list[int], extra: list[int], n: int, greedy: bool, max_tokens: int,
+                poisoned: bool) -> None:
+            prompt = ([POISON] if poisoned else []) + prefix + extra
+            params = SamplingParams(n=n, temperature=0 if greedy else 0.9, seed=None if greedy else len(self.requests),
+                                    max_tokens=max_tokens, ignore_eos=True)
+            rid = f"r{len(self.requests)}"
+            self.requests[rid] = Request(prompt, params, poisoned)
+            self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+
+        @rule()
+        def step(self) -> None:
+            if not self.engine.has_unfinished_requests():
+                return
+            before = self._snapshot()
+            try:
+                outs = self.engine.step()
+            except Injected:
+                reach["rolled back"] += 1
+                after = self._snapshot()  # rolled back: nothing moved but an overwritten cached block's hash
+                assert after[:-1] == before[:-1], "a failed step left a trace"
+                assert after[-1].items() <= before[-1].items()
+                return
+            for out in outs:
+                if out.finished:
+                    self.requests[out.request_id].finals.append(out)
+
+        @rule()
+        def arm_batch_failure(self) -> None:
+            self.fail_batch = True
+
+        @precondition(lambda self: bool(self.engine.scheduler.running))
+        @rule(data=st.data())
+        def arm_commit_failure(self, data: st.DataObject) -> None:
+            self.fail_commit = data.draw(st.sampled_from([s.request_id for s in self.engine.scheduler.running]))
+
+        @precondition(lambda self: self.setup.spec == "noisy")
+        @rule()
+        def arm_proposer_failure(self) -> None:
+            self.engine.speculator.proposer.fail = True
+
+        @precondition(lambda self: bool(self.engine.requests))
+        @rule(data=st.data())
+        def abort(self, data: st.DataObject) -> None:
+            rid = data.draw(st.sampled_from(sorted(self.engine.requests)))
+            self.requests[rid].aborted = True
+            self.engine.abort_request(rid)
+
+        # --- after every action --------------------------------------------------------------------
+        @invariant()
+        def bookkeeping_is_conserved(self) -> None:
+            if not hasattr(self, "engine"):
+                return
+            engine, sched = self.engine, self.engine.scheduler
+            live = sched.live_sequences
+            for seq in live:  # nobody runs for nobody
+                state = engine.requests.get(seq.group_id)
+                assert state is not None and any(s is seq for s in state.seqs), f"{seq} belongs to no live request"
+            engine.block_manager.check_invariants(live)
+            assert sched.undo is None, "a step's transaction was left open"
+            seats = len(sched.running) + sum(s.num_forks_pending for s in sched.running)  # forks to come included
+            assert seats <= engine.config.max_num_seqs, f"{seats} sequences for max_num_seqs={engine.config.max_num_seqs}"
+            pool = engine.state_pool
+            if pool is not None:
+                held = [p for s in live if s.state_slots is not None for p in s.state_slots]
+                assert sorted(held + pool.free) == list(range(pool.num_pairs)), "state pairs lost or shared"
+            if self.setup.spec == "draft":
+                kept = set(engine.speculator.proposer.computed)
+                assert kept <= {s.request_id for s in live}, f"the draft model keeps {kept} for sequences gone"
+
+        def teardown(self) -> None:
+            if not hasattr(self, "engine"):
+                return
+            self.fail_batch, self.fail_commit = False, None
+            if self.setup.spec == "noisy":
+                self.engine.speculator.proposer.fail = False
+            for _ in range(500):
+                if not self.engine.has_unfinished_requests():
+                    break
+                self.step()
+            assert not self.engine.has_unfinished_requests(), "the engine did not drain"
+            stats = self.llm.get_stats()
+            # what this run reached: the search must cross these paths (checked after the search)
+            reach[f"setup {self.setup.name}"] += 1
+            reach["steps"] += stats.num_steps
+            for reached, what in ((stats.num_preemptions, "preempted"), (stats.num_accepted_tokens, "drafts accepted"),
+                                  (stats.prefix_cache_hits, "prefix hit"), (stats.num_mixed_steps, "mixed steps"),
+                                  (any(len(r.finals[0].outputs) > 1 for r in self.requests.values()), "forked"),
+                                  (any(r.finals[0].error and not r.poisoned for r in self.requests.values()),
+                                   "a request failed on its own")):
+                if reached:
+                    reach[what] += 1
+            assert stats.num_free_blocks == stats.num_total_blocks
+            if self.engine.state_pool is not None:
+                assert self.engine.state_pool.num_free == self.engine.state_pool.num_pairs
+            hf = hf_models["hybrid" if self.setup.hybrid else "qwen3"]
+            for rid, r in self.requests.items():
+                assert len(r.finals) == 1, f"{rid}: {len(r.finals)} final outputs"
+                out = r.finals[0]
+                reasons = [c.finish_reason for c in out.outputs]
+                if r.poisoned:  # blamed alone: never ran a token (or aborted, or refused, first)
+                    assert len(reasons) == 1 and reasons[0] in ("error", "abort") and not out.outputs[0].token_ids
+                    assert r.aborted or reasons == ["error"], (rid, reasons, out.error)
+                    continue
+                for c in out.outputs:
+                    if c.finish_reason == "error" or (r.aborted and c.finish_reason == "abort"):
+                        continue
+                    room = self.engine.config.max_model_len - len(r.prompt)  # max_model_len ends it too
+                    assert c.finish_reason == "length" and len(c.token_ids) == min(r.params.max_tokens, room), (rid, c)
+                    if r.params.temperature == 0:
+                        assert_hf_greedy(hf, r.prompt, c.token_ids)
+                if not r.aborted and out.error is None:
+                    assert len(out.outputs) == r.params.n and set(reasons) == {"length"}, (rid, reasons)
+
+        def _snapshot(self) -> tuple:
+            engine, bm = self.engine, self.engine.block_manager
+            seqs = [(s.request_id, s.status, s.num_computed_tokens, list(s.block_table), s.num_tokens,
+                     None if s.state_slots is None else list(s.state_slots)) for s in engine.scheduler.live_sequences]
+            pool = engine.state_pool
+            return (seqs, list(bm.ref_counts), list(bm.free_blocks), sorted(engine.requests),
+                    None if pool is None else (list(pool.free), list(pool.current)), dict(bm.hash_to_block))
+
+    return EngineMachine
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, model_factory, hf_factory):
+    from transformers import AutoModelForCausalLM
+
+    hybrid = str(make_tiny_model(tmp_path_factory.mktemp("machine_qwen3_5"), family="qwen3_5", num_layers=4))
+    paths = {"qwen3": model_factory("qwen3"), "hybrid": hybrid}
+    hf = {"qwen3": hf_factory("qwen3"),
+          "hybrid": AutoModelForCausalLM.from_pretrained(hybrid, dtype=torch.float32).eval()}
+    return paths, hf
+
+
+@pytest.mark.parametrize("which,examples", [("attention", 150), ("hybrid", 80)])
+def test_engine_machine(models, which, examples):
+    from hypothesis.stateful import run_state_machine_as_test
+
+    setups = [s for s in SETUPS if s.hybrid == (which == "hybrid")]
+    reach: collections.Counter[str] = collections.Counter()
+    machine = engine_machine(*models, setups, reach)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only adds synchronisation
+    try:
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=examples, stateful_step_count=30, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    finally:
+        torch.set_num_threads(threads)
+    print(dict(reach))
