@@ -18,8 +18,10 @@ each other's build (a binary from other sources would compute something else, qu
 
 Several processes at once (two notebooks, tensor-parallel ranks, a test beside a server) take turns:
 one builds while the others wait on an OS file lock (`flock`), which the kernel releases when its
-holder exits, killed or not, so no lock outlives a build. The wait is bounded (`BUILD_WAIT_S`); a
-process that waited that long runs without the kernels and says why. A compile prints a line with its
+holder exits, killed or not, so no lock outlives a build. The build happens in a folder of the
+builder's own, moved into place when done: a build killed half-way (whose compilers may run on a
+little) never shares a folder with the next one. The wait is bounded (`BUILD_WAIT_S`); a process
+that waited that long runs without the kernels and says why. A compile prints a line with its
 expected duration, then one every `PROGRESS_EVERY_S` seconds: a first start is never silent for long.
 
 It never raises. Where the kernels cannot be built (no compiler, not Linux x86-64 / arm64, a compile
@@ -89,17 +91,23 @@ def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY, wait
     Raises TimeoutError if another process holds the folder's build lock for more than `wait_s` seconds."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "minivllm" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive(build_dir / "build.lock", wait_s):
-        # Every minivllm process builds under that lock, so torch's own lock file (its FileBaton, which it would
-        # wait on for ever) can only be a leftover of a build that was killed: nobody holds it.
-        (build_dir / "lock").unlink(missing_ok=True)
-        compiled = (build_dir / f"{name}.so").exists()
-        with _progress("" if compiled else
-                       f"minivllm: compiling the C++ CPU kernels for this CPU (first use with these sources; "
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "minivllm"
+    root.mkdir(parents=True, exist_ok=True)
+    build_dir = root / name
+    with _exclusive(root / f"{name}.lock", wait_s):
+        if (build_dir / f"{name}.so").exists():
+            _load(name, cflags, library, build_dir)  # built: torch checks it is up to date and loads it
+            return
+        # Compile in a folder of this process's own, then move it into place: a build killed half-way leaves
+        # its folder (and the compilers it started, which outlive it a little) to itself, never the final one.
+        for leftover in [build_dir, *root.glob(f"{name}.building-*")]:
+            shutil.rmtree(leftover, ignore_errors=True)
+        staging = root / f"{name}.building-{os.getpid()}"
+        staging.mkdir()
+        with _progress(f"minivllm: compiling the C++ CPU kernels for this CPU (first use with these sources; "
                        f"~20-70 s on 2 cores, later starts load them at once) into {build_dir}"):
-            _load(name, cflags, library, build_dir)
+            _load(name, cflags, library, staging)
+        staging.rename(build_dir)
 
 
 def _load(name: str, cflags: list[str], library: str, build_dir: Path) -> None:
@@ -182,10 +190,8 @@ def _exclusive(path: Path, wait_s: float) -> Iterator[None]:
 
 @contextmanager
 def _progress(message: str) -> Iterator[None]:
-    """Print `message` (if any), then the time spent every PROGRESS_EVERY_S seconds until the block ends."""
-    if not message:
-        yield
-        return
+    """Print `message`, then the time spent every PROGRESS_EVERY_S seconds until the block ends, and that it is
+    done if it ends without an error."""
     print(message, file=sys.stderr, flush=True)
     done, start = threading.Event(), time.monotonic()
 
@@ -201,4 +207,4 @@ def _progress(message: str) -> Iterator[None]:
     finally:
         done.set()
         ticker.join()
-        print(f"minivllm: the CPU kernels are built ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+    print(f"minivllm: the CPU kernels are built ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)

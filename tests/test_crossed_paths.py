@@ -76,6 +76,47 @@ def test_a_failed_commit_of_a_forking_parent_leaves_no_orphan(model_factory):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+def test_a_commit_failing_in_the_middle_of_a_fork_finishes_the_children_it_made(model_factory):
+    """The fork itself fails after a first child was made: that child runs for nobody unless the request
+    takes it in (and fails it: its blocks were never completed by the copy-on-write)."""
+    llm = tiny(model_factory)
+    engine = llm.llm_engine
+    fork, forks = engine.block_manager.fork, []
+
+    def second_fork_fails(parent, child):
+        forks.append(child.request_id)
+        if len(forks) == 2:
+            raise RuntimeError("no block for the second child")
+        return fork(parent, child)
+
+    engine.block_manager.fork = second_fork_fails
+    engine.add_request("r", {"prompt_token_ids": [7, 8, 9, 10, 11]}, SamplingParams(n=3, max_tokens=5, ignore_eos=True))
+    final = drain(engine)["r"]
+    assert forks == ["1_r", "2_r"] and "no block for the second child" in final.error
+    assert [c.finish_reason for c in final.outputs] == ["error", "error"]  # the parent and the child it made
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    engine.block_manager.check_invariants([])
+    assert llm.get_stats().num_free_blocks == 64
+
+
+def test_a_failed_block_copy_fails_the_children_that_needed_it(model_factory):
+    llm = tiny(model_factory)
+    engine = llm.llm_engine
+    copy, calls = engine.model_runner.copy_blocks, []
+
+    def failing_copy(pairs):
+        calls.append(pairs)
+        if pairs:
+            raise RuntimeError("the copy failed")
+        return copy(pairs)
+
+    engine.model_runner.copy_blocks = failing_copy
+    engine.add_request("r", {"prompt_token_ids": [7, 8, 9, 10, 11]}, SamplingParams(n=2, max_tokens=5, ignore_eos=True))
+    final = drain(engine)["r"]  # 5 tokens: a partial last block, copied for the child
+    assert [c.finish_reason for c in final.outputs] == ["error", "error"] and "copy failed" in final.error
+    assert llm.get_stats().num_free_blocks == 64
+
+
 # --- a proposer is checked like user input ---------------------------------------------------------
 class WithProbs(Proposer):
     """Drafts token 7 (or `token`), with a distribution made by `make(d, V)`."""
@@ -184,6 +225,35 @@ def test_the_proposer_forgets_every_sequence_that_leaves(model_factory):
     finals = drain(engine)
     alone = tiny(model_factory).generate({"prompt_token_ids": [9, 10, 11]}, GREEDY, use_tqdm=False)[0]
     assert tokens(finals["a"]) == tokens(alone) and proposer.computed == {}
+
+
+def test_a_proposer_failing_to_forget_a_sequence_leaves_the_engine_whole(model_factory):
+    """`on_free` raising is the proposer's failure: the step's outputs still go out, the error is raised, and
+    every request ends (the engine's own state was final before the proposer was told)."""
+    class FailingOnFree(Proposer):
+        def propose(self, requests):
+            return [Draft([]) for _ in requests]
+
+        def on_free(self, request_id):
+            raise RuntimeError("the proposer's bookkeeping broke")
+
+    llm = tiny(model_factory, speculative_config={"proposer": FailingOnFree(), "num_speculative_tokens": 2})
+    engine = llm.llm_engine
+    for i in range(3):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [5 + i, 6, 7]}, SamplingParams(max_tokens=2 + i,
+                                                                                       ignore_eos=True))
+    finals, failures = {}, 0
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        except RuntimeError as e:
+            assert "bookkeeping broke" in str(e)
+            failures += 1
+    assert failures == 3 and sorted(finals) == ["r0", "r1", "r2"]
+    assert [len(finals[f"r{i}"].outputs[0].token_ids) for i in range(3)] == [2, 3, 4]
+    assert llm.get_stats().num_free_blocks == 64
 
 
 # --- n against max_num_seqs ------------------------------------------------------------------------

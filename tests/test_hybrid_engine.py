@@ -111,12 +111,21 @@ def test_a_fork_with_no_block_for_its_copy_recomputes_the_child_from_scratch(hyb
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     alone = hybrid(hybrid_dir).generate(a, greedy, use_tqdm=False)[0].outputs[0].token_ids
     llm = hybrid(hybrid_dir, num_kv_blocks=10)
+    scheduler, preempted = llm.llm_engine.scheduler, []
+    preempt = scheduler.preempt
+
+    def recorded(seq):
+        preempted.append((seq.request_id, seq.num_output_tokens, seq.num_computed_tokens))
+        preempt(seq)
+
+    scheduler.preempt = recorded
     outs = llm.generate([a, {"prompt_token_ids": list(range(60, 84))}],
                         [SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True),
                          SamplingParams(max_tokens=1)], use_tqdm=False)
     assert [c.token_ids for c in outs[0].outputs] == [alone] * 3
     stats, pool = llm.get_stats(), llm.llm_engine.state_pool
-    assert stats.num_preemptions > 0  # the child, at birth
+    assert any(rid.startswith(("1_", "2_")) and out == 1 and computed % 4 == 0 for rid, out, computed in preempted), \
+        preempted  # a child, at birth (one token, its partial last block not copied)
     assert stats.num_free_blocks == stats.num_total_blocks and pool.num_free == pool.num_pairs
 
 

@@ -12,7 +12,6 @@ step's tensors: it never sees a request, a token's text or a sampling parameter.
 Sending a command (rank 0)                    receiving it (every worker)
   pickle it: n bytes
   broadcast n      over the wake group  --->  waits here between steps, however long the engine idles
-                   (the first command after WorkerStart: over the start-up group, see `send`)
   broadcast bytes  over the cpu group   --->  bounded: a rank that stops answering fails the step
 (parallel_state.py says why the two waits need two groups.) The step's inputs are a few integer
 tensors of the batch's size; pickling them is simpler than one broadcast per field and costs tens
@@ -115,17 +114,13 @@ class CommandChannel:
             raise TypeError(f"{type(command).__name__} cannot be sent to the workers: {e} (they receive "
                             "functions by name: pass a module-level function)") from e
 
-    def send(self, data: bytes, startup: bool = False) -> None:  # rank 0: an encoded command
-        """`startup`: the first command after WorkerStart, which waits until every worker has built its shard
-        and warmed up, with the start-up bound rather than a step's (parallel_state.py)."""
-        group = self.tp.startup_group if startup else self.tp.wake_group
-        dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=group)
+    def send(self, data: bytes) -> None:  # rank 0: an encoded command
+        dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=self.tp.wake_group)
         dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.tp.cpu_group)
 
-    def receive(self, startup: bool = False) -> WorkerCommand:  # workers
+    def receive(self) -> WorkerCommand:  # workers
         size = torch.empty(1, dtype=torch.int64)
-        # the one wait that may last (an idle engine); `startup` as in `send`
-        dist.broadcast(size, src=0, group=self.tp.startup_group if startup else self.tp.wake_group)
+        dist.broadcast(size, src=0, group=self.tp.wake_group)  # the one wait that may last
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self.tp.cpu_group)
         return pickle.loads(data.numpy().tobytes())

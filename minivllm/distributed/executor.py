@@ -3,8 +3,8 @@ sends them every step, turns any failure into `EngineDeadError`, and ends them.
 
     start-up   spawn ranks 1 .. L-1 (torch.multiprocessing, "spawn"; L = LOCAL_WORLD_SIZE, by default
                tensor_parallel_size; the ranks of other nodes run `python -m minivllm.distributed`),
-               join the group as rank 0, then `load_rank`: every rank builds its shard (WorkerStart);
-               the next command waits for every worker to have warmed up (the start-up bound)
+               join the group as rank 0, then `load_rank`: every rank builds its shard (WorkerStart) and
+               the workers warm up; rank 0 waits for that, with the start-up bound (parallel_state.py)
     a step     `with executor.run(StepInputs(...)):  <rank 0's forward>`  (engine/model_runner.py)
                the workers run the same forward on their shards; the all-reduces inside keep the
                ranks in lockstep and the logits are gathered on rank 0, which samples alone
@@ -78,7 +78,6 @@ class MultiprocExecutor:
         # Dropped without shutdown() (or the interpreter exits): end the workers all the same.
         self._finalizer = weakref.finalize(self, _abandon, self.worker_processes)
         self._dead: str | None = None  # why the group can no longer be used
-        self._workers_ready = False  # every worker has built its shard and warmed up (the start-up meeting)
         try:
             self.tp = init_parallel_context(0, world, addr, port, self.timeout_s, device)
         except Exception as error:
@@ -95,7 +94,11 @@ class MultiprocExecutor:
         worker_config = config.replace(dtype=str(dtype).removeprefix("torch."), speculative_config=None,
                                        scheduling_policy="fcfs")  # rank 0's business, and may not pickle
         with self.run(WorkerStart(worker_config)):
-            return load_rank(config, spec, self.tp.device, dtype, self.tp)
+            rank = load_rank(config, spec, self.tp.device, dtype, self.tp)
+            # Wait (with the start-up bound, not a step's) until every worker has built its shard and warmed up,
+            # however long that takes on a busy machine; then each waits for commands, which is no failure.
+            self.tp.wait_for_every_rank()
+            return rank
 
     @contextmanager
     def run(self, command: WorkerCommand) -> Iterator[None]:
@@ -106,7 +109,7 @@ class MultiprocExecutor:
         message = self.channel.encode(command)  # a command that does not pickle fails here, harmlessly
         with _ctrl_c_held():
             try:
-                self._send(message, command)
+                self.channel.send(message)
                 yield
             except Exception as error:
                 raise EngineDeadError(self._fail(error)) from error
@@ -125,19 +128,12 @@ class MultiprocExecutor:
         if self._dead is None:
             self._dead = "the engine was shut down"
             try:
-                self._send(self.channel.encode(Shutdown()), Shutdown())
+                self.channel.send(self.channel.encode(Shutdown()))
             except Exception:
                 pass  # a worker is gone already: the others are killed below
         _end_processes(self.worker_processes, SHUTDOWN_GRACE_S)
         close_parallel_context()
         self._finalizer.detach()
-
-    def _send(self, message: bytes, command: WorkerCommand) -> None:
-        """The first command after WorkerStart waits, with the start-up bound rather than a step's, until the
-        workers have built their shards and warmed up, however long that takes on a busy machine."""
-        startup = not self._workers_ready and not isinstance(command, WorkerStart)
-        self.channel.send(message, startup=startup)
-        self._workers_ready = self._workers_ready or startup
 
     # --- failures ---------------------------------------------------------------------------------
     def _fail(self, error: BaseException) -> str:

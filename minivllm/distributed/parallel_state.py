@@ -18,10 +18,10 @@ Four groups, each for one kind of wait:
                    stopped worker would otherwise block rank 0's send forever). A group's timeout is
                    each process's own: the same group can be patient on one side and not the other.
     startup_group  gloo: the meetings of start-up, where one rank may be far behind another for reasons
-                   that are no hang: agreeing on the KV pool's size after loading the weights, and the
-                   first command after start-up, which a worker receives once it has built its shard and
-                   timed its CPU kernels (compiling them the first time: a minute on 2 idle cores,
-                   several on a busy one). Bounded by `STARTUP_TIMEOUT_S` (or the step timeout if longer). A rank
+                   that are no hang: agreeing on the KV pool's size after loading the weights, and a
+                   last meeting, which a worker joins once it has built its shard and timed its CPU
+                   kernels (compiling them the first time: a minute on 2 idle cores, several on a busy
+                   one), and rank 0 right after loading its own shard, before its own warm-up. Bounded by `STARTUP_TIMEOUT_S` (or the step timeout if longer). A rank
                    that dies meanwhile closes its connections: the others fail at once, not at the bound.
 
 Joining is bounded separately, by `JOIN_TIMEOUT_S` (or the step timeout if longer): rank 0 waits
@@ -85,6 +85,12 @@ class ParallelContext:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.startup_group)
         return int(t.item())
+
+    def wait_for_every_rank(self) -> None:
+        """The last meeting of start-up: rank 0 right after loading its shard, each worker once it has also
+        warmed up. From then on a worker waits for commands on the wake group only."""
+        if self.world_size > 1:
+            dist.barrier(group=self.startup_group)
 
 
 def rendezvous_address(spans_nodes: bool) -> tuple[str, int]:

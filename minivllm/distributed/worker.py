@@ -5,7 +5,8 @@
       init_parallel_context         join the group: blocks until every rank has joined
       WorkerStart                   the engine's config, from rank 0
       load_rank                     read only this rank's slices of the checkpoint; agree on the pool size
-      warm-up                       time the CPU kernels, as rank 0 does (rank 0's first command waits)
+      warm-up, then meet rank 0     time the CPU kernels, as rank 0 does; rank 0 waits for that before
+                                    anything else (parallel_state.py: the start-up group)
       loop over commands            StepInputs    -> the forward of its shard: the same all-reduces as
                                                      every other rank, then its slice of the logits,
                                                      gathered on rank 0 (which alone samples)
@@ -76,10 +77,8 @@ class Worker:
 
     @torch.inference_mode()
     def serve(self, channel: CommandChannel) -> None:
-        startup = True  # the first command meets rank 0 with the start-up bound (communication.py)
         while True:
-            command, startup = channel.receive(startup=startup), False
-            match command:
+            match channel.receive():
                 case StepInputs() as step:
                     self.execute_model(step)
                 case CopyBlocks(pairs):
@@ -104,7 +103,9 @@ def worker_main(local_index: int, launch: WorkerLaunch) -> None:
     start = channel.receive()
     if not isinstance(start, WorkerStart):
         raise TypeError(f"worker rank {rank}: expected WorkerStart first, got {type(start).__name__}")
-    Worker(tp, start.config).serve(channel)
+    worker = Worker(tp, start.config)
+    tp.wait_for_every_rank()  # rank 0 waits here too: for the workers' warm-up, with the start-up bound
+    worker.serve(channel)
     close_parallel_context()  # a clean exit; after an exception the process simply ends
 
 

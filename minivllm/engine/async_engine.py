@@ -192,7 +192,10 @@ class AsyncLLMEngine:
                 self._add(command)
             else:
                 self._streams.pop(command.request_id, None)
-                self.engine.abort_request(command.request_id, report=False)
+                try:
+                    self.engine.abort_request(command.request_id, report=False)
+                except Exception as e:  # the request is gone; a proposer failing to forget it is not fatal
+                    self.last_step_error = e
 
     def _add(self, command: AddRequest) -> None:
         rid, stream = command.request_id, command.stream
@@ -212,8 +215,9 @@ class AsyncLLMEngine:
 
     def _fail_step(self, error: Exception) -> None:
         self.last_step_error = error
-        message = (f"an engine step failed and was rolled back ({type(error).__name__}: {error}); the "
-                   "requests in it were aborted. The engine keeps serving: retry the request")
+        message = (f"an engine step failed and was rolled back, or its proposer failed after it "
+                   f"({type(error).__name__}: {error}); the requests in it were aborted. The engine keeps "
+                   "serving: retry the request")
         for rid in list(self._streams):
             self._deliver(rid, StepFailedError(message))
         self.engine.abort_request(list(self.engine.requests), report=False)

@@ -129,8 +129,6 @@ class LLMEngine:
             max_admission_skips=config.max_admission_skips,
             num_speculative_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             state_pool=self.state_pool, policy=get_policy(config.scheduling_policy))
-        if self.speculator is not None:
-            self.scheduler.on_release = self.speculator.on_release
         self.input_processor = InputProcessor(self.tokenizer, spec, config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests by id
@@ -236,6 +234,7 @@ class LLMEngine:
                     self.scheduler.finish(seq, "abort")
             if report:
                 self._pending.append(self.output_processor.output(state))
+        self._tell_proposer([])
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending)
@@ -266,6 +265,7 @@ class LLMEngine:
             raise
         if plan.is_empty:  # nothing could run (every candidate preempted or waiting): no forward to make
             self.scheduler.commit()
+            self._tell_proposer(outputs)
             return outputs
         try:
             sampled = self.model_runner.execute_model(plan)
@@ -275,6 +275,7 @@ class LLMEngine:
             except BaseException:
                 self._pending = outputs + self._pending
                 raise
+            self._tell_proposer(outputs)
             return outputs
         except BaseException:  # KeyboardInterrupt and the like: undo, never bisect
             self.scheduler.rollback(self.model_runner.written_blocks(plan))
@@ -283,12 +284,6 @@ class LLMEngine:
         self.scheduler.commit()
         committed = self._commit(plan, sampled)
         outputs.extend(committed)
-        if self.speculator is not None:
-            try:
-                self.speculator.after_step(plan, sampled)
-            except BaseException:  # the proposer's failure, after the commit: the step's outputs still go out
-                self._pending = outputs + self._pending
-                raise
         if self.config.record_trace:
             done = [o.request_id for o in committed if o.finished]
             accepted = [max(0, len(o.tokens) - 1) if sch.num_spec_tokens else 0
@@ -301,7 +296,22 @@ class LLMEngine:
         c["num_mixed_steps"] += bool(plan.num_prefill_tokens and plan.num_decode_tokens)
         c["forward_time_s"] += self.model_runner.last_forward_s
         c["step_time_s"] += time.perf_counter() - t0
+        self._tell_proposer(outputs, plan, sampled)
         return outputs
+
+    def _tell_proposer(self, outputs: list[RequestOutput], plan: SchedulerOutput | None = None,
+                       sampled: list[RowGroupOutput] | None = None) -> None:
+        """After the scheduler's state is final: the proposer learns what the step verified and which
+        sequences gave their blocks back. If it raises, that is its failure, not a request's: the
+        outputs go out with the next step, and the error is raised."""
+        released = self.scheduler.take_released()
+        if self.speculator is None:
+            return
+        try:
+            self.speculator.after_step(plan, sampled, released)
+        except BaseException:
+            self._pending = outputs + self._pending
+            raise
 
     # --- failures ----------------------------------------------------------------------------------
     def _recover(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -369,9 +379,18 @@ class LLMEngine:
                 if row_out.prompt_logprobs:
                     seq.prompt_logprobs.extend(row_out.prompt_logprobs)
                 result = self.scheduler.postprocess_one(sched, row_out)
-                for child in result.updated[1:]:  # forked children join their request before anything can fail
+                children = result.updated[1:]
+                for child in children:  # forked children join their request before anything can fail
                     self.output_processor.add_sequence(state, child)
-                self.model_runner.copy_blocks(result.blocks_to_copy)
+                try:
+                    self.model_runner.copy_blocks(result.blocks_to_copy)
+                except EngineDeadError:
+                    raise
+                except Exception:  # the children's last blocks were never copied: they cannot go on
+                    for child in children:
+                        if not child.is_finished:
+                            self.scheduler.finish(child, "error", error="copying this sequence's blocks failed")
+                    raise
                 for current in result.updated:
                     first = state.detoks[current.index].num_output_tokens == 0
                     num_new, match = self.output_processor.detokenize(state, current)

@@ -37,7 +37,6 @@ project built on nano-vllm, whose guide writes a scheduler with these method nam
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -129,9 +128,10 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens  # draft slots per decoding sequence
         self.state_pool = state_pool  # hybrid models: a state slot per running request, too
         self.policy = policy or FCFSPolicy()  # which waiting request to try first, whom to preempt
-        # Told of every sequence that gives its blocks back (finished, aborted, failed, preempted): a
-        # proposer with a cache of its own forgets it (spec_decode/speculator.py).
-        self.on_release: Callable[[Sequence], None] | None = None
+        # Ids of the sequences that gave their blocks back (finished, aborted, failed, preempted) since the
+        # engine last took them (`take_released`): a proposer with a cache of its own forgets them. A list
+        # the step's transaction restores, so a preemption that a failed step undoes is never reported.
+        self.released: list[str] = []
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
         self.num_preemptions = 0
@@ -244,12 +244,18 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
-        """Give back everything `seq` holds: blocks, its state pair, and what a proposer keeps for it."""
+        """Give back everything `seq` holds: blocks and its state pair; note it for the proposer."""
         self.block_manager.free(seq)
         if self.state_pool is not None:  # the state is recomputed from scratch with the prompt
             self.state_pool.release(seq)
-        if self.on_release is not None:
-            self.on_release(seq)
+        if self.undo is not None:
+            self.undo.record_attr(self, "released")
+        self.released.append(seq.request_id)
+
+    def take_released(self) -> list[str]:
+        """The ids released since the last call (see `released`)."""
+        released, self.released = self.released, []
+        return released
 
     # --- the commit ------------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, outputs: list[RowGroupOutput | int | None]) -> CommitResult:

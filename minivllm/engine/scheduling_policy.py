@@ -60,9 +60,10 @@ class PolicyContractError(AssertionError):
 
 
 class CheckedPolicy(SchedulingPolicy):
-    """Wraps a policy and enforces the seam's contract on every call, naming the rule it breaks. The scheduler
-    wraps every policy in it: a policy that dropped a waiting request would leave it in its request forever,
-    run by nobody; one that chose a request scheduled earlier in the step would corrupt the plan."""
+    """Wraps a policy and enforces the seam's contract on every call, naming the policy and the rule it breaks.
+    The engine wraps every policy of your own in it (`get_policy`; the built-in ones keep the contract): a
+    policy that dropped a waiting request would leave it in its request forever, run by nobody; one that
+    chose a request scheduled earlier in the step would corrupt the plan. The wrapped policy is `.inner`."""
 
     def __init__(self, inner: SchedulingPolicy) -> None:
         self.inner, self.name = inner, inner.name
@@ -71,7 +72,7 @@ class CheckedPolicy(SchedulingPolicy):
         order = list(self.inner.admission_order(waiting))
         if len(order) != len(waiting) or {id(s) for s in order} != {id(s) for s in waiting}:  # O(waiting)
             raise PolicyContractError(
-                "RULE: admission_order must return every waiting request exactly once (a reordering: none "
+                f"{type(self.inner).__name__} broke a RULE: admission_order must return every waiting request exactly once (a reordering: none "
                 f"dropped, none added, none twice); got {_ids(order)} for waiting {_ids(waiting)}")
         return order
 
@@ -79,7 +80,7 @@ class CheckedPolicy(SchedulingPolicy):
         victim = self.inner.choose_victim(candidates)
         if not any(victim is c for c in candidates):
             raise PolicyContractError(
-                "RULE: choose_victim must return one of `candidates` (the request that needs a block or "
+                f"{type(self.inner).__name__} broke a RULE: choose_victim must return one of `candidates` (the request that needs a block or "
                 "one scheduled after it: a request already scheduled in this step cannot be preempted); got "
                 f"{getattr(victim, 'request_id', victim)!r} for candidates {_ids(candidates)}")
         return victim

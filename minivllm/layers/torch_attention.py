@@ -59,6 +59,7 @@ class _Plan(NamedTuple):
     decode_mask: torch.Tensor | int | None  # (Bd, 1, 1, K) bool, or the one shared context length
     prefills: list[_Prefill]
     decode_lens: torch.Tensor | None = None  # (Bd,) int64: set when the decode rows run the CPU kernel
+    decode_outside: torch.Tensor | None = None  # (P,) int64: the (row * K + key) positions past each context
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -76,7 +77,7 @@ class TorchAttentionBackend(AttentionBackend):
         for q in meta.query_lens:
             cu.append(cu[-1] + q)
         dec = [i for i, q in enumerate(meta.query_lens) if q == 1]
-        decode_rows = decode_tables = decode_mask = decode_lens = None
+        decode_rows = decode_tables = decode_mask = decode_lens = decode_outside = None
         if dec:
             all_decode = len(dec) == len(meta.query_lens)  # then row i is request i: no index to build
             dec_t = None if all_decode else torch.tensor(dec, device=device)
@@ -93,7 +94,9 @@ class TorchAttentionBackend(AttentionBackend):
                 else:
                     lens = meta.context_lens if all_decode else meta.context_lens[dec_t]  # (Bd,)
                     keys = torch.arange(max_blocks * bs, device=device)
-                    decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # (Bd, 1, 1, K)
+                    inside = keys[None, :] < lens[:, None]  # (Bd, K)
+                    decode_mask = inside[:, None, None, :]  # (Bd, 1, 1, K)
+                    decode_outside = (~inside).view(-1).nonzero()[:, 0]  # (P,): the rows `forward` zeroes
             if not all_decode:  # where the decode rows sit among the step's rows (all decode: 0 .. Bd-1)
                 decode_rows = torch.tensor([cu[i] for i in dec], device=device)
         prefills = []
@@ -106,7 +109,7 @@ class TorchAttentionBackend(AttentionBackend):
             causal = torch.arange(ctx, device=device)[None, :] <= pos[:, None]  # (q, ctx)
             prefills.append(_Prefill(cu[i], cu[i + 1], blocks, ctx, causal.repeat(G, 1)))
         meta.plan = _Plan(len(dec) == len(meta.query_lens), decode_rows, decode_tables, decode_mask, prefills,
-                          decode_lens)
+                          decode_lens, decode_outside)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = q.shape[0]
@@ -135,18 +138,20 @@ class TorchAttentionBackend(AttentionBackend):
             # Gather each request's blocks: index_select along dim 0 of the contiguous K (and V) pool is a
             # row memcpy; along any other dim PyTorch takes a generic path measured 10-20x slower on CPU.
             flat = plan.decode_block_tables.view(-1)
-            kd = k_cache.index_select(0, flat).view(Bd, nb * bs, Hkv, D).transpose(1, 2)  # (Bd, Hkv, K, D)
-            vd = v_cache.index_select(0, flat).view(Bd, nb * bs, Hkv, D).transpose(1, 2)
+            kd = k_cache.index_select(0, flat)  # (Bd * nb, bs, Hkv, D): our own copy
+            vd = v_cache.index_select(0, flat)
+            if plan.decode_outside is not None:
+                # Past each context lie a block's unwritten tail and padding blocks: whatever an earlier request
+                # (or a failed step) left there, NaN included. SDPA's mask keeps those keys out of the softmax,
+                # but a weight of 0 times a NaN value is NaN: zero those rows by selection, only those (a pass
+                # over the whole copy doubled this path's time).
+                kd.view(Bd * nb * bs, Hkv * D).index_fill_(0, plan.decode_outside, 0)
+                vd.view(Bd * nb * bs, Hkv * D).index_fill_(0, plan.decode_outside, 0)
+            kd = kd.view(Bd, nb * bs, Hkv, D).transpose(1, 2)  # (Bd, Hkv, K, D)
+            vd = vd.view(Bd, nb * bs, Hkv, D).transpose(1, 2)
             mask = plan.decode_mask
             if isinstance(mask, int):  # every row has the same context: cut the padding instead
                 kd, vd, mask = kd[:, :, :mask], vd[:, :, :mask], None
-            else:
-                # Past each context lie a block's unwritten tail and padding blocks: whatever an earlier request
-                # (or a failed step) left there, NaN included. SDPA's mask keeps those keys out of the softmax,
-                # but a weight of 0 times a NaN value is NaN: zero them by selection, on our own gathered copy.
-                outside = ~mask.transpose(-1, -2)  # (Bd, 1, K, 1)
-                kd.masked_fill_(outside, 0)
-                vd.masked_fill_(outside, 0)
             qd = q[:Bd] if plan.all_decode else q[plan.decode_rows]  # all decode: rows 0..Bd-1
             qd = qd.view(Bd, Hkv, G, D)  # the G query heads of a KV head become G "query rows"
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)

@@ -141,6 +141,28 @@ def test_a_worker_warming_up_longer_than_a_steps_timeout_is_waited_for(qwen3_dir
         assert generate(llm) == generate(LLM(qwen3_dir, **ENGINE))
 
 
+SHORT_STARTUP_BOUND = """
+import minivllm.distributed.parallel_state as parallel_state
+
+parallel_state.STARTUP_TIMEOUT_S = 4.0
+"""
+
+
+@pytest.mark.timeout(600)  # a hang; a busy machine takes minutes
+def test_idling_past_the_start_up_bound_before_the_first_request_is_no_failure(qwen3_dir, tmp_path, monkeypatch,
+                                                                              one_thread_per_rank):
+    """Without a warm-up, the first command is the first request, which may come much later: by then every
+    rank must have left the start-up group (whose waits are bounded) for the wake group (whose are not)."""
+    from minivllm.distributed import parallel_state
+
+    (tmp_path / "sitecustomize.py").write_text(SHORT_STARTUP_BOUND)  # the workers' bound...
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(parallel_state, "STARTUP_TIMEOUT_S", 4.0)  # ... and rank 0's
+    with LLM(qwen3_dir, tensor_parallel_size=2, distributed_timeout_s=3, **ENGINE) as llm:
+        time.sleep(6)
+        assert generate(llm) == generate(LLM(qwen3_dir, **ENGINE))
+
+
 @pytest.mark.timeout(900)
 def test_the_interpreter_exit_ends_the_workers(qwen3_dir):
     """A script that never calls shutdown(): its workers must not outlive it. (No hang at exit was found: the

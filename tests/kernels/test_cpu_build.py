@@ -48,7 +48,7 @@ def test_the_shared_header_is_part_of_the_build_flags(monkeypatch, tmp_path):
     from minivllm.kernels import cpu_build
 
     seen = {}
-    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: seen.update(kw, sources=sources))
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: seen.update(kw, sources=sources))  # no .so
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     build_cpu_kernels("header_flag_test", ["-O0"], library="header_flag_test")
     header = (Path(cpu_build.__file__).parent / "cpu_simd.h").read_bytes()
@@ -60,19 +60,27 @@ def test_a_build_held_by_another_process_is_waited_for_a_bounded_time(monkeypatc
     import torch.utils.cpp_extension as cpp_extension
 
     loads = []
-    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: loads.append(name))
+
+    def load(name, sources, build_directory, **kw):
+        loads.append(Path(build_directory).name)
+        (Path(build_directory) / f"{name}.so").touch()
+
+    monkeypatch.setattr(cpp_extension, "load", load)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    folder = tmp_path / "minivllm" / "held"
-    folder.mkdir(parents=True)
-    with open(folder / "build.lock", "a+") as held:  # what another process building here holds
+    root = tmp_path / "minivllm"
+    root.mkdir()
+    with open(root / "held.lock", "a+") as held:  # what another process building here holds
         fcntl.flock(held, fcntl.LOCK_EX)
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=r"another process has been building .* for more than 0.5 s"):
             build_cpu_kernels("held", [], library="held", wait_s=0.5)
-        assert 0.5 <= time.monotonic() - start < 5 and loads == []
-    (folder / "lock").touch()  # torch's own lock file, left by a build that was killed half-way
+        assert 0.5 <= time.monotonic() - start < 60 and loads == []
+    (root / "held.building-1").mkdir()  # the folder of a build that was killed half-way, and its compilers
     build_cpu_kernels("held", [], library="held", wait_s=0.5)
-    assert loads == ["held"] and not (folder / "lock").exists()  # removed: nobody could hold it
+    assert loads == [f"held.building-{os.getpid()}"]  # compiled in a folder of its own, then moved into place
+    assert sorted(p.name for p in root.iterdir()) == ["held", "held.lock"] and (root / "held" / "held.so").exists()
+    build_cpu_kernels("held", [], library="held", wait_s=0.5)
+    assert loads[-1] == "held"  # built: loaded where it is
 
 
 def test_the_build_folder_is_keyed_by_the_sources_and_flags(monkeypatch):

@@ -39,7 +39,7 @@ def test_matches_naive(dtype, Hq, Hkv, D, block_size):
 
 def assert_within_error_bound(out, q, kc, vc, tables, lens, scale):
     """fp32: within the arithmetic's error bound of the exact answer (kernel_helpers), never a tolerance fitted
-    to one CPU; the plain-PyTorch reference must be too (the bound is no looser than what fp32 can do)."""
+    to one CPU; the plain-PyTorch reference must be too (a bound it broke would be wrong, not too strict)."""
     exact, bound = decode_attention_with_error_bound(q, kc, vc, tables, lens, scale)
     for name, got in (("kernel", out), ("naive reference", naive_paged_decode_attention(q, kc, vc, tables, lens, scale))):
         excess = (got.double() - exact).abs() - bound

@@ -3,10 +3,11 @@
     propose(plan)             ask the proposer for drafts to fill the draft slots the scheduler
                               reserved; drafts go to `seq.spec_token_ids` (recorded in the step's
                               undo log) and each row group shrinks to the drafts actually proposed
-    after_step(plan, out)     count drafts and acceptances; tell the proposer what the target
-                              verified (`on_commit`)
-    on_release(seq)           the scheduler gave a sequence's blocks back, for whatever reason: the
-                              proposer forgets it (`on_free`)
+    after_step(plan, out, released)
+                              count drafts and acceptances; tell the proposer what the target
+                              verified (`on_commit`), then which sequences gave their blocks back
+                              since, for whatever reason (finished, aborted, failed, preempted:
+                              `on_free`), so that it forgets them
 
 The proposer is checked like user input: more drafts than asked, an id outside the vocabulary, or
 `Draft.probs` that is no distribution over the drafts (shape, sign, sum) is an error naming the
@@ -24,7 +25,6 @@ from minivllm.engine.sampling_metadata import RowGroupOutput
 from minivllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from minivllm.engine.spec_decode.config import SpeculativeConfig
 from minivllm.engine.spec_decode.ngram import NgramProposer
-from minivllm.engine.sequence import Sequence
 from minivllm.engine.spec_decode.proposer import DraftRequest, Proposer
 
 
@@ -51,6 +51,9 @@ class Speculator:
         self.proposer = proposer
         self.check_token_ids = check_token_ids
         self.vocab_size = vocab_size
+        # A caller's proposer is checked like user input; the built-in ones are trusted (the draft model's
+        # distributions are the sampler's own: checking (d, V) tensors each step would cost ~1 ms a sequence).
+        self.check_probs = cfg.method == "custom"
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.per_position = [[0, 0] for _ in range(cfg.num_speculative_tokens)]  # [drafted, accepted]
@@ -70,7 +73,7 @@ class Speculator:
                 raise ValueError(f"the proposer drafted {len(ids)} tokens for {seq.request_id!r}, "
                                  f"more than the {sched.num_spec_tokens} asked")
             self.check_token_ids(seq.request_id, "draft token_ids", ids)
-            if draft.probs is not None and ids:
+            if draft.probs is not None and ids and self.check_probs:
                 self._check_probs(seq.request_id, ids, draft.probs)
             scheduler.undo.record_seq(seq)
             seq.spec_token_ids = ids
@@ -100,7 +103,16 @@ class Speculator:
             raise ValueError(f"{where} that gives probability 0 to its own draft token; a draft must be drawn "
                              "from its distribution")
 
-    def after_step(self, plan: SchedulerOutput, sampled: list[RowGroupOutput]) -> None:
+    def after_step(self, plan: SchedulerOutput | None, sampled: list[RowGroupOutput] | None,
+                   released: list[str]) -> None:
+        """After a committed step (`plan`, `sampled`), or after requests were finished without one (None):
+        count, tell the proposer what was verified, then what was released."""
+        if plan is not None:
+            self._count_and_commit(plan, sampled)
+        for request_id in released:
+            self.proposer.on_free(request_id)
+
+    def _count_and_commit(self, plan: SchedulerOutput, sampled: list[RowGroupOutput]) -> None:
         ids, computed = [], []
         for sched, out in zip(plan.scheduled, sampled):
             seq = sched.seq
@@ -111,15 +123,10 @@ class Speculator:
                 for j in range(sched.num_spec_tokens):
                     self.per_position[j][0] += 1
                     self.per_position[j][1] += j < accepted
-            if not seq.is_finished:  # finished or preempted ones were released (`on_release`)
+            if not seq.is_finished:  # finished ones are in `released`
                 ids.append(seq.request_id)
                 computed.append(seq.num_computed_tokens)
         self.proposer.on_commit(ids, computed)
-
-    def on_release(self, seq: Sequence) -> None:
-        """The scheduler gave `seq`'s blocks back (finished, aborted, failed, preempted): whatever the
-        proposer keeps for it is stale (a request id may be used again)."""
-        self.proposer.on_free(seq.request_id)
 
     @property
     def acceptance_per_position(self) -> tuple[float, ...]:
