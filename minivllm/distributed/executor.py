@@ -37,14 +37,15 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.multiprocessing as mp
 
 from minivllm.config import EngineConfig
 from minivllm.distributed.communication import CollectiveRpc, CommandChannel, Shutdown, WorkerCommand, WorkerStart
-from minivllm.distributed.parallel_state import close_parallel_context, init_parallel_context, rendezvous_address
+from minivllm.distributed.parallel_state import (JOIN_TIMEOUT_S, Rendezvous, close_parallel_context,
+                                                init_parallel_context)
 from minivllm.distributed.worker import WorkerLaunch, worker_main
 from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.loading import RankModel, load_rank
@@ -67,23 +68,42 @@ class MultiprocExecutor:
         if device.type == "cuda" and local > torch.cuda.device_count():
             raise ValueError(f"{local} ranks on this node need {local} GPUs (rank r uses cuda:r); "
                              f"{torch.cuda.device_count()} are visible: lower tensor_parallel_size")
-        addr, port = rendezvous_address(spans_nodes=local < world)
+        self.rendezvous = Rendezvous.across_nodes() if local < world else Rendezvous.on_this_node()
         if device.type == "cuda":
             device = torch.device("cuda", device.index or 0)
         self.timeout_s = config.distributed_timeout_s
-        launch = WorkerLaunch(first_rank=1, first_local_rank=1, world_size=world, master_addr=addr, master_port=port,
+        launch = WorkerLaunch(first_rank=1, first_local_rank=1, world_size=world, rendezvous=self.rendezvous,
                               timeout_s=self.timeout_s, device_type=device.type, num_threads=torch.get_num_threads())
-        self.workers = (mp.start_processes(worker_main, args=(launch,), nprocs=local - 1, join=False, daemon=True,
-                                           start_method="spawn") if local > 1 else None)
+        started = mp.get_context("spawn").SimpleQueue()
+        self.workers = (mp.start_processes(worker_main, args=(launch, started), nprocs=local - 1, join=False,
+                                           daemon=True, start_method="spawn") if local > 1 else None)
         # Dropped without shutdown() (or the interpreter exits): end the workers all the same.
-        self._finalizer = weakref.finalize(self, _abandon, self.worker_processes)
+        self._finalizer = weakref.finalize(self, _abandon, self.worker_processes, self.rendezvous)
         self._dead: str | None = None  # why the group can no longer be used
         try:
-            self.tp = init_parallel_context(0, world, addr, port, self.timeout_s, device)
+            self._wait_for_workers_to_start(started, local - 1)
+            self.tp = init_parallel_context(0, world, self.rendezvous, self.timeout_s, device)
         except Exception as error:
             message = self._fail(error)
             raise RuntimeError(f"starting {world} tensor-parallel ranks failed: {message}") from error
         self.channel = CommandChannel(self.tp)
+
+    def _wait_for_workers_to_start(self, started: Any, count: int) -> None:
+        """Until every local worker says it is about to join, watch their processes: one that dies while
+        importing or starting (a missing library, the OOM killer) is reported now, with its error, rather
+        than after the join's timeout."""
+        deadline, seen = time.monotonic() + max(self.timeout_s, JOIN_TIMEOUT_S), 0
+        while seen < count:
+            while not started.empty() and seen < count:
+                started.get()
+                seen += 1
+            if seen == count:
+                return
+            if any(p.exitcode is not None for p in self.worker_processes):
+                raise RuntimeError("a worker exited while starting")  # _fail adds the worker's own report
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the workers did not start within {max(self.timeout_s, JOIN_TIMEOUT_S):g} s")
+            time.sleep(0.05)
 
     @property
     def worker_processes(self) -> list[mp.Process]:
@@ -133,6 +153,7 @@ class MultiprocExecutor:
                 pass  # a worker is gone already: the others are killed below
         _end_processes(self.worker_processes, SHUTDOWN_GRACE_S)
         close_parallel_context()
+        self.rendezvous.remove()
         self._finalizer.detach()
 
     # --- failures ---------------------------------------------------------------------------------
@@ -148,6 +169,7 @@ class MultiprocExecutor:
         self._dead = message
         _end_processes(self.worker_processes, grace_s=0.0)
         close_parallel_context()
+        self.rendezvous.remove()
         self._finalizer.detach()  # nothing left to end (and the next engine's group is not ours to close)
         return message
 
@@ -201,6 +223,7 @@ def _end_processes(processes: list[mp.Process], grace_s: float) -> None:
             p.join()
 
 
-def _abandon(processes: list[mp.Process]) -> None:
+def _abandon(processes: list[mp.Process], rendezvous: Rendezvous) -> None:
     _end_processes(processes, grace_s=0.0)
     close_parallel_context()
+    rendezvous.remove()

@@ -39,7 +39,8 @@ tensor-parallel engine per process at a time: a second one is refused with a mes
 from __future__ import annotations
 
 import os
-import socket
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -93,24 +94,36 @@ class ParallelContext:
             dist.barrier(group=self.startup_group)
 
 
-def rendezvous_address(spans_nodes: bool) -> tuple[str, int]:
-    """Where rank 0 listens: MASTER_ADDR / MASTER_PORT when set (the usual variables), otherwise the
-    loopback interface and a port the OS says is free. Workers on other nodes must know the address
-    in advance, so a group that spans nodes needs MASTER_PORT set."""
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = os.environ.get("MASTER_PORT")
-    if port is not None:
-        return addr, int(port)
-    if spans_nodes:
-        raise ValueError("the tensor-parallel group spans nodes (LOCAL_WORLD_SIZE < tensor_parallel_size): set "
-                         "MASTER_ADDR to this node's address and MASTER_PORT to a free port, and give the other "
-                         "nodes' workers the same values")
-    with socket.socket() as s:  # port 0: the OS picks a free one (free now; taken again by init below)
-        s.bind((addr, 0))
-        return addr, s.getsockname()[1]
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet to form the group. On one node, a file in a private folder: nothing listens on
+    the network (torch's TCP store listens on every interface, for the engine's whole life). Across nodes,
+    rank 0's TCP address, which the user gives every node (MASTER_ADDR, MASTER_PORT)."""
+
+    store_path: str | None = None  # one node: a FileStore here
+    master_addr: str | None = None  # several nodes: tcp://master_addr:master_port
+    master_port: int | None = None
+
+    @classmethod
+    def on_this_node(cls) -> "Rendezvous":
+        folder = tempfile.mkdtemp(prefix="minivllm-tp-")  # mode 0700: this user's processes only
+        return cls(store_path=os.path.join(folder, "store"))
+
+    @classmethod
+    def across_nodes(cls) -> "Rendezvous":
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise ValueError("the tensor-parallel group spans nodes (LOCAL_WORLD_SIZE < tensor_parallel_size): set "
+                             "MASTER_ADDR to this node's address and MASTER_PORT to a free port, and give the other "
+                             "nodes' workers the same values")
+        return cls(master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]))
+
+    def remove(self) -> None:
+        """The store's folder, once the group is formed and gone (one node only)."""
+        if self.store_path is not None:
+            shutil.rmtree(os.path.dirname(self.store_path), ignore_errors=True)
 
 
-def init_parallel_context(rank: int, world_size: int, addr: str, port: int, timeout_s: float,
+def init_parallel_context(rank: int, world_size: int, rendezvous: Rendezvous, timeout_s: float,
                           device: torch.device) -> ParallelContext:
     """Join the group (blocks until all `world_size` ranks have joined, at most max(`timeout_s`,
     JOIN_TIMEOUT_S)); the groups' collectives then wait at most `timeout_s`."""
@@ -120,8 +133,14 @@ def init_parallel_context(rank: int, world_size: int, addr: str, port: int, time
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)))
+    join = timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+    if rendezvous.store_path is not None:
+        store = dist.FileStore(rendezvous.store_path, world_size)
+        store.set_timeout(join)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=join)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
+                                rank=rank, world_size=world_size, timeout=join)
     bounded = timedelta(seconds=timeout_s)
     device_group = dist.new_group(backend=backend, timeout=bounded)
     cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=bounded)

@@ -27,13 +27,15 @@ import argparse
 import os
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from minivllm.config import EngineConfig
 from minivllm.distributed.communication import (CollectiveRpc, CommandChannel, CopyBlocks, Shutdown, StepInputs,
                                                 WorkerStart)
-from minivllm.distributed.parallel_state import ParallelContext, close_parallel_context, init_parallel_context
+from minivllm.distributed.parallel_state import (ParallelContext, Rendezvous, close_parallel_context,
+                                                init_parallel_context)
 from minivllm.engine.loading import load_rank, resolve_dtype
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.models.hf_config import load_model_spec
@@ -46,8 +48,7 @@ class WorkerLaunch:
     first_rank: int  # global rank of this node's first worker
     first_local_rank: int  # its index on this node (picks the GPU: cuda:local_rank)
     world_size: int
-    master_addr: str
-    master_port: int
+    rendezvous: Rendezvous
     timeout_s: float
     device_type: str  # "cpu" or "cuda": the collectives' backend must be the same on every rank
     num_threads: int  # torch's CPU threads per worker: rank 0's own setting
@@ -91,14 +92,17 @@ class Worker:
                     raise TypeError(f"worker rank {self.tp.rank}: unexpected command {type(command).__name__}")
 
 
-def worker_main(local_index: int, launch: WorkerLaunch) -> None:
-    """A worker process's whole life (the target of torch.multiprocessing's spawn)."""
+def worker_main(local_index: int, launch: WorkerLaunch, started: Any = None) -> None:
+    """A worker process's whole life (the target of torch.multiprocessing's spawn). `started`: a queue on
+    which it says it has imported everything and is about to join (rank 0 watches the processes until
+    then, so a worker that dies while starting is reported at once, not after the join's timeout)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if started is not None:
+        started.put(local_index)
     torch.set_num_threads(launch.num_threads)
     rank, local_rank = launch.first_rank + local_index, launch.first_local_rank + local_index
     device = torch.device("cuda", local_rank) if launch.device_type == "cuda" else torch.device("cpu")
-    tp = init_parallel_context(rank, launch.world_size, launch.master_addr, launch.master_port, launch.timeout_s,
-                               device)
+    tp = init_parallel_context(rank, launch.world_size, launch.rendezvous, launch.timeout_s, device)
     channel = CommandChannel(tp)
     start = channel.receive()
     if not isinstance(start, WorkerStart):
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         parser.error(f"set {', '.join(missing)} (rank 0's address and port, the group's size, this node's first rank)")
     env = os.environ
-    launch = WorkerLaunch(int(env["RANK"]), 0, int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+    launch = WorkerLaunch(int(env["RANK"]), 0, int(env["WORLD_SIZE"]), Rendezvous.across_nodes(),
                           args.distributed_timeout_s, args.device, torch.get_num_threads())
     torch.multiprocessing.start_processes(worker_main, args=(launch,), nprocs=int(env.get("LOCAL_WORLD_SIZE", 1)),
                                           join=True, start_method="spawn")

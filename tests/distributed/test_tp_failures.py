@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,6 +140,46 @@ def test_a_worker_warming_up_longer_than_a_steps_timeout_is_waited_for(qwen3_dir
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     with LLM(qwen3_dir, tensor_parallel_size=2, distributed_timeout_s=3, block_size=4, num_kv_blocks=64) as llm:
         assert generate(llm) == generate(LLM(qwen3_dir, **ENGINE))
+
+
+DIES_WHILE_STARTING = """
+import os
+import minivllm.distributed.worker as worker
+
+
+def crash(*args):  # a worker that dies before it joins: a missing library, the OOM killer
+    os._exit(3)
+
+
+worker.worker_main = crash
+"""
+
+
+@pytest.mark.timeout(600)  # a hang; a busy machine takes minutes
+def test_a_worker_that_dies_while_starting_ends_the_start_at_once(qwen3_dir, tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text(DIES_WHILE_STARTING)  # only the spawned workers import it
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    before = child_pids()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)starting 2 tensor-parallel ranks failed.*exit code 3"):
+        LLM(qwen3_dir, tensor_parallel_size=2, **ENGINE)
+    assert time.monotonic() - start < 60, "not the join's 120 s timeout"
+    assert not child_pids() - before
+
+
+def test_a_one_node_group_listens_on_no_network_interface(qwen3_dir, one_thread_per_rank):
+    """One node meets through a file (torch's TCP store would listen on every interface, for the engine's
+    whole life); the ranks' own connections are on loopback."""
+    if shutil.which("ss") is None:
+        assert not os.environ.get("CI"), "CI must check this: install iproute2 (ss)"
+        pytest.skip("no `ss` (iproute2) to list listening sockets")
+    with LLM(qwen3_dir, tensor_parallel_size=2, **ENGINE) as llm:
+        pids = {os.getpid(), worker_pid(llm)}
+        listening = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True).stdout.splitlines()
+        ours = [line for line in listening if any(f"pid={pid}," in line for pid in pids)]
+        assert ours, listening  # gloo's pairs
+        assert all(line.split()[3].startswith(("127.0.0.1:", "[::1]:")) for line in ours), ours
+        assert generate(llm)
 
 
 SHORT_STARTUP_BOUND = """
