@@ -16,7 +16,8 @@ draws with `seed + i` when a seed is given (vLLM's rule).
 
 Numbers are checked strictly at this boundary: NaN, infinities and booleans are refused (a NaN
 temperature would poison a whole batch's sampling), numpy integers are accepted and stored as Python
-ints. Token ids are checked against the model's vocabulary when the request reaches the engine.
+ints. Token ids are checked against the model's vocabulary when the request reaches the engine. Lists
+whose cost grows each step are bounded (MAX_STOP_STRINGS, MAX_BAD_WORDS), with an error naming the limit.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
+# What one request may ask, bounded: the stop strings are searched after every token (the cost grows with
+# their number), and a bad word costs a tokenization at admission. OpenAI allows 4 stop sequences.
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 1000
+MAX_BAD_WORDS = 4096
+SEED_RANGE = (-(2**63), 2**63)  # int64, as the server takes: the sampler's noise key is 64 bits (seed mod 2**64)
 
 
 class RequestOutputKind(enum.Enum):
@@ -104,6 +111,9 @@ class SamplingParams:
         setfield("min_p", as_float("min_p", "must be in [0, 1]; 0 disables it", lambda v: 0 <= v <= 1))
         if self.seed is not None:
             setfield("seed", as_int("seed", "must be an integer or None"))
+            if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+                raise bad("seed", "must be a 64-bit integer (from -2**63 to 2**63 - 1): seeds further apart "
+                                  "than 2**64 would share their random draws")
         if self.max_tokens is not None:
             setfield("max_tokens", as_int("max_tokens", "must be an integer >= 1, or None to run until "
                                                         "max_model_len", lo=1))
@@ -119,6 +129,10 @@ class SamplingParams:
         stop = tuple(stop or ())
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise ValueError(f"SamplingParams.stop=<{len(stop)} strings, the longest {max(map(len, stop))} "
+                             f"characters> is invalid: give at most {MAX_STOP_STRINGS} strings of at most "
+                             f"{MAX_STOP_STRING_CHARS} characters each (each is searched for after every token)")
         if stop and not self.detokenize:
             raise bad("stop", "stop strings are found in the output text, which detokenize=False does not make: "
                               "use stop_token_ids, or detokenize=True")
@@ -157,6 +171,9 @@ class SamplingParams:
             words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
             if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in words):
                 raise bad("bad_words", "must be a list of non-empty strings")
+            if len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"SamplingParams.bad_words=<{len(words)} words> is invalid: give at most "
+                                 f"{MAX_BAD_WORDS} (each is tokenized when the request arrives)")
             setfield("bad_words", list(words))
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind: CUMULATIVE, DELTA or FINAL_ONLY")
@@ -180,10 +197,9 @@ class SamplingParams:
         return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None \
             or bool(self.bad_words)
 
-    def token_id_fields(self) -> dict[str, tuple[int, ...]]:
-        """Every field that holds token ids, to check against the model's vocabulary."""
-        return {"stop_token_ids": self._stop_token_ids, "allowed_token_ids": tuple(self.allowed_token_ids or ()),
-                "logit_bias": tuple(self.logit_bias or ())}
+    @functools.cached_property  # read for every output of a running request with stop strings
+    def longest_stop(self) -> int:
+        return max(map(len, self._stop), default=0)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

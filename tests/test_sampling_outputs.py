@@ -3,6 +3,8 @@ allowed ids, truncation, and `n > 1` as forked sequences sharing the prompt's KV
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -11,7 +13,8 @@ from transformers.generation.logits_process import (
 )
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers.logits_processors import RowProcessing, apply_logits_processing, banned_by_bad_words
+from minivllm.layers.logits_processors import (BadWords, RequestLogitRules, RowProcessing, apply_logits_processing,
+                                               banned_by_bad_words)
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -105,10 +108,23 @@ def test_presence_and_frequency_penalties_are_vllms_formula():
 
 def test_masks_and_bias():
     logits = torch.zeros(1, 10)
-    row = RowProcessing(banned_token_ids=[1], allowed_token_ids=[1, 2, 3], logit_bias={3: 2.5, 4: 9.0})
+    rules = RequestLogitRules.build([1, 2, 3], {3: 2.5, 4: 9.0}, [], 10, torch.device("cpu"))
+    row = RowProcessing(banned_token_ids=[1], rules=rules)
     out = apply_logits_processing(logits, [row])[0]
     assert out[2] == 0 and out[3] == 2.5
     assert torch.isinf(out[[0, 1, 4, 5, 9]]).all()
+
+
+def test_the_bad_words_table_bans_what_the_plain_rule_bans():
+    """`BadWords` looks up one prefix per word length instead of comparing every word (a request with
+    80,000 bad words once held the others for seconds a step): the same bans as the reference."""
+    rng = random.Random(0)
+    words = [[rng.randrange(6) for _ in range(rng.randint(1, 4))] for _ in range(300)]
+    table = BadWords(words)
+    assert table.lengths == (1, 2, 3)
+    for _ in range(300):
+        output = [rng.randrange(6) for _ in range(rng.randint(0, 6))]
+        assert set(table.banned(output)) == set(banned_by_bad_words(words, output))
 
 
 def test_bad_words_ban_the_last_token_of_a_matching_prefix():

@@ -83,6 +83,19 @@ def test_more_completions_than_max_num_seqs_is_a_400_naming_n(engine, url):
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 3
 
 
+def test_lists_past_their_bounds_and_max_tokens_past_the_context_are_400s_naming_the_field(engine, url):
+    for body, param, needle in [
+        ({"stop": [f"s{i}" for i in range(257)]}, "stop", "at most 256 strings"),
+        ({"bad_words": ["w"] * 4097}, "bad_words", "at most 4096"),
+        ({"max_tokens": 250}, "max_tokens", "maximum context length is 256 tokens"),  # vLLM's answer, not "length"
+    ]:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello there, how are you", **body}, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and needle in error["message"], r.text
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "stop": ["s"] * 256}, timeout=30)
+    assert ok.status_code == 200
+
+
 def test_a_failed_step_answers_500_and_the_server_goes_on(engine, url):
     step, failures = engine.engine.step, [RuntimeError("two rows together overflowed")]
 

@@ -13,10 +13,12 @@ import operator
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+import torch
+
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
-from minivllm.layers.logits_processors import bad_words_token_ids
+from minivllm.layers.logits_processors import RequestLogitRules, bad_words_token_ids
 from minivllm.models.hf_config import ModelSpec
 from minivllm.sampling_params import SamplingParams
 
@@ -35,17 +37,38 @@ class Unservable(NamedTuple):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, spec: ModelSpec, config: EngineConfig) -> None:
-        self.tokenizer, self.spec, self.config = tokenizer, spec, config
+    def __init__(self, tokenizer: Any, spec: ModelSpec, config: EngineConfig, device: torch.device) -> None:
+        self.tokenizer, self.spec, self.config, self.device = tokenizer, spec, config, device
+        self._max_token_bytes: int | None = None
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
+    def tokenize(self, prompt: PromptType, *, may_truncate: bool = False) -> tuple[str | None, list[int]]:
+        """(text, token ids). A text that is not valid Unicode, or whose bytes alone prove it longer than
+        max_model_len, is refused before the tokenizer spends time on it (`may_truncate`: the request keeps
+        only its last tokens anyway, so length proves nothing)."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return self.tokenize(prompt["prompt"])
-        raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"): no tokenizer can take it
+            raise ValueError(f"the prompt is not valid Unicode: {text[e.start:e.end]!r} at character {e.start} is a "
+                             "lone surrogate; send text whose characters all encode to UTF-8") from None
+        if not may_truncate and size > self.config.max_model_len * self.max_token_bytes:
+            raise ValueError(f"the prompt is {size} bytes; no token of this model is longer than "
+                             f"{self.max_token_bytes} bytes, so it has over {size // self.max_token_bytes} tokens, "
+                             f"more than max_model_len={self.config.max_model_len}; shorten the prompt")
+        return text, self.tokenizer(text).input_ids
+
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the bytes of text one token stands for: 4 (UTF-8's longest character) times the
+        longest entry of the vocabulary, in characters. Computed once."""
+        if self._max_token_bytes is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_bytes = 4 * max((len(t) for t in vocab), default=256)
+        return self._max_token_bytes
 
     def make_sequence(self, request_id: str, prompt: PromptType,
                       sampling_params: SamplingParams | None = None, priority: int = 0) -> Sequence:
@@ -53,12 +76,12 @@ class InputProcessor:
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
-        text, ids = self.tokenize(prompt)
+        text, ids = self.tokenize(prompt, may_truncate=sp.truncate_prompt_tokens is not None)
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
         ids = self.check_token_ids(request_id, "prompt_token_ids", ids)
-        for field, field_ids in sp.token_id_fields().items():
-            self.check_token_ids(request_id, field, field_ids)
+        self.check_token_ids(request_id, "stop_token_ids", sp.all_stop_token_ids)
+        rules = self.logit_rules(request_id, sp)
         for field in ("logprobs", "prompt_logprobs"):
             if (getattr(sp, field) or 0) > self.config.max_logprobs:
                 raise ValueError(f"request {request_id!r}: {field}={getattr(sp, field)} exceeds max_logprobs="
@@ -68,9 +91,29 @@ class InputProcessor:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"request {request_id!r}: priority={priority!r} must be an integer (lower = sooner)")
         seq = Sequence(request_id, ids, sp, prompt=text, seed=sp.seed or 0, priority=priority)
-        if sp.bad_words:
-            seq.bad_words_token_ids = bad_words_token_ids(self.tokenizer, sp.bad_words)
+        seq.logit_rules = rules
         return seq
+
+    def logit_rules(self, request_id: str, sp: SamplingParams) -> RequestLogitRules | None:
+        """`sp`'s allowed ids, biases and bad words, checked against the vocabulary and prepared for every
+        step (layers/logits_processors.py). Once per `SamplingParams` and engine: kept on `sp`, so the
+        server's check before queueing, off the engine's thread, also does the engine's work, and the
+        prompts of one `LLM.generate` call share it."""
+        cached = sp.__dict__.get("_logit_rules")  # cached_property-style: SamplingParams' fields never change
+        if cached is not None and cached[0] is self:
+            return cached[1]
+        vocab = self.spec.vocab_size
+        for field, ids in (("allowed_token_ids", sp.allowed_token_ids), ("logit_bias", list(sp.logit_bias or ()))):
+            if ids:
+                t = torch.tensor(ids, dtype=torch.int64)
+                bad = t[(t < 0) | (t >= vocab)].tolist()
+                if bad:
+                    raise ValueError(f"request {request_id!r}: {field} {bad[:5]} are outside the vocabulary "
+                                     f"[0, {vocab}) of this model; use integer token ids in that range")
+        words = bad_words_token_ids(self.tokenizer, sp.bad_words) if sp.bad_words else []
+        rules = RequestLogitRules.build(sp.allowed_token_ids, sp.logit_bias, words, vocab, self.device)
+        sp.__dict__["_logit_rules"] = (self, rules)
+        return rules
 
     def check_token_ids(self, request_id: str, field: str, ids: Iterable[Any]) -> list[int]:
         """Every token id a request carries must index the model's vocabulary: an id out of range

@@ -129,7 +129,7 @@ class LLMEngine:
             max_admission_skips=config.max_admission_skips,
             num_speculative_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             state_pool=self.state_pool, policy=get_policy(config.scheduling_policy))
-        self.input_processor = InputProcessor(self.tokenizer, spec, config)
+        self.input_processor = InputProcessor(self.tokenizer, spec, config, self.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step

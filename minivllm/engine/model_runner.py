@@ -31,7 +31,9 @@ import itertools
 import logging
 import time
 from array import array
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +57,8 @@ from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.distributed.executor import MultiprocExecutor
+
+PROMPT_LOGPROBS_CHUNK = 256  # prompt rows whose logits and log-softmax exist at once (prompt_logprobs)
 
 
 @dataclass
@@ -183,14 +187,20 @@ class ModelRunner:
                                               self._forward)  # (T, hidden), a decode step replayed
             else:
                 hidden = self._forward(batch.input_ids, batch.positions, batch.attn_metadata)  # (T, hidden)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S + P, V)
+            num_sampled = len(sb.sampled)
+            if sb.prompt_rows and self.executor is None:  # prompt rows' logits later, a chunk at a time
+                logits = self.model.compute_logits(hidden[batch.logits_indices[:num_sampled]])  # (S, V)
+                prompt_hidden = hidden[batch.logits_indices[num_sampled:]]  # (P, hidden)
+                prompt_logits = partial(_rows_logits, self.model, prompt_hidden)
+            else:  # every rank gathers the same logits once (tensor parallelism: a collective)
+                logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S + P, V)
+                prompt_logits = logits[num_sampled:].__getitem__
         result = [RowGroupOutput() for _ in out.scheduled]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - t0
-        num_sampled = len(sb.sampled)
         if sb.prompt_rows:
-            self._record_prompt_logprobs(logits[num_sampled:].float(), sb, result)
+            self._record_prompt_logprobs(prompt_logits, sb, result)
         if not num_sampled:
             return result
         logits = logits[:num_sampled]  # (S, V), in the model's dtype
@@ -223,11 +233,17 @@ class ModelRunner:
                                                  batch.logits_indices))
 
     @staticmethod
-    def _record_prompt_logprobs(logits: torch.Tensor, sb: SamplingBatch, result: list[RowGroupOutput]) -> None:
-        lp = logits.log_softmax(-1)  # (P, V)
-        toks = gather_logprobs(lp, [r.token_id for r in sb.prompt_rows], [r.num_logprobs for r in sb.prompt_rows])
-        for r, tok in zip(sb.prompt_rows, toks):
-            result[r.entry].prompt_logprobs.append(PromptLogprob(r.position, tok))
+    def _record_prompt_logprobs(prompt_logits: Callable[[slice], torch.Tensor], sb: SamplingBatch,
+                                result: list[RowGroupOutput]) -> None:
+        """A chunk of PROMPT_LOGPROBS_CHUNK prompt rows at a time: a 2,048-token chunk's float32 log-softmax
+        over a 49k vocabulary would take 400 MB at once (and its logits as much again)."""
+        rows = sb.prompt_rows
+        for lo in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
+            part = rows[lo:lo + PROMPT_LOGPROBS_CHUNK]
+            lp = prompt_logits(slice(lo, lo + len(part))).float().log_softmax(-1)  # (chunk, V)
+            toks = gather_logprobs(lp, [r.token_id for r in part], [r.num_logprobs for r in part])
+            for r, tok in zip(part, toks):
+                result[r.entry].prompt_logprobs.append(PromptLogprob(r.position, tok))
 
     def _linear_attn_metadata(self, out: SchedulerOutput) -> LinearAttnMetadata:
         pool, dev = self.state_pool, self.device
@@ -299,3 +315,7 @@ class ModelRunner:
             if self.state_pool is not None:
                 break  # one staging slot: one sequence (hybrid models are not compiled anyway)
         return batch
+
+
+def _rows_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: slice) -> torch.Tensor:
+    return model.compute_logits(hidden[rows])  # (rows, V)

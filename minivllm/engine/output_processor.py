@@ -115,7 +115,7 @@ class OutputProcessor:
         stops = seq.sampling_params.stop_strings
         if stops and not seq.is_finished:
             # Hold back what could be the start of a stop string, so streamed text never shrinks.
-            text = text[:max(0, len(text) - max(map(len, stops)) + 1)]
+            text = text[:max(0, len(text) - seq.sampling_params.longest_stop + 1)]
         logprobs, cumulative = None, None
         if seq.sampling_params.logprobs is not None:
             logprobs = state.logprobs[seq.index]

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from minivllm.engine.sequence import Sequence
-from minivllm.layers.logits_processors import RowProcessing, banned_by_bad_words
+from minivllm.layers.logits_processors import RowProcessing
 from minivllm.layers.sampler import SamplingRow
 
 
@@ -127,15 +127,20 @@ def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[in
         banned += list(sp.all_stop_token_ids) + ([] if sp.ignore_eos else list(eos_token_ids))
     if not sp.needs_logits_processing:
         return RowProcessing(banned_token_ids=banned)
-    output = seq.output_token_ids + list(drafts)
-    if seq.bad_words_token_ids:
-        banned += banned_by_bad_words(seq.bad_words_token_ids, output)
+    rules = seq.logit_rules
+    output = None
+    if rules is not None and rules.bad_words is not None:  # the tail the longest bad word can reach
+        reach = rules.bad_words.lengths[-1] if rules.bad_words.lengths else 0
+        tail = seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - reach):].tolist() + list(drafts)
+        banned += rules.bad_words.banned(tail)
+    if sp.has_penalties:
+        output = seq.output_token_ids + list(drafts)
     return RowProcessing(
-        banned_token_ids=banned, allowed_token_ids=sp.allowed_token_ids, logit_bias=sp.logit_bias,
+        banned_token_ids=banned, rules=rules,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty,
         prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1 else None,
-        output_token_ids=output if sp.has_penalties else None)
+        output_token_ids=output)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[int | None]) -> list[SampledToken]:

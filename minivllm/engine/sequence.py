@@ -20,9 +20,12 @@ from __future__ import annotations
 import enum
 from array import array
 from collections.abc import Sequence as SequenceABC
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.layers.logits_processors import RequestLogitRules
 
 
 class SequenceStatus(enum.Enum):
@@ -73,7 +76,8 @@ class Sequence:
         self.group_id = request_id  # the request this sequence belongs to
         self.index = 0  # which of the request's n completions this is
         self.num_forks_pending = sampling_params.n - 1  # children to fork when the prompt is done
-        self.bad_words_token_ids: list[list[int]] = []  # set by the engine from sampling_params.bad_words
+        # allowed ids, biases and bad words, prepared once by the engine (layers/logits_processors.py)
+        self.logit_rules: RequestLogitRules | None = None
         self.logprobs: list[Any] = []  # one SampledToken per output token, when logprobs are asked
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[Any] = []  # one PromptLogprob per prompt position done so far
@@ -140,7 +144,7 @@ class Sequence:
         child.status = self.status
         child.num_cached_tokens = self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)  # hashes depend on tokens only
-        child.bad_words_token_ids = self.bad_words_token_ids
+        child.logit_rules = self.logit_rules
         return child
 
     def finish(self, reason: str, stop_reason: int | str | None = None, error: str | None = None) -> None:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "proposer"}
@@ -34,15 +35,26 @@ class SpeculativeConfig:
         if method not in ("ngram", "draft_model", "custom"):
             raise ValueError(f"speculative_config.method={method!r}: use 'ngram', or give 'model' (a draft "
                              "model folder) or 'proposer' (a minivllm Proposer)")
-        k = d.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
-            raise ValueError(f"speculative_config.num_speculative_tokens={k!r}: give an integer in [1, 16]")
-        cfg = cls(method, k, int(d.get("prompt_lookup_max", 4)), int(d.get("prompt_lookup_min", 1)),
-                  d.get("model"), d.get("proposer"))
-        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
-            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        def integer(key: str, default: int | None, lo: int, hi: int) -> int:
+            value = d.get(key, default)
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise ValueError(f"speculative_config.{key}={value!r}: give an integer in [{lo}, {hi}]")
+            return value
+
+        k = integer("num_speculative_tokens", None, 1, 16)
+        lookup_max, lookup_min = integer("prompt_lookup_max", 4, 1, 64), integer("prompt_lookup_min", 1, 1, 64)
+        model = d.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"speculative_config.model={model!r}: give the draft model's checkpoint folder")
+        cfg = cls(method, k, lookup_max, lookup_min, model, d.get("proposer"))
+        if not cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min={lookup_min} exceeds prompt_lookup_max="
+                             f"{lookup_max}; need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (a checkpoint folder)")
+        if cfg.model and not Path(cfg.model).is_dir():
+            raise ValueError(f"speculative_config.model={cfg.model!r} is not a folder: give the draft model's "
+                             "checkpoint folder (config.json, *.safetensors and the tokenizer)")
         if method == "custom" and cfg.proposer is None:
             raise ValueError("speculative_config: give 'proposer', a minivllm.engine.spec_decode.Proposer")
         return cfg

@@ -3,11 +3,14 @@
     ServingContext.admit(req, render)
       ├─ model name (404), engine alive (503)
       ├─ req.check_fields(): refused and unknown fields (protocol.py)        400
-      ├─ req.sampling_params(): values SamplingParams refuses, logprobs cap   400
-      └─ worker thread: render (chat template + tokenize, once) + fits?       400 context_length_exceeded
+      └─ worker thread:
+           req.sampling_params(): values SamplingParams refuses, logprobs cap   400
+           render (chat template + tokenize, once), request prepared and fits?  400 (context_length_exceeded:
+                                                   the prompt, or prompt + max_tokens, past max_model_len)
 
-Rendering costs time in the prompt's length, so it runs once per request, in a worker thread
-(`asyncio.to_thread`), never on the event loop. The result is a prompt the engine never
+Rendering costs time in the prompt's length, and preparing a request's lists (allowed ids, bad
+words) in theirs, so both run once per request, in a worker thread (`asyncio.to_thread`), never on
+the event loop nor on the engine's thread (which reuses the prepared lists: `InputProcessor.logit_rules`). The result is a prompt the engine never
 re-tokenizes: {"prompt": text, "prompt_token_ids": ids}, which `LLMEngine.tokenize` takes as is.
 """
 
@@ -54,10 +57,17 @@ class ServingContext:
             self.engine.check_health()
             limits = self.limits
             req.check_fields(limits)
-            sp = req.sampling_params(self.defaults, limits)
-            return await asyncio.to_thread(render_and_check, self.engine, render, sp, param), sp
+            # SamplingParams checks every list entry and `check_request` prepares its lists for the steps
+            # (tokenizing bad words, a mask of allowed ids): work that grows with the request, done here,
+            # once, off the event loop and off the engine's thread, which reuses it.
+            return await asyncio.to_thread(self._prepare, req, render, limits, param)
         except Exception as e:
             raise api_error(e, param) from e
+
+    def _prepare(self, req: Request, render: Callable[[], list[TokensPrompt]], limits: Limits,
+                 param: str) -> tuple[list[TokensPrompt], SamplingParams]:
+        sp = req.sampling_params(self.defaults, limits)
+        return render_and_check(self.engine, render, sp, param), sp
 
 
 def completion_prompts(tokenizer: Any, req: CompletionRequest) -> list[TokensPrompt]:
@@ -81,9 +91,17 @@ def render_and_check(engine: AsyncLLMEngine, render: Callable[[], list[TokensPro
     """The prompts `render` builds, each checked to fit (a 400 now, rather than a stream that
     would fail after its 200 was sent)."""
     prompts = render()
+    max_model_len = engine.engine.config.max_model_len
     for p in prompts:
         reason = engine.check_request(p, sp)
         if reason is not None:  # a field that can never be served (n), or the prompt's length
             raise ApiError(400, reason.message, reason.field or param,
                            None if reason.field else "context_length_exceeded")
+        n = len(p["prompt_token_ids"])
+        if sp.max_tokens is not None and sp.truncate_prompt_tokens is None and n + sp.max_tokens > max_model_len:
+            # vLLM's answer: asking for more than the context holds is the client's mistake, not a "length" stop
+            raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                f"requested {n + sp.max_tokens} tokens ({n} in the prompt, {sp.max_tokens} in the "
+                                "completion). Please reduce the length of the prompt or max_tokens.",
+                           "max_tokens", "context_length_exceeded")
     return prompts
