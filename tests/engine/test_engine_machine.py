@@ -45,7 +45,8 @@ PREFIXES = [[], list(range(20, 32)), [7, 8, 9, 10, 7, 8, 9]]  # shared: prefix-c
 REQUESTS = st.fixed_dictionaries(dict(
     prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(5, 40), min_size=1, max_size=9),
     n=st.sampled_from([1, 1, 2, 3]), greedy=st.booleans(), max_tokens=st.sampled_from([1, 3, 6, 9, 12, 12]),
-    poisoned=st.sampled_from([False] * 8 + [True])))
+    poisoned=st.sampled_from([False] * 8 + [True]), restricted=st.sampled_from([False] * 3 + [True])))
+ALLOWED = list(range(5, 200))  # a restricted (sampled) request draws only these; never a bad word's last token
 
 
 class Injected(RuntimeError):
@@ -149,10 +150,12 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             self.add(**request)
 
         def add(self, prefix: list[int], extra: list[int], n: int, greedy: bool, max_tokens: int,
-                poisoned: bool) -> None:
+                poisoned: bool, restricted: bool) -> None:
             prompt = ([POISON] if poisoned else []) + prefix + extra
-            params = SamplingParams(n=n, temperature=0 if greedy else 0.9, seed=None if greedy else len(self.requests),
-                                    max_tokens=max_tokens, ignore_eos=True)
+            rules = dict(allowed_token_ids=ALLOWED, logit_bias={7: 3.0, 150: -5.0}, bad_words=["ab", "cd e"])
+            params = SamplingParams(n=n, temperature=0 if greedy and not restricted else 0.9,
+                                    seed=None if greedy else len(self.requests), max_tokens=max_tokens,
+                                    ignore_eos=True, **(rules if restricted else {}))
             rid = f"r{len(self.requests)}"
             self.requests[rid] = Request(prompt, params, poisoned)
             self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
@@ -256,6 +259,8 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                         continue
                     room = self.engine.config.max_model_len - len(r.prompt)  # max_model_len ends it too
                     assert c.finish_reason == "length" and len(c.token_ids) == min(r.params.max_tokens, room), (rid, c)
+                    if r.params.allowed_token_ids is not None:  # masks reach every path (drafts, forks, recomputes)
+                        assert set(c.token_ids) <= set(ALLOWED), (rid, c.token_ids)
                     if r.params.temperature == 0:
                         assert_hf_greedy(hf, r.prompt, c.token_ids)
                 if not r.aborted and out.error is None:
