@@ -12,6 +12,8 @@ import time
 import httpx
 import uvicorn
 
+from minivllm.entrypoints.openai.server import DEFAULT_HEADER_TIMEOUT_S, uvicorn_options
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -20,11 +22,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(app):
-    """Serve `app` with uvicorn in a thread, on a real loopback socket; yields its URL."""
+def serving(app, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S):
+    """Serve `app` with uvicorn in a thread, on a real loopback socket, with `minivllm serve`'s
+    connection settings (header deadline, keep-alive); yields its URL."""
     # log_config=None: uvicorn's records reach pytest's caplog (a traceback would be seen there).
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_config=None,
-                                           log_level="warning"))
+                                           log_level="warning", **uvicorn_options(header_timeout_s)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 10

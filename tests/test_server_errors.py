@@ -88,6 +88,7 @@ def test_lists_past_their_bounds_and_max_tokens_past_the_context_are_400s_naming
         ({"stop": [f"s{i}" for i in range(257)]}, "stop", "at most 256 strings"),
         ({"bad_words": ["w"] * 4097}, "bad_words", "at most 4096"),
         ({"max_tokens": 250}, "max_tokens", "maximum context length is 256 tokens"),  # vLLM's answer, not "length"
+        ({"prompt": "z" * 400_000}, "prompt", "bytes; no token of this model is longer than"),  # never tokenized
     ]:
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello there, how are you", **body}, timeout=30)
         error = r.json()["error"]

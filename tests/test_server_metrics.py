@@ -61,6 +61,44 @@ def test_vllm_names_labels_and_meanings(qwen3_dir):
     assert not any("spec_decode" in series for series in m)  # only with speculative decoding on
 
 
+def test_per_request_histograms_prompt_sources_and_cache_info(qwen3_dir):
+    """vLLM's per-request metrics, each equal to what the answers' usage says."""
+    engine, server = serve(qwen3_dir)
+    with server as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        no_eos = {"ignore_eos": True}
+        answers = [
+            client.completions.create(model=MODEL, prompt=["Hello there", "Paged attention"], max_tokens=5,
+                                      extra_body=no_eos),  # two requests of 5 tokens
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           n=2, extra_body=no_eos)]  # one request, two completions of 3
+        prompt = "A scheduler decides which requests run in each step of the engine. " * 2
+        answers += [client.completions.create(model=MODEL, prompt=prompt, max_tokens=1) for _ in range(2)]
+        m = scrape(url)
+    engine.shutdown()
+    labels = {"model_name": MODEL, "engine": "0"}
+    prompt_tokens = sum(a.usage.prompt_tokens for a in answers)
+    cached = sum(a.usage.prompt_tokens_details.cached_tokens for a in answers)
+    assert cached >= 16  # the repeated prompt
+    assert metric(m, "vllm:request_prompt_tokens_count", **labels) == 5  # requests
+    assert metric(m, "vllm:request_prompt_tokens_sum", **labels) == prompt_tokens
+    assert metric(m, "vllm:request_generation_tokens_sum", **labels) == sum(a.usage.completion_tokens for a in answers)
+    assert metric(m, "vllm:request_max_num_generation_tokens_sum", **labels) == 5 + 5 + 3 + 1 + 1
+    assert metric(m, "vllm:request_params_n_sum", **labels) == 1 + 1 + 2 + 1 + 1
+    assert metric(m, "vllm:request_params_max_tokens_sum", **labels) == 5 + 5 + 3 + 1 + 1
+    assert metric(m, "vllm:request_decode_time_seconds_count", **labels) == 5
+    assert metric(m, "vllm:request_time_per_output_token_seconds_count", **labels) == 3  # those with > 1 token
+    assert metric(m, "vllm:prompt_tokens_cached_total", **labels) == cached
+    assert metric(m, "vllm:prompt_tokens_by_source_total", source="local_cache_hit", **labels) == cached
+    assert metric(m, "vllm:prompt_tokens_by_source_total", source="local_compute", **labels) == prompt_tokens - cached
+    assert metric(m, "vllm:request_prefill_kv_computed_tokens_sum", **labels) == prompt_tokens - cached
+    assert prompt_tokens == metric(m, "vllm:prompt_tokens_total", **labels)  # the engine's count agrees
+    for reason in ("capacity", "deferred"):
+        assert metric(m, "vllm:num_requests_waiting_by_reason", reason=reason, **labels) == 0
+    assert metric(m, "vllm:cache_config_info", block_size="16", num_gpu_blocks="64", enable_prefix_caching="True",
+                  engine="0") == 1
+
+
 def test_counters_never_go_down(qwen3_dir):
     """A failed step is rolled back with its counts; a Prometheus counter must not follow it down."""
     stats = EngineStats(0, 0, 0, 0, 0, prefix_cache_queries=40, prefix_cache_hits=16, num_free_blocks=8,

@@ -124,6 +124,25 @@ def test_completion_logprobs(client, n):
     assert none.choices[0].logprobs is None
 
 
+def test_top_logprobs_keep_every_candidate_when_their_texts_collide(client, engine):
+    """128 byte tokens of this tokenizer decode to the same "\ufffd": a dict keyed by text lost all but
+    one of them (positions had 3, 4, 5, 4, ... of 5). Each candidate keeps a key and its own logprob."""
+    kw = dict(model=MODEL, prompt=[0] * 9, max_tokens=8, temperature=0, logprobs=5)
+    text = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].logprobs
+    ids = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}
+                                    ).choices[0].logprobs
+    decode = engine.engine.tokenizer.decode
+    assert any(len({decode([int(t.removeprefix("token_id:"))]) for t in by_id}) < len(by_id)
+               for by_id in ids.top_logprobs)  # the texts do collide here
+    for token, logprob, top, by_id in zip(text.tokens, text.token_logprobs, text.top_logprobs, ids.top_logprobs):
+        assert 5 <= len(top) <= 6 and len(top) == len(by_id)  # the top 5, and the chosen token if not among them
+        assert sorted(top.values()) == sorted(by_id.values())  # every candidate with its own logprob
+        assert top[token] == logprob  # the chosen token keeps its text
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=5, extra_body={"ignore_eos": True})
+    assert all(len(t.top_logprobs) == 5 for t in chat.choices[0].logprobs.content)  # a list: nothing collides
+
+
 def test_too_many_logprobs_are_refused_and_the_server_goes_on(client, url):
     with pytest.raises(openai.BadRequestError, match="max_logprobs"):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, logprobs=21)
@@ -171,6 +190,17 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client):
     streamed = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=0,
                                               echo=True, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == "The capital of France is"
+
+
+def test_echo_with_max_tokens_0_counts_no_completion_tokens(client):
+    """The one token computed to run the prompt is dropped from the answer, so usage does not count it."""
+    kw = dict(model=MODEL, prompt=["The capital of France is", "Hi"], max_tokens=0, echo=True)
+    r = client.completions.create(**kw)
+    assert r.usage.completion_tokens == 0 and r.usage.total_tokens == r.usage.prompt_tokens
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    assert [c.usage.completion_tokens for c in chunks] == [0] * len(chunks)
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("prompt_logprobs", [0, 1, -1, None])
@@ -305,6 +335,22 @@ def test_cached_tokens_are_reported(client):
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
 
 
+def test_prompt_tokens_details_come_with_a_requests_usage(client):
+    """vLLM's rule: `prompt_tokens_details.cached_tokens` is on a request's usage (the answer's, a
+    stream's last chunk), not on the running usage of each chunk (continuous_usage_stats)."""
+    for stream in (client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, stream=True,
+                                             stream_options={"include_usage": True, "continuous_usage_stats": True}),
+                   client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True,
+                                                  stream_options={"include_usage": True,
+                                                                  "continuous_usage_stats": True})):
+        chunks = list(stream)
+        assert [c.usage.prompt_tokens_details is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    for answer in (client.completions.create(model=MODEL, prompt="Hello", max_tokens=2),
+                   client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)):
+        assert answer.usage.prompt_tokens_details.cached_tokens >= 0
+
+
 def test_token_ids_and_request_id(client, url):
     r = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0, logprobs=0,
                                   extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
@@ -346,6 +392,17 @@ def test_unknown_fields_are_logged_and_ignored(client, caplog):
     assert "frobnicate" in line and "colour" in line and "user" not in line
 
 
+def test_unknown_field_names_are_logged_escaped_cut_and_counted_in_one_line(url, caplog):
+    caplog.set_level(logging.WARNING, logger="minivllm.server")
+    forged = "x\nERROR minivllm.server: forged"  # a newline would start a log line of the client's choosing
+    fields = {forged: 1, "y" * 5000: 1, **{f"field{i}": i for i in range(2000)}}
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **fields})
+    assert r.status_code == 200, r.text
+    [line] = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert "\n" not in line and "'x\\nERROR" in line  # escaped as repr does
+    assert "2002" in line and "1997 more" in line and len(line) < 500  # counted, a few names, each cut
+
+
 def test_allowed_token_ids_constrain_without_stopping(client):
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, extra_body={
         "allowed_token_ids": [65, 66, 67], "ignore_eos": True, "return_token_ids": True})
@@ -364,6 +421,55 @@ def test_token_ids_out_of_the_vocabulary_are_400s_naming_the_field(url, field, v
 def test_seeds_beyond_64_bits_are_400s(client, seed):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, seed=seed)
+
+
+@pytest.mark.parametrize("path,field,value,param", [
+    ("completions", "n", True, "n"),
+    ("completions", "allowed_token_ids", [True], "allowed_token_ids[0]"),
+    ("completions", "stream", "yes", "stream"),
+    ("completions", "priority", True, "priority"),
+    ("completions", "max_tokens", 2.0, "max_tokens"),
+    ("completions", "logprobs", True, "logprobs"),
+    ("completions", "seed", "7", "seed"),
+    ("completions", "echo", 1, "echo"),
+    ("completions", "temperature", "0.5", "temperature"),
+    ("completions", "top_p", True, "top_p"),
+    ("completions", "logit_bias", {"65": True}, "logit_bias.65"),
+    ("completions", "prompt", [1, True], "prompt"),
+    ("completions", "stop_token_ids", [1.0], "stop_token_ids[0]"),
+    ("chat/completions", "logprobs", 1, "logprobs"),
+    ("chat/completions", "top_logprobs", False, "top_logprobs"),
+    ("chat/completions", "add_generation_prompt", "false", "add_generation_prompt"),
+    ("chat/completions", "ignore_eos", 0, "ignore_eos"),
+    ("chat/completions", "stream_options", {"include_usage": 1}, "stream_options.include_usage"),
+    ("chat/completions", "messages", [{"role": "user", "content": 5}], "messages[0].content"),
+])
+def test_fields_are_strictly_typed(url, path, field, value, param):
+    """Nothing is coerced (`true` is not 1, `"yes"` not true, 2.0 not 2): a 400 naming the field."""
+    body = {"prompt": "Hi"} if path == "completions" else {"messages": MESSAGES}
+    extra = {"stream": True} if field == "stream_options" else {}
+    r = httpx.post(f"{url}/v1/{path}", json={**body, "max_tokens": 2, **extra, field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "valid" in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_numbers_take_integers_and_malformed_bodies_stay_422(url):
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 1, "top_p": 1,
+                                                    "presence_penalty": 0})
+    assert ok.status_code == 200, ok.text
+    for body in ([1, 2], {"max_tokens": 2}, {"prompt": "Hi", "messages": [{}]}):
+        path = "chat/completions" if "messages" in body else "completions"
+        assert httpx.post(f"{url}/v1/{path}", json=body).status_code == 422, body
+
+
+def test_model_card_is_vllms(client, url, qwen3_dir):
+    [card] = httpx.get(f"{url}/v1/models").json()["data"]
+    assert card["root"] == qwen3_dir and card["parent"] is None and card["max_model_len"] == 256
+    [permission] = card["permission"]
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert permission["allow_sampling"] and permission["allow_logprobs"] and not permission["allow_fine_tuning"]
+    assert client.models.retrieve(MODEL).root == qwen3_dir
 
 
 def test_model_by_id(client, url):

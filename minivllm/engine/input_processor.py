@@ -36,6 +36,10 @@ class Unservable(NamedTuple):
         return self.message
 
 
+class PromptTooLong(ValueError):
+    """The prompt cannot fit in max_model_len (known before tokenizing it: from its bytes)."""
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Any, spec: ModelSpec, config: EngineConfig, device: torch.device) -> None:
         self.tokenizer, self.spec, self.config, self.device = tokenizer, spec, config, device
@@ -50,16 +54,21 @@ class InputProcessor:
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if not isinstance(text, str):
             raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        self.check_text(text, may_truncate)
+        return text, self.tokenizer(text).input_ids
+
+    def check_text(self, text: str, may_truncate: bool = False) -> None:
+        """Refuse a text that is not valid Unicode, or whose bytes alone prove it longer than max_model_len
+        (the server calls this before its own tokenization too)."""
         try:
             size = len(text.encode("utf-8"))
         except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"): no tokenizer can take it
             raise ValueError(f"the prompt is not valid Unicode: {text[e.start:e.end]!r} at character {e.start} is a "
                              "lone surrogate; send text whose characters all encode to UTF-8") from None
         if not may_truncate and size > self.config.max_model_len * self.max_token_bytes:
-            raise ValueError(f"the prompt is {size} bytes; no token of this model is longer than "
+            raise PromptTooLong(f"the prompt is {size} bytes; no token of this model is longer than "
                              f"{self.max_token_bytes} bytes, so it has over {size // self.max_token_bytes} tokens, "
                              f"more than max_model_len={self.config.max_model_len}; shorten the prompt")
-        return text, self.tokenizer(text).input_ids
 
     @property
     def max_token_bytes(self) -> int:

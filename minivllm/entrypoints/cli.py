@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require `Authorization: Bearer <key>` on /v1/* (default: $MINIVLLM_API_KEY, else none)")
     serve.add_argument("--max-request-bytes", type=int, default=None,
                        help="refuse larger request bodies with 413 (default: 1 MiB)")
+    serve.add_argument("--header-timeout-s", type=float, default=None,
+                       help="close a connection whose request headers take longer (default: 10)")
+    serve.add_argument("--body-timeout-s", type=float, default=None,
+                       help="answer 408 to a request whose body takes longer (default: 30)")
 
     bench = sub.add_parser("bench", help="throughput benchmarks against HF transformers",
                            description="Run minivllm and HF transformers on the same model and workload.")
@@ -172,8 +176,10 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.entrypoints.openai.server import run_server
 
+    timeouts = {name: value for name in ("header_timeout_s", "body_timeout_s")
+                if (value := getattr(args, name)) is not None}  # given: else run_server's defaults
     run_server(args.model, args.host, args.port, args.served_model_name, api_key=args.api_key,
-               max_request_bytes=args.max_request_bytes, **engine_kwargs(args))
+               max_request_bytes=args.max_request_bytes, **timeouts, **engine_kwargs(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

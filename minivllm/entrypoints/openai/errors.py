@@ -1,18 +1,22 @@
 """What a client sees when something goes wrong: every failure becomes one OpenAI error object.
 
     status  when                                                              error.type
-    400     a bad value, an empty prompt, a prompt too long, a chat-template  invalid_request_error
-            error, NaN/inf, a field this server does not implement
+    400     a bad value: the wrong type for its field (strict: `"n": true`),  invalid_request_error
+            out of range, NaN/inf; an empty prompt, a prompt too long, a
+            chat-template error, a field this server does not implement
     401     /v1/* without the right `Authorization: Bearer <key>`             invalid_request_error
     404     an unknown model                                                  not_found_error
+    408     the body did not arrive within the body deadline (then closed)    invalid_request_error
     413     a body over --max-request-bytes                                   invalid_request_error
-    422     a body that is not JSON or not the request's shape                invalid_request_error
+    422     a body that is not JSON, not a JSON object, or lacks a required   invalid_request_error
+            field (`prompt`, `messages`, a message's `role`)
     500     this request failed in the engine, or a step it was in failed     server_error
     503     the engine is dead (fatal device error, worker gone)              server_error
 
 A non-streaming request gets the status and `{"error": {...}}`. A stream has already sent 200, so
 it gets the same object as a `data:` event, then `data: [DONE]` (vLLM's shape; the openai client
-raises `APIError` on it).
+raises `APIError` on it). A connection whose request headers do not arrive within the header deadline
+is closed without an answer: there is no request yet to answer (middleware.py).
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ import re
 from jinja2 import TemplateError
 
 from minivllm.engine.errors import EngineDeadError, StepFailedError
-from minivllm.entrypoints.openai.protocol import RequestError, error_body
+from minivllm.entrypoints.openai.protocol import RequestError
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error JSON; a stream sends the same object as one `data:` event before `[DONE]`."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class ApiError(Exception):

@@ -10,6 +10,14 @@ candidates (ranks 1..N) plus the token actually there, whatever its rank.
                                "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}  # exactly N, by rank
     prompt_logprobs (vLLM)  [None, {"1734": {"logprob": -2.1, "rank": 3, "decoded_token": " cat"}}, ...]
 
+- Completions' `top_logprobs` is keyed by text, and distinct tokens can share one: a byte-fallback
+  tokenizer decodes every partial UTF-8 byte to "\ufffd", SentencePiece's decode drops the leading
+  space of "▁true", which then reads as "true". A plain dict keeps one and loses the rest (vLLM's
+  does; its fix for SentencePiece consults the vocabulary piece to restore the space). The rule
+  here, the same idea for any collision, keeps every candidate: the chosen token first, under its text (so
+  `top_logprobs[i][tokens[i]]` is its logprob), then by rank; a candidate whose text is already a key
+  is written as its vocabulary piece ("▁true", "Ġ", "<0xE2>"), else as "token_id:<id>". N candidates
+  give N keys (N + 1 with the chosen token outside them).
 - The first prompt token has nothing before it: its entry is None (null in JSON), as in vLLM.
 - Logprobs are floored at -9999.0, OpenAI's minimum: JSON has no -inf.
 - `text_offset` counts the characters of the tokens' texts; a stream carries on from the last
@@ -44,6 +52,14 @@ class TokenText:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
 
+    def unique(self, token_id: int, logprob: Logprob, taken: dict[str, float]) -> str:
+        """The token's text, or, when another candidate at this position already has it, its
+        vocabulary piece, else "token_id:<id>" (see the module's docstring)."""
+        for key in (self(token_id, logprob), self.tokenizer.convert_ids_to_tokens(token_id)):
+            if isinstance(key, str) and key not in taken:
+                return key
+        return f"token_id:{token_id}"
+
 
 def completion_logprobs(token_ids: list[int], positions: list[Position], text: TokenText,
                         offset: int) -> tuple[dict[str, list], int]:
@@ -55,11 +71,18 @@ def completion_logprobs(token_ids: list[int], positions: list[Position], text: T
         token = text(token_id, chosen)
         out["tokens"].append(token)
         out["token_logprobs"].append(None if chosen is None else floor(chosen.logprob))
-        out["top_logprobs"].append(None if chosen is None else
-                                   {text(t, lp): floor(lp.logprob) for t, lp in position.items()})
+        out["top_logprobs"].append(None if chosen is None else _top_logprobs(token_id, position, text))
         out["text_offset"].append(offset)
         offset += len(token)
     return out, offset
+
+
+def _top_logprobs(token_id: int, position: dict[int, Logprob], text: TokenText) -> dict[str, float]:
+    """One key per candidate, the chosen token's first: no two tokens collapse into one key."""
+    top: dict[str, float] = {}
+    for t, lp in sorted(position.items(), key=lambda c: (c[0] != token_id, c[1].rank or float("inf"))):
+        top[text.unique(t, lp, top)] = floor(lp.logprob)
+    return top
 
 
 def chat_logprobs(token_ids: list[int], positions: list[Position], top_n: int, text: TokenText) -> dict[str, list]:

@@ -3,7 +3,9 @@ dashboard made for vLLM works unchanged. Every series has vLLM's labels `model_n
 name) and `engine` ("0": one engine).
 
     vllm:num_requests_running, vllm:num_requests_waiting    gauge      requests in the batch / waiting
+    vllm:num_requests_waiting_by_reason{reason}              gauge      "capacity" (all of them here), "deferred" (0)
     vllm:kv_cache_usage_perc                                 gauge      share of KV blocks in use, 0..1
+    vllm:cache_config_info{block_size, num_gpu_blocks, ...}  gauge      1, the KV cache's settings as labels
     vllm:prompt_tokens_total                                 counter    prompt tokens of requests that got
                                                                         their first token (counted at commit)
     vllm:generation_tokens_total                             counter    tokens generated (at commit: rejected
@@ -14,6 +16,17 @@ name) and `engine` ("0": one engine).
     vllm:time_to_first_token_seconds                         histogram  arrival -> first token
     vllm:inter_token_latency_seconds                         histogram  between a request's successive outputs
     vllm:e2e_request_latency_seconds                         histogram  arrival -> finished
+  per request, as the server sees its outputs (`track`):
+    vllm:prompt_tokens_by_source_total{source}               counter    prompt tokens at the first token:
+                                                                        "local_cache_hit" / "local_compute"
+    vllm:prompt_tokens_cached_total                          counter    of which served by the prefix cache
+    vllm:request_prefill_kv_computed_tokens                  histogram  prompt tokens computed (not cached)
+    vllm:request_prompt_tokens, _generation_tokens           histogram  a finished request's prompt / all its
+                                                                        completions' tokens
+    vllm:request_max_num_generation_tokens                   histogram  its longest completion's tokens
+    vllm:request_params_n, vllm:request_params_max_tokens    histogram  its n and max_tokens (None: what fits)
+    vllm:request_decode_time_seconds                         histogram  first token -> finished
+    vllm:request_time_per_output_token_seconds               histogram  decode time / (tokens - 1)
   with speculative decoding on:
     vllm:spec_decode_num_drafts_total                        counter    drafts verified (one per request per step)
     vllm:spec_decode_num_draft_tokens_total                  counter    draft tokens verified
@@ -23,24 +36,46 @@ name) and `engine` ("0": one engine).
     acceptance rate  = rate(..._num_accepted_tokens_total) / rate(..._num_draft_tokens_total)
     mean accepted length = 1 + rate(..._num_accepted_tokens_total) / rate(..._num_drafts_total)
 
+vLLM's metrics left out, and why:
+    vllm:request_queue_time_seconds, _prefill_time_seconds,  need the moment a request was first scheduled,
+      _inference_time_seconds                               which only the engine knows (it reports none)
+    vllm:iteration_tokens_total                              tokens per engine step: the stats are totals
+                                                             and nothing tells the server about each step
+    vllm:prompt_tokens_recomputed                            always 0: the prefix cache never serves a
+                                                             prompt's last token, so none is recomputed
+    vllm:engine_sleep_state                                  there is no sleep mode
+    vllm:external_prefix_cache_queries/_hits, nixl_* ...     there is no KV connector (KV transfer)
+    vllm:mm_cache_queries/_hits                              text only
+    vllm:lora_requests_info                                  no LoRA
+    vllm:corrupted_requests, vllm:kv_block_*_seconds,        opt-in in vLLM (a NaN check, sampled block
+      vllm:estimated_*_per_gpu_total                         residency, FLOP estimates): not implemented
+    vllm:gpu_cache_usage_perc, vllm:gpu_prefix_cache_*,      deprecated, hidden in vLLM; renamed to the
+      vllm:time_per_output_token_seconds                     ones above
+
 - Gauges and counters are read from the engine's latest `EngineStats` at scrape time (a custom
   collector). The engine's totals can go down: a failed step is rolled back with its counts. A
   Prometheus counter never does, so each reports the highest total seen (the rolled-back work,
   redone, is counted once).
-- The histograms are fed by the async engine as outputs arrive (`latency_observers`); their
-  buckets are vLLM's.
+- The latency histograms are fed by the async engine as outputs arrive (`latency_observers`); the
+  per-request ones by `track`, which the endpoints wrap around each request's outputs: the prompt's
+  at its first token, the rest when it finishes (a request its client abandoned is not observed).
+  Buckets are vLLM's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from minivllm.engine.async_engine import AsyncLLMEngine, LatencyKind
 from minivllm.engine.stats import EngineStats
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
 
 LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -56,19 +91,85 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
         labels = (model_name, "0")
+        config = engine.engine.config
+        self.max_model_len = config.max_model_len
         r.register(EngineCollector(engine, labels))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, registry=r, buckets=buckets).labels(*labels)
+
         self.histograms = {
-            "ttft": Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              LABELS, registry=r, buckets=_TTFT_BUCKETS).labels(*labels),
-            "itl": Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             LABELS, registry=r, buckets=_ITL_BUCKETS).labels(*labels),
-            "e2e": Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             LABELS, registry=r, buckets=_E2E_BUCKETS).labels(*labels),
+            "ttft": histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _TTFT_BUCKETS),
+            "itl": histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _ITL_BUCKETS),
+            "e2e": histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             _E2E_BUCKETS),
         }
         engine.latency_observers.append(self.observe)
+        tokens = buckets_1_2_5(self.max_model_len)
+        self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.generation_tokens = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                           tokens)
+        self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
+                                               "Histogram of maximum number of requested generation tokens.", tokens)
+        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", tokens)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", _E2E_BUCKETS)
+        self.time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
+                                               "Histogram of time_per_output_token_seconds per request.", _ITL_BUCKETS)
+        self.prefill_computed = histogram("vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens "
+                                          "computed during prefill (excluding cached tokens).", tokens)
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            [*LABELS, "source"], registry=r)
+        self.prompt_computed = by_source.labels(*labels, "local_compute")
+        self.prompt_cache_hit = by_source.labels(*labels, "local_cache_hit")
+        self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+                                     LABELS, registry=r).labels(*labels)
+        info = {"block_size": config.block_size, "num_gpu_blocks": engine.stats.num_total_blocks,
+                "enable_prefix_caching": config.enable_prefix_caching, "engine": "0"}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info), registry=r
+              ).labels(*(str(v) for v in info.values())).set(1)  # vLLM's labels: the settings, no model_name
 
     def observe(self, kind: LatencyKind, seconds: float) -> None:
         self.histograms[kind].observe(seconds)
+
+    async def track(self, outputs: AsyncIterator[RequestOutput], sp: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """`outputs`, unchanged, observed on the way: closing this closes (aborts) them, as before."""
+        first_token_at = None
+        async with aclosing(outputs):
+            async for out in outputs:
+                if first_token_at is None and any(c.token_ids for c in out.outputs):
+                    first_token_at = time.monotonic()
+                    self._prefilled(out)
+                if out.finished:
+                    self._finished(out, sp, first_token_at)
+                yield out
+
+    def _prefilled(self, out: RequestOutput) -> None:
+        cached = out.num_cached_tokens
+        computed = len(out.prompt_token_ids) - cached
+        self.prompt_cache_hit.inc(cached)
+        self.prompt_cached.inc(cached)
+        self.prompt_computed.inc(computed)
+        self.prefill_computed.observe(computed)
+
+    def _finished(self, out: RequestOutput, sp: SamplingParams, first_token_at: float | None) -> None:
+        num_prompt = len(out.prompt_token_ids)
+        lengths = [len(c.token_ids) for c in out.outputs]
+        self.prompt_tokens.observe(num_prompt)
+        self.generation_tokens.observe(sum(lengths))
+        self.max_generation_tokens.observe(max(lengths, default=0))
+        self.params_n.observe(sp.n)
+        # max_tokens=None runs until the context is full: vLLM records that length.
+        self.params_max_tokens.observe(sp.max_tokens if sp.max_tokens is not None else self.max_model_len - num_prompt)
+        if first_token_at is not None:
+            decode = time.monotonic() - first_token_at
+            self.decode_time.observe(decode)
+            if max(lengths) > 1:  # the first token is the prefill's: decode made the rest
+                self.time_per_output_token.observe(decode / (max(lengths) - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -88,6 +189,12 @@ class EngineCollector(Collector):
         yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
                           s.num_running)
         yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
+        by_reason = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Number of waiting requests by "
+                                      "reason. Sum of all reasons equals vllm:num_requests_waiting.",
+                                      labels=[*LABELS, "reason"])
+        by_reason.add_metric([*self.labels, "capacity"], s.num_waiting)  # waiting for blocks or a seat
+        by_reason.add_metric([*self.labels, "deferred"], 0)  # vLLM's LoRA budget or KV transfer: none here
+        yield by_reason
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                           1.0 - s.num_free_blocks / s.num_total_blocks)
         for name, doc, total in (
@@ -134,3 +241,14 @@ class EngineCollector(Collector):
 def spec_decode_counts(s: EngineStats) -> tuple[int, tuple[int, ...]]:
     """Drafts verified, and draft tokens accepted at each position, as counts (vLLM's counters)."""
     return s.num_drafts, s.num_accepted_tokens_per_pos
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets for token counts."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10

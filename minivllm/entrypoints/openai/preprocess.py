@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minivllm.engine.async_engine import AsyncLLMEngine
+from minivllm.engine.input_processor import PromptTooLong
 from minivllm.entrypoints.openai.errors import ApiError, api_error
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from minivllm.sampling_params import SamplingParams
@@ -70,20 +71,30 @@ class ServingContext:
         return render_and_check(self.engine, render, sp, param), sp
 
 
-def completion_prompts(tokenizer: Any, req: CompletionRequest) -> list[TokensPrompt]:
+def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[TokensPrompt]:
     # A str is tokenized as LLMEngine.tokenize would (special tokens added, unless the request
     # says add_special_tokens: false); token ids pass as they are.
-    return [{"prompt": p, "prompt_token_ids": tokenizer(p, add_special_tokens=req.add_special_tokens).input_ids}
-            if isinstance(p, str) else p for p in req.prompts()]
+    return [_tokenized(ctx, p, req) if isinstance(p, str) else p for p in req.prompts()]
 
 
-def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> TokensPrompt:
-    text = tokenizer.apply_chat_template(req.conversation(), tokenize=False,
-                                         add_generation_prompt=req.add_generation_prompt,
-                                         continue_final_message=req.continue_final_message,
-                                         **(req.chat_template_kwargs or {}))
+def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> TokensPrompt:
+    text = ctx.tokenizer.apply_chat_template(req.conversation(), tokenize=False,
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message,
+                                             **(req.chat_template_kwargs or {}))
     # The template already wrote the special tokens (BOS, role markers): add none twice by default.
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids}
+    return _tokenized(ctx, text, req)
+
+
+def _tokenized(ctx: ServingContext, text: str, req: Request) -> TokensPrompt:
+    """A text and its tokens; one whose bytes alone prove it too long (1 MB took 3.6 s to tokenize) is refused
+    before the tokenizer sees it, as is one that is not valid Unicode."""
+    try:
+        ctx.engine.engine.input_processor.check_text(text, may_truncate=req.truncate_prompt_tokens is not None)
+    except PromptTooLong as e:
+        raise ApiError(400, str(e), "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                       "context_length_exceeded") from e
+    return {"prompt": text, "prompt_token_ids": ctx.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids}
 
 
 def render_and_check(engine: AsyncLLMEngine, render: Callable[[], list[TokensPrompt]], sp: SamplingParams,

@@ -1,5 +1,4 @@
-"""The OpenAI request shapes we accept and how they become `SamplingParams`; the small shapes of
-the answers (ids, usage, the error body).
+"""The OpenAI request shapes we accept and how they become `SamplingParams`; the answers' ids.
 
 Every field of OpenAI's and vLLM's request schemas is in one of three groups, so nothing a client
 asks for is silently dropped:
@@ -8,13 +7,17 @@ asks for is silently dropped:
     REFUSED         not implemented: any value but its default is a 400 naming the field and saying why
     NO_EFFECT       OpenAI's bookkeeping (`user`, `metadata`, `store`, ...): accepted, changes nothing
 
-A field in neither schema is logged (one warning line naming such fields) and ignored, as vLLM does.
+A field in neither schema is ignored, as vLLM does, and logged: one line per request with the count
+and the first few names, each escaped and cut short (`log_safe`), since a client chooses them.
 vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `prompt_logprobs`, ...) are top-level fields,
 which is where the openai client's `extra_body` puts them.
 
 Fields left out fall back to the model's `generation_config.json` (temperature, top_p, top_k, min_p,
-repetition_penalty), then to OpenAI's defaults. Numbers must be finite (NaN and ±inf are refused,
-naming the field). What pydantic cannot check raises `RequestError` naming the field (400).
+repetition_penalty), then to OpenAI's defaults. Types are strict (pydantic's strict mode): an integer
+field refuses `true` and `2.0`, a boolean refuses `"yes"` and `1`, a number refuses `"0.5"` (an integer
+is a number); nothing is coerced, so a client's mistake is a 400 naming the field, not a different
+request. Numbers must be finite (NaN and ±inf are refused, naming the field). What pydantic cannot
+check raises `RequestError` naming the field (400).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 log = logging.getLogger("minivllm.server")
@@ -80,6 +82,7 @@ NO_EFFECT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "s
 _TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                   "chat_template", "tools", "documents", "return_dict"}
 _INT64 = 2**63
+_LOGGED_NAMES, _NAME_CHARS = 5, 40  # unknown fields in the log: at most this many names, each this long
 
 
 class RequestError(ValueError):
@@ -98,14 +101,16 @@ class Limits(NamedTuple):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool | None = False  # a last chunk with the request's usage and no choices
     continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage on every chunk too
 
 
 class _Common(BaseModel):
+    # strict: no coercion (`"n": true` is not n=1); an int still passes for a float field.
     # Python's json accepts NaN and Infinity; no sampling field means anything with them.
     # extra="allow": fields we do not declare are kept, to be refused or reported by check_fields().
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -149,8 +154,11 @@ class _Common(BaseModel):
                     raise RequestError(name, f"not supported by this server: {why}; leave it out")
             elif name not in NO_EFFECT:
                 unknown.append(name)
-        if unknown:
-            log.warning("ignored request fields that are not in OpenAI's or vLLM's API: %s", ", ".join(unknown))
+        if unknown:  # one line, however many: the names are the client's, so escaped, cut and counted
+            shown = ", ".join(log_safe(name, _NAME_CHARS) for name in unknown[:_LOGGED_NAMES])
+            more = f" and {len(unknown) - _LOGGED_NAMES} more" if len(unknown) > _LOGGED_NAMES else ""
+            log.warning("ignored request fields that are not in OpenAI's or vLLM's API (%d): %s%s",
+                        len(unknown), shown, more)
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of", f"best_of={self.best_of} != n={self.n} is not supported: ranking "
                                           "completions on the server is not implemented; use n")
@@ -238,7 +246,7 @@ class CompletionRequest(_Common):
 
 class ChatMessage(BaseModel):
     # Fields besides role and content (name, tool_calls, ...) go to the chat template as they are.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
     role: str  # any role: the chat template decides which it accepts
     content: str | list[dict[str, Any]] | None = None
 
@@ -322,16 +330,7 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
-    """OpenAI's usage of these requests (one per prompt): each prompt counted once, every
-    completion's tokens, and the prompt tokens the prefix cache served."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error JSON; a stream sends the same object as one `data:` event before `[DONE]`."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def log_safe(text: str, limit: int = 64) -> str:
+    """A client's string as one harmless log token: quoted and escaped as `repr` does (a newline cannot
+    start a forged log line), cut to `limit` characters."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")

@@ -9,8 +9,10 @@
 
 A request's way in:
 
-    ApiKeyAuth (401) ─> BodySizeLimit (413) ─> pydantic shape (422) ─> admit: model (404), fields and
-    sampling params (400) ─> [worker thread] chat template + tokenize once, length check (400) ─> engine
+    headers within header_timeout_s (else closed) ─> ApiKeyAuth (401) ─> BodyLimits: size (413), body within
+    body_timeout_s (408) ─> pydantic: not JSON or a required field missing (422), a field of the wrong type
+    or out of range (400) ─> admit: model (404), fields and sampling params (400) ─> [worker thread] chat
+    template + tokenize once, length check (400) ─> engine
 
 - Tokenizing and chat templating cost time in the prompt's length, so they run once, in a worker
   thread (`asyncio.to_thread`): the engine gets {"prompt": text, "prompt_token_ids": ids} and never
@@ -20,15 +22,19 @@ A request's way in:
   as one `data: {"error": {...}}` event, then `data: [DONE]`.
 - No request outlives its client: a stream's disconnect cancels its generator; a non-streaming
   request polls for the disconnect. Either way the engine aborts the request and frees its blocks.
-- Every error is OpenAI's JSON; errors.py has the table (400 401 404 413 422 500 503).
+- Every error is OpenAI's JSON; errors.py has the table (400 401 404 408 413 422 500 503).
+- The model card is vLLM's ModelCard: `root` is the model as given to `minivllm serve` (a folder or
+  hub id), `parent` None (no adapters), `permission` vLLM's one default ModelPermission.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,11 +45,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import minivllm
 from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.engine.errors import EngineDeadError
-from minivllm.entrypoints.openai.errors import ApiError, api_error
+from minivllm.entrypoints.openai.errors import ApiError, api_error, error_body
 from minivllm.entrypoints.openai.metrics import ServerMetrics
-from minivllm.entrypoints.openai.middleware import ApiKeyAuth, BodySizeLimit
+from minivllm.entrypoints.openai.middleware import ApiKeyAuth, BodyLimits, HeaderDeadline
 from minivllm.entrypoints.openai.preprocess import ServingContext
-from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body, now
+from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now
 from minivllm.entrypoints.openai.serving_chat import create_chat_completion
 from minivllm.entrypoints.openai.serving_completion import create_completion
 
@@ -51,6 +57,12 @@ from minivllm.entrypoints.openai.serving_completion import create_completion
 # \u-escaped text of long tokens; 1 MiB leaves room for 32k-token contexts and batched prompts,
 # and refuses before reading a body that could never fit in the context.
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+# A request's headers are a few hundred bytes and its body at most max_request_bytes: 10 s and 30 s
+# (1 MiB at 35 KB/s) are ample for any honest client, and bound how long a stalled one holds a socket.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's and vLLM's default)
+SHUTDOWN_S = 10  # Ctrl-C waits this long for requests in flight, then cuts them
 # Keys of the model's generation_config.json that become request defaults (as in vLLM).
 GENERATION_CONFIG_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -58,9 +70,11 @@ log = logging.getLogger("minivllm.server")
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, defaults: dict[str, Any] | None = None, *,
-              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, root: str | None = None) -> FastAPI:
+    """The app; `root` is the model card's (default: the engine's checkpoint)."""
     app = FastAPI(title="minivllm", description="OpenAI-compatible API of a minivllm engine")
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimits, max_bytes=max_request_bytes, timeout_s=body_timeout_s)
     if api_key:  # added last = runs first: no body is read for a client without the key
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     metrics = ServerMetrics(engine, model_name)
@@ -80,8 +94,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, defaults: dict[str, Any] 
         return {"version": minivllm.__version__}
 
     def card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": now(), "owned_by": "minivllm",
-                "max_model_len": engine.engine.config.max_model_len}
+        created = now()
+        permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "minivllm",
+                "root": root or engine.engine.config.model, "parent": None,
+                "max_model_len": engine.engine.config.max_model_len, "permission": [permission]}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -100,18 +120,19 @@ def build_app(engine: AsyncLLMEngine, model_name: str, defaults: dict[str, Any] 
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:
-        return await create_completion(ctx, req, raw)
+        return await create_completion(ctx, req, raw, metrics)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
-        return await create_chat_completion(ctx, req, raw)
+        return await create_chat_completion(ctx, req, raw, metrics)
 
     return app
 
 
-# pydantic's errors for a number that is not finite or out of its range: a bad value (400), like
-# temperature=-1, not a malformed body (422).
-_BAD_VALUES = ("finite_number", "greater_than", "greater_than_equal", "less_than", "less_than_equal")
+# pydantic's errors that mean "this body is not a request" (422): not JSON, not an object, a required
+# field missing. Any other names a field whose value is bad (400): the wrong type (strict: `"n": true`),
+# out of range, not finite.
+_MALFORMED = ("json_invalid", "missing")
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -123,14 +144,18 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
+        errors = e.errors()
+        first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return JSONResponse(error_body(f"the request body is not valid JSON ({first.get('msg')})"),
                                 status_code=422)
-        where = ".".join(str(p) for p in first.get("loc", ())[1:])
-        status = 400 if first.get("type") in _BAD_VALUES else 422
-        return JSONResponse(error_body(f"{where or 'body'}: {first.get('msg', 'invalid request')}",
-                                       param=where or None), status_code=status)
+        where = _where(first.get("loc", ()))
+        # A union (prompt: str | [str] | [int] | [[int]]) fails once per form: say so, not just the first.
+        same = [err.get("msg", "") for err in errors if _where(err.get("loc", ())) == where]
+        message = same[0] if len(same) == 1 else "matches none of the accepted forms: " + "; ".join(dict.fromkeys(same))
+        status = 422 if not where or first.get("type") in _MALFORMED else 400
+        return JSONResponse(error_body(f"{where or 'body'}: {message or 'invalid request'}", param=where or None),
+                            status_code=status)
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, e: Exception) -> JSONResponse:  # a bug: Starlette also logs the traceback
@@ -138,12 +163,37 @@ def _error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
+def _where(loc: tuple) -> str:
+    """'messages[0].content' from pydantic's ('body', 'messages', 0, 'content', 'str'): a union's member
+    tags ('str', 'list[int]') are not fields, so the name stops there."""
+    where = ""
+    for part in loc[1:]:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif part in ("str", "int", "float", "bool", "list", "dict") or "[" in part:
+            break
+        else:
+            where += f".{part}" if where else part
+    return where
+
+
+def uvicorn_options(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> dict[str, Any]:
+    """uvicorn's settings for the connections (for `uvicorn.run` or `uvicorn.Config`): the header
+    deadline's protocol, the keep-alive and shutdown timeouts."""
+    if not header_timeout_s > 0:
+        raise ValueError(f"header timeout {header_timeout_s}: must be a positive number of seconds")
+    return {"http": functools.partial(HeaderDeadline, header_timeout_s=header_timeout_s),
+            "timeout_keep_alive": KEEP_ALIVE_S, "timeout_graceful_shutdown": SHUTDOWN_S}
+
+
 def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
                *, api_key: str | None = None, max_request_bytes: int | None = None,
+               header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                **engine_kwargs: Any) -> None:
     """Build the engine, then serve until interrupted (`minivllm serve`). Without `api_key`, the
-    MINIVLLM_API_KEY environment variable is used if set (as vLLM's VLLM_API_KEY); without
-    `max_request_bytes`, DEFAULT_MAX_REQUEST_BYTES."""
+    MINIVLLM_API_KEY environment variable is used if set (as vLLM's VLLM_API_KEY); an empty key is
+    refused (it would leave the server open while looking guarded). Without `max_request_bytes`,
+    DEFAULT_MAX_REQUEST_BYTES."""
     import sys
     from pathlib import Path
 
@@ -156,20 +206,42 @@ def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, ser
     max_request_bytes = DEFAULT_MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes {max_request_bytes}: must be a positive number of bytes")
-    api_key = api_key or os.environ.get("MINIVLLM_API_KEY") or None
+    if not body_timeout_s > 0:
+        raise ValueError(f"body timeout {body_timeout_s}: must be a positive number of seconds")
+    options = uvicorn_options(header_timeout_s)
+    api_key = _api_key(api_key)
     folder = resolve_model(model)
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=folder, **engine_kwargs)))
     name = served_model_name or (model if model and not Path(model).exists() else None) or Path(folder).name
     gen_cfg = Path(folder) / "generation_config.json"
     defaults = ({k: v for k, v in json.loads(gen_cfg.read_text()).items() if k in GENERATION_CONFIG_DEFAULTS}
                 if gen_cfg.is_file() else {})
-    app = build_app(engine, name, defaults, api_key=api_key, max_request_bytes=max_request_bytes)
+    app = build_app(engine, name, defaults, api_key=api_key, max_request_bytes=max_request_bytes,
+                    body_timeout_s=body_timeout_s, root=model or folder)
     print(f"minivllm: serving {name!r} on http://{host}:{port}/v1 (defaults from generation_config: "
           f"{defaults or 'none'}; API key {'required' if api_key else 'not required'})", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", log_config=_log_config())
+        uvicorn.run(app, host=host, port=port, log_level="warning", log_config=_log_config(), **options)
     finally:
         engine.shutdown()
+
+
+def _api_key(api_key: str | None) -> str | None:
+    """The key to require: --api-key, else $MINIVLLM_API_KEY, else None. Set but empty is an error,
+    not "no key": whoever set it meant to guard the server. Surrounding spaces are refused too: the
+    header's value is trimmed, so such a key could never match."""
+    where = "--api-key"
+    if api_key is None:
+        api_key, where = os.environ.get("MINIVLLM_API_KEY"), "MINIVLLM_API_KEY"
+    if api_key is None:
+        return None
+    if not api_key.strip():
+        raise ValueError(f"{where} is empty, which would leave /v1/* open to anyone; give a key, or leave "
+                         f"{where} out to serve without one")
+    if api_key != api_key.strip():
+        raise ValueError(f"{where} starts or ends with whitespace, which an Authorization header cannot "
+                         "carry (its value is trimmed); remove it")
+    return api_key
 
 
 def _log_config() -> dict[str, Any]:

@@ -9,7 +9,8 @@ with n completions, one choice per completion.
   or leave the final assistant message open and continue it ("prefill" the answer's start).
 - echo (vLLM's): the answer repeats the last message first, when that message is the assistant's.
 - Streaming: a first chunk per choice with the role, then a chunk per choice that gained text, the
-  choice's last one with its finish_reason; usage as for completions.
+  choice's last one with its finish_reason; usage as for completions (the running usage of
+  continuous_usage_stats has the three counts; prompt_tokens_details comes with the last usage).
 """
 
 from __future__ import annotations
@@ -25,18 +26,20 @@ from sse_starlette.sse import EventSourceResponse
 from minivllm.entrypoints.openai import streams
 from minivllm.entrypoints.openai.errors import ApiError
 from minivllm.entrypoints.openai.logprobs import TokenText, chat_logprobs, prompt_logprobs
+from minivllm.entrypoints.openai.metrics import ServerMetrics
 from minivllm.entrypoints.openai.preprocess import ServingContext, chat_prompt
-from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, new_id, now, usage
-from minivllm.entrypoints.openai.streams import ChoiceTracker, Delta
+from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, new_id, now
+from minivllm.entrypoints.openai.streams import ChoiceTracker, Delta, usage
 from minivllm.outputs import RequestOutput
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Any:
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request,
+                                 metrics: ServerMetrics) -> Any:
     if getattr(ctx.tokenizer, "chat_template", None) is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-    [prompt], sp = await ctx.admit(req, lambda: [chat_prompt(ctx.tokenizer, req)])
+    [prompt], sp = await ctx.admit(req, lambda: [chat_prompt(ctx, req)])
     rid, created = new_id("chatcmpl", req.request_id), now()
-    gen = ctx.engine.generate(prompt, sp, new_id(rid), req.priority)  # unique even if clients reuse request_id
+    gen = metrics.track(ctx.engine.generate(prompt, sp, new_id(rid), req.priority), sp)  # id unique even if reused
     text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
     tracker, echoed = ChoiceTracker(sp.n), req.echoed()
 
@@ -73,7 +76,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                      "finish_reason": finish, **(extra or {})}]}
         if continuous:  # before the first output (role, echo): nothing generated yet
-            body["usage"] = usage([out]) if out is not None else {
+            body["usage"] = usage([out], details=False) if out is not None else {
                 "prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens}
         return json.dumps(body)
 

@@ -6,7 +6,8 @@ one choice per (prompt, completion), `index = prompt index * n + completion inde
 
 - echo: the prompt's text comes first in the choice's text; with logprobs, the prompt's tokens
   and their logprobs come first too (the first prompt token's logprob is null). echo with
-  max_tokens=0 answers the prompt alone: how lm-eval scores a text.
+  max_tokens=0 answers the prompt alone: how lm-eval scores a text. The engine computes one token
+  to run the prompt; the answer drops it, and its usage counts 0 completion tokens.
 - Streaming: a chunk per choice that gained text, the choice's last one with its finish_reason;
   usage on every chunk with stream_options.continuous_usage_stats, in a last chunk without
   choices with stream_options.include_usage.
@@ -24,24 +25,28 @@ from sse_starlette.sse import EventSourceResponse
 
 from minivllm.entrypoints.openai import streams
 from minivllm.entrypoints.openai.logprobs import TokenText, completion_logprobs, prompt_logprobs
+from minivllm.entrypoints.openai.metrics import ServerMetrics
 from minivllm.entrypoints.openai.preprocess import ServingContext, completion_prompts
-from minivllm.entrypoints.openai.protocol import CompletionRequest, new_id, now, usage
-from minivllm.entrypoints.openai.streams import ChoiceTracker, Delta
+from minivllm.entrypoints.openai.protocol import CompletionRequest, new_id, now
+from minivllm.entrypoints.openai.streams import ChoiceTracker, Delta, usage
 
 
-async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Any:
-    prompts, sp = await ctx.admit(req, lambda: completion_prompts(ctx.tokenizer, req))
+async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request, metrics: ServerMetrics) -> Any:
+    prompts, sp = await ctx.admit(req, lambda: completion_prompts(ctx, req))
     rid = new_id("cmpl", req.request_id)
     head = {"id": rid, "object": "text_completion", "created": now(), "model": ctx.model_name}
     # Engine ids stay unique even when clients reuse a request_id.
-    gens = [ctx.engine.generate(p, sp, new_id(f"{rid}-{i}"), req.priority) for i, p in enumerate(prompts)]
+    gens = [metrics.track(ctx.engine.generate(p, sp, new_id(f"{rid}-{i}"), req.priority), sp)
+            for i, p in enumerate(prompts)]
     choices, tracker = CompletionChoices(req, ctx.tokenizer), ChoiceTracker(sp.n)
+    generated = not req.echo_only  # echo with max_tokens=0 shows nothing generated
     if not req.stream:
         finals = await streams.finals(gens, raw)
         if finals is None:
             return streams.client_left(rid)
         deltas = [d for i, out in enumerate(finals) for d in tracker.deltas(i, out)]
-        return {**head, "choices": [choices.choice(d, whole=True) for d in deltas], "usage": usage(finals)}
+        return {**head, "choices": [choices.choice(d, whole=True) for d in deltas],
+                "usage": usage(finals, generated=generated)}
 
     options = req.stream_options
     include_usage = bool(options and options.include_usage)
@@ -55,10 +60,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                 for d in tracker.deltas(i, out):
                     chunk = {**head, "choices": [choices.choice(d)]}
                     if continuous:
-                        chunk["usage"] = usage([out])
+                        chunk["usage"] = usage([out], generated=generated, details=False)
                     yield json.dumps(chunk)
         if include_usage:
-            yield json.dumps({**head, "choices": [], "usage": usage(list(latest.values()))})
+            yield json.dumps({**head, "choices": [], "usage": usage(list(latest.values()), generated=generated)})
 
     return EventSourceResponse(streams.sse(rid, body()), ping=600)
 

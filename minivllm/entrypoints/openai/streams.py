@@ -1,5 +1,5 @@
-"""Consuming an HTTP request's engine outputs: to the end, interleaved, as server-sent events, and
-as per-choice deltas.
+"""Consuming an HTTP request's engine outputs: to the end, interleaved, as server-sent events, as
+per-choice deltas, and as OpenAI's `usage`.
 
 The one rule: whatever ends the consumer (the client leaving, one of its requests failing, the
 handler being cancelled), every generator it holds is closed, and closing a generator aborts its
@@ -21,12 +21,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from minivllm.entrypoints.openai.errors import RequestFailed, api_error
+from minivllm.entrypoints.openai.protocol import log_safe
 from minivllm.outputs import RequestOutput, SampleLogprobs
 
 log = logging.getLogger("minivllm.server")
@@ -38,6 +39,21 @@ def raise_if_failed(out: RequestOutput) -> None:
     """One failed completion fails the request: its answer would be incomplete."""
     if any(c.finish_reason == "error" for c in out.outputs):
         raise RequestFailed(out.error or "no reason was given")
+
+
+def usage(outputs: list[RequestOutput], *, generated: bool = True, details: bool = True) -> dict[str, Any]:
+    """OpenAI's usage of these requests (one per prompt): each prompt counted once, and every
+    completion's tokens, unless nothing generated is shown (`generated=False`: echo with max_tokens=0,
+    whose one computed token is dropped). `details`: vLLM's `prompt_tokens_details.cached_tokens`, the
+    prompt tokens the prefix cache served. vLLM puts it (with --enable-prompt-tokens-details, which
+    minivllm always behaves as) on a request's usage, not on the running usage of each stream chunk."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
+    answer: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+    if details:
+        answer["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}
+    return answer
 
 
 class Delta(NamedTuple):
@@ -81,7 +97,7 @@ class ChoiceTracker:
 
 
 def client_left(rid: str) -> Response:
-    log.info("%s: the client disconnected; its request was aborted", rid)
+    log.info("%s: the client disconnected; its request was aborted", log_safe(rid))  # the client's request_id
     return Response(status_code=499)  # nginx's "client closed request": nobody will read it
 
 
@@ -93,7 +109,7 @@ async def sse(rid: str, events: AsyncIterator[str]) -> AsyncIterator[str]:
                 yield event
     except Exception as e:
         error = api_error(e)
-        log.warning("%s: the stream ended with an error: %s", rid, error.message)
+        log.warning("%s: the stream ended with an error: %s", log_safe(rid), error.message)
         yield error.event()
     yield "[DONE]"
 
