@@ -26,16 +26,20 @@ def serve(model_dir: str, **config):
     return engine, serving(build_app(engine, MODEL))
 
 
+def two_prompts_and_a_chat(client) -> list:
+    """Two completion requests of 5 tokens, then one chat request with two completions of 3."""
+    no_eos = {"ignore_eos": True}
+    return [client.completions.create(model=MODEL, prompt=["Hello there", "Paged attention"], max_tokens=5,
+                                      extra_body=no_eos),
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           n=2, extra_body=no_eos)]
+
+
 def test_vllm_names_labels_and_meanings(qwen3_dir):
     engine, server = serve(qwen3_dir)
     with server as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        no_eos = {"ignore_eos": True}
-        answers = [
-            client.completions.create(model=MODEL, prompt=["Hello there", "Paged attention"], max_tokens=5,
-                                      extra_body=no_eos),  # two requests
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                           n=2, extra_body=no_eos),  # one request, two completions
+        answers = two_prompts_and_a_chat(client) + [
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=5,  # stops at its first token
                                       extra_body={"allowed_token_ids": [65], "stop_token_ids": [65]})]
         prompt = "A scheduler decides which requests run in each step of the engine. " * 2
@@ -66,12 +70,7 @@ def test_per_request_histograms_prompt_sources_and_cache_info(qwen3_dir):
     engine, server = serve(qwen3_dir)
     with server as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        no_eos = {"ignore_eos": True}
-        answers = [
-            client.completions.create(model=MODEL, prompt=["Hello there", "Paged attention"], max_tokens=5,
-                                      extra_body=no_eos),  # two requests of 5 tokens
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                           n=2, extra_body=no_eos)]  # one request, two completions of 3
+        answers = two_prompts_and_a_chat(client)
         prompt = "A scheduler decides which requests run in each step of the engine. " * 2
         answers += [client.completions.create(model=MODEL, prompt=prompt, max_tokens=1) for _ in range(2)]
         m = scrape(url)
