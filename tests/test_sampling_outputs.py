@@ -108,7 +108,7 @@ def test_presence_and_frequency_penalties_are_vllms_formula():
 
 def test_masks_and_bias():
     logits = torch.zeros(1, 10)
-    rules = RequestLogitRules.build([1, 2, 3], {3: 2.5, 4: 9.0}, [], 10, torch.device("cpu"))
+    rules = RequestLogitRules.build(10, allowed_token_ids=[1, 2, 3], logit_bias={3: 2.5, 4: 9.0})
     row = RowProcessing(banned_token_ids=[1], rules=rules)
     out = apply_logits_processing(logits, [row])[0]
     assert out[2] == 0 and out[3] == 2.5

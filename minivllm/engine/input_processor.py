@@ -120,7 +120,8 @@ class InputProcessor:
                     raise ValueError(f"request {request_id!r}: {field} {bad[:5]} are outside the vocabulary "
                                      f"[0, {vocab}) of this model; use integer token ids in that range")
         words = bad_words_token_ids(self.tokenizer, sp.bad_words) if sp.bad_words else []
-        rules = RequestLogitRules.build(sp.allowed_token_ids, sp.logit_bias, words, vocab, self.device)
+        rules = RequestLogitRules.build(vocab, allowed_token_ids=sp.allowed_token_ids, logit_bias=sp.logit_bias,
+                                        bad_words=words, device=self.device)
         sp.__dict__["_logit_rules"] = (self, rules)
         return rules
 

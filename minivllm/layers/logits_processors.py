@@ -68,8 +68,9 @@ class RequestLogitRules:
     bad_words: BadWords | None = None
 
     @classmethod
-    def build(cls, allowed_token_ids: list[int] | None, logit_bias: dict[int, float] | None,
-              bad_words: list[list[int]], vocab_size: int, device: torch.device) -> "RequestLogitRules | None":
+    def build(cls, vocab_size: int, *, allowed_token_ids: list[int] | None = None,
+              logit_bias: dict[int, float] | None = None, bad_words: list[list[int]] = (),
+              device: torch.device = torch.device("cpu")) -> "RequestLogitRules | None":
         """None when the request asks for none of them. Ids must be inside the vocabulary (checked before)."""
         if allowed_token_ids is None and not logit_bias and not bad_words:
             return None
