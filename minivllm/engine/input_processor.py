@@ -10,6 +10,7 @@ max_model_len, or needing more KV blocks than the whole pool). Messages say whic
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -109,7 +110,7 @@ class InputProcessor:
         server's check before queueing, off the engine's thread, also does the engine's work, and the
         prompts of one `LLM.generate` call share it."""
         cached = sp.__dict__.get("_logit_rules")  # cached_property-style: SamplingParams' fields never change
-        if cached is not None and cached[0] is self:
+        if cached is not None and cached[0]() is self:  # a weak reference: a kept params keeps no engine alive
             return cached[1]
         vocab = self.spec.vocab_size
         for field, ids in (("allowed_token_ids", sp.allowed_token_ids), ("logit_bias", list(sp.logit_bias or ()))):
@@ -122,7 +123,7 @@ class InputProcessor:
         words = bad_words_token_ids(self.tokenizer, sp.bad_words) if sp.bad_words else []
         rules = RequestLogitRules.build(vocab, allowed_token_ids=sp.allowed_token_ids, logit_bias=sp.logit_bias,
                                         bad_words=words, device=self.device)
-        sp.__dict__["_logit_rules"] = (self, rules)
+        sp.__dict__["_logit_rules"] = (weakref.ref(self), rules)
         return rules
 
     def check_token_ids(self, request_id: str, field: str, ids: Iterable[Any]) -> list[int]:
