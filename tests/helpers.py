@@ -16,15 +16,16 @@ import torch
 def prompt_logits(llm, ids: list[int]) -> torch.Tensor:  # (len(ids), V) fp32: teacher-forced
     """Logits at every prompt position, straight through the model runner (no scheduling)."""
     from minivllm import SamplingParams
-    from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+    from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
     from minivllm.engine.sequence import Sequence
 
     runner = llm.llm_engine.model_runner
     seq = Sequence("probe", ids, SamplingParams())
     seq.block_table = list(range(-(-len(ids) // runner.block_size)))
-    batch = runner.prepare_inputs(SchedulerOutput([ScheduledSequence(seq, 0, len(ids))]))
+    inputs = runner.prepare_inputs(SchedulerOutput([ScheduledSequence(seq, 0, len(ids))])).inputs
     with torch.inference_mode():
-        hidden = runner.model(batch.input_ids, batch.positions, batch.attn_metadata, runner.kv_caches, runner.backend)
+        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, runner.kv_caches,
+                              runner.backend)
         return runner.model.compute_logits(hidden).float()
 
 

@@ -5,7 +5,7 @@ the per-step metadata `ModelRunner.prepare_inputs` would build, and commit = sto
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -52,6 +52,17 @@ def load_from_hf(model: torch.nn.Module, spec: ModelSpec, state_dict: dict[str, 
 
 
 @dataclass
+class CapturingStates(LinearAttnMetadata):
+    """Slots with no staging slots to write: the new states are kept here instead (the harness commits them)."""
+
+    captured: list[LinearAttnState] = field(default_factory=list)
+
+    def store(self, layer: int, new: LinearAttnState) -> None:
+        assert layer == len(self.captured), "the layers' states come in layer order"
+        self.captured.append(new)
+
+
+@dataclass
 class Chunk:
     """`num_new` tokens of one request, starting at position `start`, in state slot `slot`."""
 
@@ -93,7 +104,7 @@ class HybridHarness:
             block_tables=torch.tensor([list(range(c.slot * M, (c.slot + 1) * M)) for c in chunks], dtype=torch.int32),
             query_lens=query_lens, context_lens_host=context_lens, block_size=bs)
         self.backend.prepare(meta)
-        state = LinearAttnMetadata(
+        state = CapturingStates(
             state_slots=torch.tensor([c.slot for c in chunks]),
             has_initial_state=torch.tensor([c.start > 0 for c in chunks]),
             conv_pools=self.conv_pools, recurrent_pools=self.recurrent_pools)
@@ -103,8 +114,8 @@ class HybridHarness:
     def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[LinearAttnState]]:
         """Logits (T, V) of every new row and the new states, WITHOUT committing them."""
         ids, positions, meta, state = self.metadata(chunks)
-        hidden, new_states = self.model(ids, positions, meta, self.kv_caches, self.backend, state)
-        return self.model.compute_logits(hidden), new_states
+        hidden = self.model(ids, positions, meta, self.kv_caches, self.backend, state)
+        return self.model.compute_logits(hidden), state.captured
 
     def commit(self, chunks: list[Chunk], new_states: list[LinearAttnState]) -> None:
         slots = torch.tensor([c.slot for c in chunks])

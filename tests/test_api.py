@@ -97,8 +97,9 @@ def test_delta_sends_prompt_logprobs_once_even_for_a_one_token_prompt(qwen3_dir)
 
 def test_generate_asks_for_final_outputs_only(llm, monkeypatch):
     reported = []
-    original = llm.llm_engine._report
-    monkeypatch.setattr(llm.llm_engine, "_report", lambda state: reported.append(state.finished) or original(state))
+    original = llm.llm_engine.output_processor.output
+    monkeypatch.setattr(llm.llm_engine.output_processor, "output",
+                        lambda state: reported.append(state.finished) or original(state))
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)  # CUMULATIVE, as a caller leaves it
     [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)
     assert reported == [True] and len(out.outputs[0].token_ids) == 5

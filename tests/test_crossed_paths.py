@@ -56,16 +56,16 @@ def test_n_with_speculation_keeps_every_child_when_the_prompt_ends_in_a_one_toke
 def test_a_failed_commit_of_a_forking_parent_leaves_no_orphan(model_factory):
     llm = tiny(model_factory)
     engine = llm.llm_engine
-    detokenize = engine.output_processor.detokenize
+    check_strings = engine.scheduler.stop_checker.check_strings
     failed = []
 
-    def once_for_the_parent(state, seq):
+    def once_for_the_parent(seq, num_new):  # the commit's text step: it decodes the new tokens
         if seq.index == 0 and not failed:
             failed.append(seq.request_id)
             raise RuntimeError("the tokenizer broke")
-        return detokenize(state, seq)
+        return check_strings(seq, num_new)
 
-    engine.output_processor.detokenize = once_for_the_parent
+    engine.scheduler.stop_checker.check_strings = once_for_the_parent
     engine.add_request("r", {"prompt_token_ids": [7, 8, 9, 10, 11]}, SamplingParams(n=3, temperature=0, max_tokens=5,
                                                                                     ignore_eos=True))
     final = drain(engine)["r"]
@@ -102,7 +102,7 @@ def test_a_commit_failing_in_the_middle_of_a_fork_finishes_the_children_it_made(
 def test_a_failed_block_copy_fails_the_children_that_needed_it(model_factory):
     llm = tiny(model_factory)
     engine = llm.llm_engine
-    copy, calls = engine.model_runner.copy_blocks, []
+    copy, calls = engine.executor.copy_blocks, []
 
     def failing_copy(pairs):
         calls.append(pairs)
@@ -110,7 +110,7 @@ def test_a_failed_block_copy_fails_the_children_that_needed_it(model_factory):
             raise RuntimeError("the copy failed")
         return copy(pairs)
 
-    engine.model_runner.copy_blocks = failing_copy
+    engine.executor.copy_blocks = failing_copy
     engine.add_request("r", {"prompt_token_ids": [7, 8, 9, 10, 11]}, SamplingParams(n=2, max_tokens=5, ignore_eos=True))
     final = drain(engine)["r"]  # 5 tokens: a partial last block, copied for the child
     assert [c.finish_reason for c in final.outputs] == ["error", "error"] and "copy failed" in final.error

@@ -13,7 +13,7 @@ import torch
 
 from minivllm import LLMEngine
 from minivllm.config import EngineConfig
-from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
 from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
 from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
@@ -63,7 +63,7 @@ def test_references_match_the_running_engine(qwen3_dir):
         s.block_table = table
     plan = SchedulerOutput([ScheduledSequence(seqs[0], 0, 5), ScheduledSequence(seqs[1], 2, 4),
                             ScheduledSequence(seqs[2], 0, 2)])
-    batch = engine.model_runner.prepare_inputs(plan)
+    batch = engine.model_runner.prepare_inputs(plan).inputs
     expected_slots = [REFERENCES["slot"](p, s.seq.block_table, 4) for s in plan.scheduled
                       for p in range(s.start, s.start + s.num_new_tokens)]
     assert batch.attn_metadata.slot_mapping.tolist() == expected_slots

@@ -139,7 +139,7 @@ def test_a_failing_detokenizer_fails_only_its_request(model_factory):
     engine = llm.llm_engine
     for i in range(3):
         engine.add_request(f"r{i}", {"prompt_token_ids": [3, 4, 5 + i]}, SamplingParams(max_tokens=4, ignore_eos=True))
-    detok = engine.requests["r1"].detoks[0]
+    detok = engine.requests["r1"].seqs[0].detokenizer
 
     def broken(token_id):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")

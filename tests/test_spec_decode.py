@@ -161,9 +161,11 @@ def test_a_failed_verification_step_rolls_back(model_factory, reference):
     engine = llm.llm_engine
 
     def rolled_back(_):
-        for state in engine.requests.values():
-            assert not state.seqs[0].spec_token_ids  # the drafts went with the step
-        engine.block_manager.check_invariants(engine.scheduler.live_sequences)
+        bm = engine.block_manager
+        for state in engine.requests.values():  # drafts wait for a step again; no slot is held for them
+            seq = state.seqs[0]
+            assert len(seq.block_table) <= bm.blocks_needed(seq.num_tokens)
+        bm.check_invariants(engine.scheduler.live_sequences)
 
     requests = {f"r{i}": (p, sp) for i, p in enumerate(PROMPTS)}
     finals, failures = run_with_flaky_sampler(engine, requests, every=5, phase=1, on_failure=rolled_back)

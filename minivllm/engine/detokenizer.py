@@ -14,6 +14,7 @@ count of tokens and decodes nothing: the text stays "".
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple
 
 _CONTEXT_TOKENS = 5  # how far back into the prompt the first window starts
@@ -35,6 +36,12 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+
+    def copy(self) -> "IncrementalDetokenizer":
+        """The same state, to go on separately (a forked child's text starts as its parent's)."""
+        twin = copy.copy(self)
+        twin.ids = list(self.ids)
+        return twin
 
     @property
     def num_output_tokens(self) -> int:

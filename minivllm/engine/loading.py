@@ -25,6 +25,7 @@ from minivllm.layers.matmul_plan import CpuInfo
 from minivllm.layers.quantization import quantize_model
 from minivllm.models import MODEL_REGISTRY
 from minivllm.models.hf_config import ModelSpec
+from minivllm.models.interface import CausalLM
 from minivllm.models.loader import load_weights
 from minivllm.models.sharding import ShardLayout
 
@@ -56,7 +57,7 @@ def resolve_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device,
 
 
 def build_model(spec: ModelSpec, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-                max_position: int, tp: ParallelContext | None = None) -> torch.nn.Module:
+                max_position: int, tp: ParallelContext | None = None) -> CausalLM:
     """Create the model without initialising weights (meta device), then fill it from disk; with `tp`
     of several ranks, only this rank's shard (only the Llama decoder is sharded: models/sharding.py)."""
     sharded = tp is not None and tp.world_size > 1
@@ -72,7 +73,7 @@ def build_model(spec: ModelSpec, model_dir: str | Path, device: torch.device, dt
 class RankModel(NamedTuple):
     """What one rank runs."""
 
-    model: torch.nn.Module
+    model: CausalLM
     spec: ModelSpec  # the model as this rank sees it: its heads, its share of the MLP (models/sharding.py)
     num_blocks: int  # the KV pool's size, the same on every rank
     backend: AttentionBackend
@@ -94,12 +95,12 @@ def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype
     return RankModel(model, rank_spec, num_blocks, backend)
 
 
-def compile_decision(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> tuple[bool, str]:
+def compile_decision(model: CausalLM, config: EngineConfig, device: torch.device) -> tuple[bool, str]:
     """Whether this rank compiles the model's forward (models/compiled_forward.py), and why, in words that
     the engine logs at start-up and `minivllm bench` prints."""
     if config.enforce_eager:
         return False, "eager (enforce_eager=True)"
-    if not hasattr(model, "compile_forward"):
+    if not model.supports_compile:
         return False, f"eager: {type(model).__name__} is not compiled (its linear-attention layers run eagerly)"
     if config.tensor_parallel_size > 1:
         return False, (f"eager: tensor_parallel_size={config.tensor_parallel_size} (its all-reduces inside a "

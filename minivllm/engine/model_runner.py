@@ -1,91 +1,82 @@
-"""`ModelRunner`: turns the scheduler's plan into tensors, runs the model, samples.
+"""`ModelRunner`: one rank's model and KV pool; turns a plan into tensors, runs the model, samples.
 
-One step, three phases:
-  1. `prepare_inputs`: pack every scheduled chunk into one flat varlen batch
+One step, three phases (vLLM's names):
+  1. `prepare_inputs` (rank 0): pack every scheduled chunk into one flat varlen batch, `StepInputs`
        input_ids, positions           (T,)   the new tokens and their positions
        slot_mapping                   (T,)   where each new token's K/V is stored
        cu_seqlens_q, context_lens     (B+1,), (B,)
        block_tables                   (B, max_blocks)
        logits_indices                 (S,)   the rows whose logits are sampled: the last row of
                                              each chunk that reaches the end of its sequence
-                                             (see engine/sampling_metadata.py for forks and
+                                             (see engine/sampling_metadata.py for forks, drafts and
                                              prompt logprobs)
-  2. forward: hidden states for all T rows, logits only for the S sampled rows (the LM head is the
-     biggest matmul of a small model; a prefill chunk needs only its last row).
-  3. sample: logprobs from the raw logits (if asked), then the logits processors (penalties,
-     biases, masks: `layers/logits_processors.py`), then every row with its own parameters in one
-     sampler call (`layers/sampler.py`).
+  2. `forward` (every rank, and the draft model's runner): hidden states for all T rows, logits only
+     for the S sampled rows (the LM head is the biggest matmul of a small model; a prefill chunk needs
+     only its last row). Under tensor parallelism every rank runs it on its shard, the model's
+     collectives keep them in step and the logits are gathered on rank 0.
+  3. `sample` (rank 0): logprobs from the raw logits (if asked), then the logits processors
+     (penalties, biases, masks: `layers/logits_processors.py`), then every row with its own
+     parameters in one sampler call (`layers/sampler.py`), and drafts verified.
 
-It keeps no per-request state: everything comes from the `SchedulerOutput`, so a failed step
-leaves nothing behind here (the K/V it wrote land in slots the engine treats as uncomputed).
-
-Tensor parallelism: this runner is rank 0's. Between packing and sampling, `executor.run` sends the
-packed batch (`StepInputs`) to the workers, which run the same forward on their shards; the model's
-collectives keep the ranks in step and `compute_logits` gathers the whole vocabulary here
-(distributed/executor.py). Packing and sampling stay on rank 0 alone.
+It keeps no per-request state: everything comes from the `SchedulerOutput`, so a failed step leaves
+nothing behind here (the K/V it wrote land in slots the engine treats as uncomputed). It knows nothing
+of executors: `execute_model` runs the forward inside whatever context the executor hands it (a
+tensor-parallel executor's sends the step to the workers first: engine/executor/).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from array import array
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
-from minivllm.distributed.communication import CopyBlocks, StepInputs
 from minivllm.engine.cuda_graphs import Capture, CUDAGraphRunner, cuda_graph_capture
 from minivllm.engine.kv_cache import allocate_kv_cache
-from minivllm.engine.sampling_metadata import PromptLogprob, RowGroupOutput, SamplingBatch, gather_logprobs
+from minivllm.engine.sampling_metadata import SamplingBatch, gather_logprobs
 from minivllm.engine.spec_decode.rejection_sampler import RejectionSampler, TritonRejectionSampler, verify_drafts
-from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
-from minivllm.engine.sequence import Sequence
 from minivllm.engine.state_pool import StatePool
+from minivllm.engine.step_inputs import LinearAttnSlots, StepInputs
+from minivllm.engine.step_types import ModelRunnerOutput, PromptLogprob, RowGroupOutput, SchedulerOutput
+from minivllm.engine.warmup import measure_cpu_kernels, warmup_batch
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
 from minivllm.layers.logits_processors import apply_logits_processing
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
 from minivllm.models.compiled_forward import padded_num_tokens
 from minivllm.models.hf_config import ModelSpec
-from minivllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from minivllm.distributed.executor import MultiprocExecutor
+from minivllm.models.interface import CausalLM
 
 PROMPT_LOGPROBS_CHUNK = 256  # prompt rows whose logits and log-softmax exist at once (prompt_logprobs)
+OnPromptLogits = Callable[[int, torch.Tensor], None]  # (first prompt row, its chunk's logits (R, V))
 
 
-@dataclass
-class StepBatch:
-    input_ids: torch.Tensor  # (T,)
-    positions: torch.Tensor  # (T,)
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # (S,)
+class StepBatch(NamedTuple):
+    """A packed step: what every rank's forward needs, and what rank 0 samples with."""
+
+    inputs: StepInputs
     sampling_batch: SamplingBatch  # who each sampled row belongs to, and what it asks
-    sampling: SamplingTensors | None
+    sampling: SamplingTensors | None  # the sampled rows' parameters as tensors (None: no row sampled)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec, backend: AttentionBackend, *, num_blocks: int,
+    def __init__(self, model: CausalLM, spec: ModelSpec, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset(), state_pool: StatePool | None = None,
-                 executor: MultiprocExecutor | None = None) -> None:
+                 one_rank: bool = True) -> None:
         self.model, self.spec, self.backend = model, spec, backend  # spec: this rank's view (its heads)
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
         self.state_pool = state_pool  # hybrid models only (engine/state_pool.py)
-        self.executor = executor  # tensor parallelism: rank 0's handle on the workers (None: one rank)
         # A compiled model has graphs for a few token counts only; each step is padded up to one of them
         # (models/compiled_forward.py). Padding rows store their K/V in one extra block, `scratch_block`,
         # which the block manager never hands out (it knows `num_blocks` blocks).
-        compiled = getattr(model, "compiled", None)
-        self.compile_sizes: tuple[int, ...] = compiled.sizes if compiled is not None else ()
+        self.compile_sizes: tuple[int, ...] = model.compiled.sizes if model.compiled is not None else ()
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks if self.compile_sizes else None
         self.kv_cache = allocate_kv_cache(spec, num_blocks + bool(self.compile_sizes), block_size, dtype, device)
@@ -93,17 +84,17 @@ class ModelRunner:
         triton = backend.name == "triton"
         self.sampler = TritonSampler() if triton else Sampler()
         self.rejection_sampler = TritonRejectionSampler() if triton else RejectionSampler()
-        self.last_forward_s = 0.0  # time of the latest model forward + LM head (for overhead stats)
-        # On a GPU, compiled decode steps replay CUDA graphs (engine/cuda_graphs.py); None: no graphs.
+        # On a GPU, compiled decode steps of one rank replay CUDA graphs (engine/cuda_graphs.py); None: no graphs.
+        self.one_rank = one_rank
         self.cuda_graphs: CUDAGraphRunner | None = None
-        if (self.compile_sizes and device.type == "cuda" and backend.supports_cuda_graphs and state_pool is None
-                and executor is None):
+        if self.compile_sizes and device.type == "cuda" and backend.supports_cuda_graphs and state_pool is None \
+                and one_rank:
             self.enable_cuda_graphs(cuda_graph_capture(torch.cuda.graph_pool_handle()))
 
     def enable_cuda_graphs(self, capture: Capture) -> None:
         """Decode steps of the compiled sizes run as recorded graphs from now on (`capture` records one;
         tests on CPU pass `cuda_graphs.replay_by_rerun`). Needs the scratch block of a compiled model."""
-        if (self.scratch_block is None or not self.backend.supports_cuda_graphs or self.executor is not None
+        if (self.scratch_block is None or not self.backend.supports_cuda_graphs or not self.one_rank
                 or self.state_pool is not None):
             raise ValueError("CUDA graphs need the compiled forward (enforce_eager=False), the Triton attention "
                              "backend, one rank and a model without linear-attention layers")
@@ -112,8 +103,26 @@ class ModelRunner:
                                            scratch_block=self.scratch_block, block_size=self.block_size,
                                            backend=self.backend, device=self.device, capture=capture)
 
+    # --- one step on one rank, or on every rank inside `on_every_rank` --------------------------
+    @torch.inference_mode()
+    def execute_model(self, plan: SchedulerOutput,
+                      on_every_rank: Callable[[StepInputs], AbstractContextManager[None]] | None = None
+                      ) -> ModelRunnerOutput:
+        """Pack, forward, sample. `on_every_rank(inputs)`: the context the forward runs in (a tensor-parallel
+        executor's sends `inputs` to the workers, which run the same forward; None: this rank alone)."""
+        batch = self.prepare_inputs(plan)
+        result = [RowGroupOutput() for _ in plan.scheduled]
+        t0 = time.perf_counter()
+        with on_every_rank(batch.inputs) if on_every_rank is not None else nullcontext():
+            logits = self.forward(batch.inputs, partial(_record_prompt_logprobs, batch.sampling_batch, result))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        forward_s = time.perf_counter() - t0
+        self.sample(batch, logits, result)
+        return ModelRunnerOutput(result, forward_s)
+
     # --- 1. pack ---------------------------------------------------------------------------------
-    def prepare_inputs(self, out: SchedulerOutput) -> StepBatch:
+    def prepare_inputs(self, plan: SchedulerOutput) -> StepBatch:
         # Packed in Python arrays, each turned into a tensor once: a few tensor calls a step whatever the
         # batch (each costs µs of fixed overhead on CPU, where this runs between forwards).
         bs = self.block_size
@@ -121,7 +130,7 @@ class ModelRunner:
         query_lens, context_lens, tables = [], [], []
         sb = SamplingBatch()
         row = 0
-        for i, (seq, start, n, spec) in enumerate(out.scheduled):
+        for i, (seq, start, n, spec) in enumerate(plan.scheduled):
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:start + n - spec])
             input_ids.extend(seq.spec_token_ids[:spec])  # drafts, verified by this step
@@ -138,7 +147,7 @@ class ModelRunner:
             sb.add_prompt_rows(i, seq, start, n, row)
             row += n
             if spec:  # the last token and every draft are sampled: verification
-                sb.add_verification(i, seq, row - 1 - spec, self.eos_token_ids, out.draft_probs.get(seq.request_id))
+                sb.add_verification(i, seq, row - 1 - spec, spec, self.eos_token_ids)
             elif start + n == seq.num_tokens:  # the chunk reaches the end: sample its last row
                 sb.add_sampled(i, seq, row - 1, self.eos_token_ids)
         dev = self.device
@@ -161,49 +170,60 @@ class ModelRunner:
             block_tables=torch.frombuffer(flat_tables, dtype=torch.int32).view(len(tables), width).to(dev),
             query_lens=query_lens, context_lens_host=context_lens, block_size=bs,
         )
-        self.backend.prepare(meta)
-        sampling = SamplingTensors.from_params(sb.rows, self.spec.vocab_size, dev) if sb.rows else None
-        return StepBatch(
+        inputs = StepInputs(
             input_ids=torch.frombuffer(input_ids, dtype=torch.int32).long().to(dev),
             positions=torch.frombuffer(positions, dtype=torch.int64).to(dev), attn_metadata=meta,
             logits_indices=torch.tensor(sb.logits_indices + sb.prompt_indices, dtype=torch.int64, device=dev),
-            sampling_batch=sb, sampling=sampling,
-        )
+            num_sampled=len(sb.sampled), linear_attn=self._linear_attn_slots(plan))
+        sampling = SamplingTensors.from_params(sb.rows, self.spec.vocab_size, dev) if sb.rows else None
+        return StepBatch(inputs, sb, sampling)
 
-    # --- 2 + 3. run and sample ------------------------------------------------------------------
+    def _linear_attn_slots(self, plan: SchedulerOutput) -> LinearAttnSlots | None:
+        pool, dev = self.state_pool, self.device
+        if pool is None:
+            return None
+        seqs = [s.seq for s in plan.scheduled]
+        return LinearAttnSlots(
+            state_slots=torch.tensor([pool.read_slot(s) for s in seqs], dtype=torch.int64, device=dev),
+            has_initial_state=torch.tensor([s.start > 0 for s in plan.scheduled], device=dev),
+            write_slots=torch.tensor([pool.write_slot(s) for s in seqs], dtype=torch.int64, device=dev))
+
+    # --- 2. forward (every rank) ---------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> list[RowGroupOutput]:
-        """Run one step; returns what each scheduled row group produced (maybe nothing)."""
-        batch = self.prepare_inputs(out)
+    def forward(self, inputs: StepInputs, on_prompt_logits: OnPromptLogits | None = None) -> torch.Tensor | None:
+        """The model over a packed step; returns the sampled rows' logits (S, V), in the model's dtype, on
+        rank 0 (None on a tensor-parallel worker). Prompt rows' logits (prompt logprobs) follow, a chunk
+        of PROMPT_LOGPROBS_CHUNK rows at a time, each handed to `on_prompt_logits`: a 2,048-token chunk's
+        float32 log-softmax over a 49k vocabulary would take 400 MB at once (and its logits as much again)."""
+        inputs = inputs.to(self.device)
+        meta = inputs.attn_metadata
+        self.backend.prepare(meta)
+        if self.state_pool is not None:  # hybrid: linear-attention layers read/write state slots
+            slots = inputs.linear_attn
+            state = LinearAttnMetadata(slots.state_slots, slots.has_initial_state, self.state_pool.conv_pools,
+                                       self.state_pool.recurrent_pools, slots.write_slots)
+            hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches, self.backend, state)
+        elif self.cuda_graphs is not None and self.cuda_graphs.can_run(len(inputs.input_ids), meta):
+            hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, meta, self._forward)  # a decode replayed
+        else:
+            hidden = self._forward(inputs.input_ids, inputs.positions, meta)  # (T, hidden)
+        rows, num_sampled = inputs.logits_indices, inputs.num_sampled
+        logits = self.model.compute_logits(hidden[rows[:num_sampled]])  # (S, V); a collective under TP
+        for lo in range(num_sampled, len(rows), PROMPT_LOGPROBS_CHUNK):  # the same chunks on every rank
+            chunk = self.model.compute_logits(hidden[rows[lo:lo + PROMPT_LOGPROBS_CHUNK]])  # (R, V)
+            if on_prompt_logits is not None and chunk is not None:
+                on_prompt_logits(lo - num_sampled, chunk)
+        return logits
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, self.kv_caches, self.backend)  # (T, hidden)
+
+    # --- 3. sample (rank 0) ----------------------------------------------------------------------
+    def sample(self, batch: StepBatch, logits: torch.Tensor, result: list[RowGroupOutput]) -> None:
+        """Draw every sampled row's token(s) into `result` (one RowGroupOutput per row group)."""
         sb = batch.sampling_batch
-        t0 = time.perf_counter()
-        with self._on_every_rank(batch):  # tensor parallelism: the workers run this forward too
-            if self.state_pool is not None:  # hybrid: linear-attention layers read/write state slots
-                state = self._linear_attn_metadata(out)
-                hidden, _ = self.model(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches,
-                                       self.backend, state)  # (T, hidden); new states are in the staging slots
-            elif self.cuda_graphs is not None and self.cuda_graphs.can_run(len(batch.input_ids), batch.attn_metadata):
-                hidden = self.cuda_graphs.run(batch.input_ids, batch.positions, batch.attn_metadata,
-                                              self._forward)  # (T, hidden), a decode step replayed
-            else:
-                hidden = self._forward(batch.input_ids, batch.positions, batch.attn_metadata)  # (T, hidden)
-            num_sampled = len(sb.sampled)
-            if sb.prompt_rows and self.executor is None:  # prompt rows' logits later, a chunk at a time
-                logits = self.model.compute_logits(hidden[batch.logits_indices[:num_sampled]])  # (S, V)
-                prompt_hidden = hidden[batch.logits_indices[num_sampled:]]  # (P, hidden)
-                prompt_logits = partial(_rows_logits, self.model, prompt_hidden)
-            else:  # every rank gathers the same logits once (tensor parallelism: a collective)
-                logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S + P, V)
-                prompt_logits = logits[num_sampled:].__getitem__
-        result = [RowGroupOutput() for _ in out.scheduled]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.last_forward_s = time.perf_counter() - t0
-        if sb.prompt_rows:
-            self._record_prompt_logprobs(prompt_logits, sb, result)
-        if not num_sampled:
-            return result
-        logits = logits[:num_sampled]  # (S, V), in the model's dtype
+        if not sb.sampled:
+            return
         want_logprobs = any(r.num_logprobs is not None for r in sb.sampled)
         # Logprobs, logits processing, drafts and random draws compute in float32. A step of greedy rows
         # with none of those needs only each row's argmax, which the sampler takes as it likes
@@ -221,101 +241,34 @@ class ModelRunner:
         for i, tok in zip(rows, picked):
             r = sb.sampled[i]
             (result[r.entry].fork_tokens if r.is_fork else result[r.entry].tokens).append(tok)
-        return result
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, self.kv_caches, self.backend)  # (T, hidden)
-
-    def _on_every_rank(self, batch: StepBatch) -> AbstractContextManager[None]:
-        if self.executor is None:
-            return nullcontext()
-        return self.executor.run(StepInputs.pack(batch.input_ids, batch.positions, batch.attn_metadata,
-                                                 batch.logits_indices))
-
-    @staticmethod
-    def _record_prompt_logprobs(prompt_logits: Callable[[slice], torch.Tensor], sb: SamplingBatch,
-                                result: list[RowGroupOutput]) -> None:
-        """A chunk of PROMPT_LOGPROBS_CHUNK prompt rows at a time: a 2,048-token chunk's float32 log-softmax
-        over a 49k vocabulary would take 400 MB at once (and its logits as much again)."""
-        rows = sb.prompt_rows
-        for lo in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
-            part = rows[lo:lo + PROMPT_LOGPROBS_CHUNK]
-            lp = prompt_logits(slice(lo, lo + len(part))).float().log_softmax(-1)  # (chunk, V)
-            toks = gather_logprobs(lp, [r.token_id for r in part], [r.num_logprobs for r in part])
-            for r, tok in zip(part, toks):
-                result[r.entry].prompt_logprobs.append(PromptLogprob(r.position, tok))
-
-    def _linear_attn_metadata(self, out: SchedulerOutput) -> LinearAttnMetadata:
-        pool, dev = self.state_pool, self.device
-        seqs = [s.seq for s in out.scheduled]
-        return LinearAttnMetadata(
-            state_slots=torch.tensor([pool.read_slot(s) for s in seqs], dtype=torch.int64, device=dev),
-            has_initial_state=torch.tensor([s.start > 0 for s in out.scheduled], device=dev),
-            conv_pools=pool.conv_pools, recurrent_pools=pool.recurrent_pools,
-            write_slots=torch.tensor([pool.write_slot(s) for s in seqs], dtype=torch.int64, device=dev))
-
+    # --- around the step -------------------------------------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write for forked sequences: block dst gets block src's K/V in every layer."""
         if pairs:
-            if self.executor is not None:  # every rank holds its own heads of these blocks
-                with self.executor.run(CopyBlocks(pairs)):
-                    pass
             src = torch.tensor([p[0] for p in pairs], device=self.device)
             dst = torch.tensor([p[1] for p in pairs], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (L, 2, n, bs, Hkv, D)
 
-    def written_blocks(self, out: SchedulerOutput) -> set[int]:
-        """Blocks a (possibly failed) step may have written K/V into."""
-        bs = self.block_size
-        return {b for s in out.scheduled
-                for b in s.seq.block_table[s.start // bs:(s.start + s.num_new_tokens - 1) // bs + 1]}
-
-    def warmup(self, num_tokens: int = 8) -> None:
-        """Choose the CPU kernels by timing them here (`measure_cpu_kernels`; logged at INFO, and printed
-        by `minivllm bench`), then one small prefill through the whole stack (writes only free,
-        uncached blocks), so lazy initialisation happens before the first request is timed; a compiled
-        model runs one prefill of each compiled size."""
-        for line in self.measure_cpu_kernels():
-            logging.getLogger("minivllm").info("%s", line)
-        # A compiled model: one step of each compiled size, so that every graph is made
-        # now rather than in the middle of the first requests.
-        for n in self.compile_sizes or (num_tokens,):
-            self.execute_model(SchedulerOutput(self._warmup_batch(min(n, self.num_blocks * self.block_size))))
-
     def measure_cpu_kernels(self) -> list[str]:
-        """On this machine, time the matmul forms (layers/matmul_plan.py), RMSNorm's and RoPE's two ways
-        (layers/norm_rope_kernels.py), decode attention's (layers/torch_attention.py) and greedy
-        sampling's (layers/sampler.py), keep the faster, and say what was chosen. Idempotent for the
-        matmuls; a GPU, or a model, backend or sampler without the choice, keeps its defaults."""
-        said = []
-        if hasattr(self.model, "plan_matmuls"):
-            said.append(self.model.plan_matmuls().summary())
-        if self.device.type == "cpu" and hasattr(self.model, "choose_norm_rope_kernels"):
-            said.append(str(self.model.choose_norm_rope_kernels()))
-        if self.device.type == "cpu" and hasattr(self.backend, "choose_decode_kernel"):
-            said.append(str(self.backend.choose_decode_kernel(self.kv_cache.dtype, self.block_size)))
-        if self.device.type == "cpu" and isinstance(self.sampler, Sampler):
-            said.append(str(self.sampler.choose_greedy_kernel(self.spec.vocab_size, self.kv_cache.dtype)))
-        return said
+        """Time the CPU kernels' choices on this machine and say what was chosen (engine/warmup.py)."""
+        return measure_cpu_kernels(self.model, self.backend, self.sampler, self.kv_cache.dtype, self.block_size,
+                                   self.spec.vocab_size, self.device)
 
-    def _warmup_batch(self, n: int) -> list[ScheduledSequence]:
-        """Prompts of n tokens in all, none longer than the model's positions (a compiled size may be
-        larger than one sequence can be: its RoPE table would be read out of bounds), on distinct
-        free blocks."""
-        bs, cap = self.block_size, self.spec.max_position_embeddings
-        batch, first_block = [], 0
-        while n > 0 and first_block < self.num_blocks:
-            length = min(n, cap, (self.num_blocks - first_block) * bs)
-            seq = Sequence(f"warmup-{len(batch)}", [0] * length, SamplingParams(temperature=1.0, top_p=0.9))
-            seq.block_table = list(range(first_block, first_block + -(-length // bs)))
-            if self.state_pool is not None:
-                seq.state_slots = [0]  # reads nothing (start 0), writes a staging slot that is never published
-            batch.append(ScheduledSequence(seq, 0, length))
-            first_block, n = first_block + len(seq.block_table), n - length
-            if self.state_pool is not None:
-                break  # one staging slot: one sequence (hybrid models are not compiled anyway)
-        return batch
+    def warmup_plans(self, num_tokens: int = 8) -> list[SchedulerOutput]:
+        """The steps warm-up runs: one small prefill through the whole stack (on free, uncached blocks), so
+        lazy initialisation happens before the first request is timed; a compiled model one of each size."""
+        return [SchedulerOutput(warmup_batch(min(n, self.num_blocks * self.block_size), self.block_size,
+                                             self.num_blocks, self.spec.max_position_embeddings,
+                                             hybrid=self.state_pool is not None))
+                for n in self.compile_sizes or (num_tokens,)]
 
 
-def _rows_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: slice) -> torch.Tensor:
-    return model.compute_logits(hidden[rows])  # (rows, V)
+def _record_prompt_logprobs(sb: SamplingBatch, result: list[RowGroupOutput], first: int,
+                            logits: torch.Tensor) -> None:
+    """Prompt rows first .. first + len(logits): their logprobs, rank and top-N into `result`."""
+    part = sb.prompt_rows[first:first + len(logits)]
+    lp = logits.float().log_softmax(-1)  # (R, V)
+    toks = gather_logprobs(lp, [r.token_id for r in part], [r.num_logprobs for r in part])
+    for r, tok in zip(part, toks):
+        result[r.entry].prompt_logprobs.append(PromptLogprob(r.position, tok))

@@ -1,15 +1,16 @@
-"""From sequences to `RequestOutput`s: detokenization, stop strings and logprobs with their text.
+"""From committed sequences to `RequestOutput`s: text, logprobs with their text, what is new.
 
 One `RequestState` per request (vLLM's name): its sequences — one, or n after an `n > 1` request
-forks — each with its own incremental detokenizer. Logprobs are turned into vLLM's
+forks. Each sequence carries its own incremental detokenizer, created here when the request arrives
+(a forked child gets a copy of its parent's); the commit (`Scheduler.update_from_output`) feeds it
+the new tokens and searches the stop strings in its text (engine/stop_checker.py). Logprobs are turned into vLLM's
 `{token_id: Logprob}` dicts once per token and kept, not rebuilt at every step. What a running
 request's outputs hold is its `SamplingParams.output_kind` (vLLM's): the whole output so far
 (CUMULATIVE, the default), only what is new (DELTA), or nothing until it finishes (FINAL_ONLY, which
 `LLM.generate` asks for: it reads only finished outputs, and a RequestOutput a step is work for nothing).
 
-A stop string is searched only in the text a new token completed (engine/detokenizer.py). While a
-request is running, its text holds back the last `len(longest stop) - 1` characters, which could be
-the start of a stop string: streamed text therefore never has to shrink.
+While a request is running, its text holds back the last `len(longest stop) - 1` characters, which
+could be the start of a stop string: streamed text therefore never has to shrink.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from minivllm.engine.detokenizer import IncrementalDetokenizer, StopMatch, find_stop_string
-from minivllm.engine.sampling_metadata import SampledToken
+from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.step_types import SampledToken
 from minivllm.engine.sequence import Sequence
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from minivllm.sampling_params import RequestOutputKind
@@ -28,7 +29,6 @@ from minivllm.sampling_params import RequestOutputKind
 class RequestState:
     request_id: str
     seqs: list[Sequence]  # by completion index; [0] is the sequence the request started as
-    detoks: list[IncrementalDetokenizer]
     logprobs: list[SampleLogprobs] = field(default_factory=list)  # converted so far, per sequence
     prompt_logprobs: PromptLogprobs | None = None
     # output_kind=DELTA: per sequence, (tokens, characters of text, logprobs) already in an output
@@ -46,43 +46,20 @@ class OutputProcessor:
         self._token_text: dict[int, str] = {}  # decoded text of single tokens (for logprobs)
 
     def new_request(self, seq: Sequence) -> RequestState:
-        state = RequestState(seq.group_id, [], [])
+        sp = seq.sampling_params
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, sp.skip_special_tokens,
+                                                 sp.detokenize)
+        state = RequestState(seq.group_id, [])
         self.add_sequence(state, seq)
         if seq.sampling_params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         return state
 
     def add_sequence(self, state: RequestState, seq: Sequence) -> None:
-        sp = seq.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, sp.skip_special_tokens, sp.detokenize)
+        """A sequence joins its request (the first, or a child forked at commit)."""
         state.seqs.append(seq)
-        state.detoks.append(detok)
         state.logprobs.append([])
         state.sent.append((0, 0, 0))
-
-    def detokenize(self, state: RequestState, seq: Sequence) -> tuple[int, StopMatch | None]:
-        """Add `seq`'s new tokens (several after accepted drafts) to its text, token by token.
-        Returns how many tokens were new, and a stop string completed by one of them, if any: the
-        text is then cut, and tokens after the one that completed it are dropped (the caller
-        finishes the sequence). A stop string completed by the token that reached max_tokens
-        still wins over "length"."""
-        detok = state.detoks[seq.index]
-        sp = seq.sampling_params
-        new = seq.output_token_ids[detok.num_output_tokens:]
-        for i, token_id in enumerate(new):
-            last = i == len(new) - 1
-            delta = detok.update(token_id)
-            if last and seq.is_finished:
-                delta += detok.flush()
-            if not delta or not sp.stop_strings or detok.num_output_tokens <= sp.min_tokens:
-                continue
-            if last and seq.finish_reason not in (None, "length"):  # EOS or a stop token id came first
-                continue
-            match = find_stop_string(detok.text, len(delta), sp.stop_strings, sp.include_stop_str_in_output)
-            if match is not None:
-                detok.text = detok.text[:match.truncate_at]
-                return i + 1, match
-        return len(new), None
 
     def output(self, state: RequestState) -> RequestOutput:
         """The request's output now: everything so far, or with output_kind=DELTA what is new since its
@@ -111,7 +88,7 @@ class OutputProcessor:
                        logprobs=c.logprobs[logprobs:] if c.logprobs is not None else None)
 
     def _completion(self, state: RequestState, seq: Sequence) -> CompletionOutput:
-        text = state.detoks[seq.index].text
+        text = seq.detokenizer.text
         stops = seq.sampling_params.stop_strings
         if stops and not seq.is_finished:
             # Hold back what could be the start of a stop string, so streamed text never shrinks.

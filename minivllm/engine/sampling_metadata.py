@@ -1,4 +1,4 @@
-"""What a step samples, and what the model runner hands back for each scheduled row group.
+"""What a step samples: which hidden rows get logits, and what each sampled row asks.
 
 Which hidden rows get logits (the LM head runs on these rows only):
   * the last row of every chunk that reaches the end of its sequence: one sampled row — or n rows
@@ -19,29 +19,9 @@ from typing import NamedTuple
 import torch
 
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.step_types import SampledToken
 from minivllm.layers.logits_processors import RowProcessing
 from minivllm.layers.sampler import SamplingRow
-
-
-class SampledToken(NamedTuple):
-    token_id: int
-    logprob: float | None = None  # the model's raw logprob of this token (None: not asked)
-    rank: int | None = None  # 1 + how many tokens the model found strictly more likely
-    top_logprobs: tuple[tuple[int, float], ...] = ()  # the N most likely (id, logprob), best first
-
-
-class PromptLogprob(NamedTuple):
-    position: int  # which prompt token this is (>= 1)
-    token: SampledToken  # the prompt token, with its logprob, rank and the top-N at that position
-
-
-@dataclass
-class RowGroupOutput:
-    """What one scheduled row group produced in a step."""
-
-    tokens: list[SampledToken] = field(default_factory=list)  # appended to the sequence, in order
-    fork_tokens: list[SampledToken] = field(default_factory=list)  # first tokens of forked children 1..n-1
-    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
 
 class SampledRow(NamedTuple):
@@ -88,12 +68,14 @@ class SamplingBatch:
                                          seq.num_tokens))
             self.processing.append(processing)
 
-    def add_verification(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int],
-                         draft_probs: torch.Tensor | None) -> None:
+    def add_verification(self, entry: int, seq: Sequence, hidden_row: int, num_drafts: int,
+                         eos_token_ids: frozenset[int]) -> None:
         """Rows hidden_row .. hidden_row + d: the target's distribution after the last token and after
-        each draft. Row j sees the history with drafts[:j], for penalties, bad words and min_tokens."""
-        sp, drafts = seq.sampling_params, seq.spec_token_ids
-        self.spec_groups.append(SpecGroup(entry, len(self.sampled), list(drafts), draft_probs))
+        each of the first d drafts attached to `seq`. Row j sees the history with drafts[:j], for
+        penalties, bad words and min_tokens."""
+        sp, drafts = seq.sampling_params, seq.spec_token_ids[:num_drafts]
+        probs = seq.draft_probs[:num_drafts] if seq.draft_probs is not None else None
+        self.spec_groups.append(SpecGroup(entry, len(self.sampled), drafts, probs))
         for j in range(len(drafts) + 1):
             self.logits_indices.append(hidden_row + j)
             self.sampled.append(SampledRow(entry, False, sp.logprobs))

@@ -1,106 +1,54 @@
-"""`Scheduler`: who runs in this step, and how many tokens each.
+"""`Scheduler`: who runs in this step and how many tokens each (`schedule`), and what the step's
+results change (`update_from_output`).
 
 One step = one forward pass over a flat batch of up to `max_num_batched_tokens` tokens from at most
 `max_num_seqs` sequences (a request with n > 1 counts its n: its children, forked when the prompt is
 done, are reserved a seat at admission). Prefill and decode share the batch ("mixed batches"):
 
   1. RUNNING requests first, oldest first. Each gets the tokens it has not computed yet, capped by
-     the budget: one token for a decode, the next chunk for a request still in (chunked) prefill.
-     If the pool has no block for it, the NEWEST running request is preempted by recompute: its
-     blocks are freed and it goes back to the front of WAITING (its finished blocks stay in the
-     prefix cache, so the recompute is often cheap). The oldest request therefore always progresses.
-  2. WAITING requests are then admitted in order with what is left of the budget, skipping any that
-     does not fit now and carrying on (no head-of-line blocking). With chunked prefill any admitted
-     request may receive a partial chunk, not only the first. Nothing is admitted in a step that
+     the budget: one token for a decode (plus the drafts attached to it, speculative decoding), the
+     next chunk for a request still in (chunked) prefill. If the pool has no block for it, drafts
+     are dropped first; then the NEWEST running request is preempted by recompute: its blocks are
+     freed and it goes back to the front of WAITING (its finished blocks stay in the prefix cache, so
+     the recompute is often cheap). The oldest request therefore always progresses.
+  2. WAITING requests are then admitted in the policy's order with what is left of the budget,
+     skipping any that does not fit now and carrying on (no head-of-line blocking). With chunked
+     prefill any admitted request may receive a partial chunk. Nothing is admitted in a step that
      preempted (the pool is under pressure).
 
-Starvation: skipping lets small requests overtake a large one. Each time a request is passed over for
-lack of blocks its `num_admission_skips` grows; past `max_admission_skips`, admission stops at that
-request until the running requests free enough blocks for it. The token budget never starves anyone:
-with chunked prefill every request can start with a chunk of whatever budget is left.
+Starvation: each time a request is passed over for lack of blocks its `num_admission_skips` grows;
+past `max_admission_skips`, admission stops at that request until the running requests free enough
+blocks for it. The token budget never starves anyone: with chunked prefill every request can start
+with a chunk of whatever budget is left. Requests that can never run are refused by the engine before
+they get here (`InputProcessor.unservable_reason`), so the loop cannot hang.
 
-Requests that can never run are refused at `add_sequence` by the engine (see `LLMEngine`), so every
-request admitted here fits in the pool on its own and the loop cannot hang.
+The commit, `update_from_output`, is the one place a step's results land, request by request (an
+exception fails only the request it happened in): computed counts advance, full blocks are published
+to the prefix cache, a prompt that is done forks its n - 1 children, sampled tokens (accepted drafts,
+then the target's token) are appended, the stop rules are applied (`StopChecker`: tokens and stop
+strings), drafts' unused slots and finished sequences' blocks are given back.
 
 Mapping onto the small teaching API of MinivLLM (github.com/Wenyueh/MinivLLM — a separate study
 project built on nano-vllm, whose guide writes a scheduler with these method names; not this project):
-  add_sequence(seq)             -> same
-  schedule() -> (seqs, is_prefill)
-                                -> schedule() -> SchedulerOutput; `is_prefill` is per request
-                                   (`ScheduledSequence.is_prefill`), because one batch mixes both
-  postprocess(seqs, token_ids)  -> postprocess(scheduler_output, outputs): one RowGroupOutput per
-                                   scheduled entry (no token for a prefill chunk that has not
-                                   reached the end; forked children's first tokens for n > 1)
-  preempt(seq), is_finished()   -> same
+  add_sequence(seq), preempt(seq), is_finished()  -> same
+  schedule() -> (seqs, is_prefill)   -> schedule() -> SchedulerOutput; `is_prefill` is per row group
+                                        (`ScheduledSequence.is_prefill`): one batch mixes both
+  postprocess(seqs, token_ids)       -> update_from_output(scheduler_output, model_runner_output)
+                                        (vLLM v1's name): one RowGroupOutput per row group
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
 
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.sampling_metadata import RowGroupOutput, SampledToken
 from minivllm.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.engine.state_pool import StatePool
-from minivllm.engine.undo_log import UndoLog
-
-
-class ScheduledSequence(NamedTuple):
-    """One row group of the step: `seq` computes positions [start, start + num_new_tokens). The last
-    `num_spec_tokens` of them are draft slots (speculative decoding): the rows after the sequence's
-    last token, fed with its `spec_token_ids`, every one of them sampled to verify the drafts."""
-
-    seq: Sequence
-    start: int
-    num_new_tokens: int
-    num_spec_tokens: int = 0
-
-    @property
-    def samples(self) -> bool:
-        """Does this chunk reach the end of the sequence (so its last row's logits are sampled)?"""
-        return self.start + self.num_new_tokens - self.num_spec_tokens == self.seq.num_tokens
-
-    @property
-    def is_prefill(self) -> bool:
-        return not (self.num_new_tokens - self.num_spec_tokens == 1 and self.start >= self.seq.num_prompt_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    # Speculative decoding: a draft model's distribution over its drafts, by sequence request_id
-    # ((num_spec_tokens, V) tensors; absent = a deterministic proposal, i.e. one-hot).
-    draft_probs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if not s.is_prefill)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-class CommitResult(NamedTuple):
-    updated: list[Sequence]  # sequences that received a token (forked children included)
-    blocks_to_copy: list[tuple[int, int]]  # (src, dst) K/V blocks to copy: copy-on-write of forks
-
-
-class StopReason(NamedTuple):
-    finish_reason: str  # "stop" | "length"
-    stop_reason: int | str | None
+from minivllm.engine.step_types import (CommitResult, ModelRunnerOutput, RowGroupOutput, SampledToken,
+                                        ScheduledSequence, SchedulerOutput)
+from minivllm.engine.stop_checker import StopChecker
+from minivllm.engine.undo_log import StepTransaction, UndoLog
 
 
 class Scheduler:
@@ -114,7 +62,6 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         enable_chunked_prefill: bool = True,
         max_admission_skips: int = 8,
-        num_speculative_tokens: int = 0,
         state_pool: StatePool | None = None,
         policy: SchedulingPolicy | None = None,
     ) -> None:
@@ -122,12 +69,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_admission_skips = max_admission_skips
-        self.num_speculative_tokens = num_speculative_tokens  # draft slots per decoding sequence
         self.state_pool = state_pool  # hybrid models: a state slot per running request, too
         self.policy = policy or FCFSPolicy()  # which waiting request to try first, whom to preempt
+        self.stop_checker = StopChecker(eos_token_ids, max_model_len)
         # Ids of the sequences that gave their blocks back (finished, aborted, failed, preempted) since the
         # engine last took them (`take_released`): a proposer with a cache of its own forgets them. A list
         # the step's transaction restores, so a preemption that a failed step undoes is never reported.
@@ -135,7 +81,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
         self.num_preemptions = 0
-        self.undo: UndoLog | None = None  # the open step's log (see begin / rollback)
+        self.transaction = StepTransaction(self, block_manager, state_pool)  # begin / commit / rollback
 
     # --- queues --------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
@@ -149,6 +95,12 @@ class Scheduler:
     def live_sequences(self) -> list[Sequence]:
         return [*self.running, *self.waiting]
 
+    @property
+    def num_seats_taken(self) -> int:
+        """Sequences running, counting the children each still has to fork (n > 1): a step never holds
+        more than max_num_seqs of them, forks included."""
+        return len(self.running) + sum(s.num_forks_pending for s in self.running)
+
     # --- the plan --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -160,7 +112,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            spec = self._draft_slots(seq, budget - n)
+            spec = min(len(seq.spec_token_ids), self.draft_room(seq), budget - n) if n == 1 else 0
             while not bm.can_append(seq, n + spec):
                 if spec:  # short of blocks: drop drafts first, never preempt anyone for them
                     spec -= 1
@@ -214,42 +166,49 @@ class Scheduler:
         self.waiting = still_waiting
         return out
 
-    @property
-    def num_seats_taken(self) -> int:
-        """Sequences running, counting the children each still has to fork (n > 1): a step never holds
-        more than max_num_seqs of them, forks included."""
-        return len(self.running) + sum(s.num_forks_pending for s in self.running)
-
-    def _draft_slots(self, seq: Sequence, budget: int) -> int:
-        """How many draft slots a decoding sequence may reserve: within the token budget, and never
-        past max_tokens or max_model_len (d drafts commit at most d + 1 tokens). None for a prompt that
-        is about to fork (n > 1): its last row is sampled once per child, which verification does not do."""
-        if not self.num_speculative_tokens or seq.num_uncomputed_tokens != 1 or seq.num_forks_pending:
+    def draft_room(self, seq: Sequence) -> int:
+        """How many drafts `seq` may have verified now: d drafts commit at most d + 1 tokens, never past
+        max_tokens or max_model_len. None for a sequence that is not decoding, or a prompt about to fork
+        (n > 1): its last row is sampled once per child, which verification does not do."""
+        if seq.num_uncomputed_tokens != 1 or seq.num_forks_pending or seq.is_finished:
             return 0
         room = self.max_model_len - seq.num_tokens - 1
         max_tokens = seq.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(self.num_speculative_tokens, budget, room))
+        return max(0, room)
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free the blocks, forget the K/V, back to the front of WAITING."""
+        """Recompute preemption: free the blocks, forget the K/V and drafts, back to the front of WAITING."""
         self._record_seq(seq)
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
-        seq.spec_token_ids = []
+        seq.clear_drafts()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None,
+               error: str | None = None) -> None:
+        """Finish a sequence (any state) and give back what it holds."""
+        if seq.is_finished:  # e.g. a stop string completed by the token that hit max_tokens: the reason changes
+            seq.finish(reason, stop_reason, error)
+            return
+        self._record_seq(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.finish(reason, stop_reason, error)
 
     def _release(self, seq: Sequence) -> None:
         """Give back everything `seq` holds: blocks and its state pair; note it for the proposer."""
         self.block_manager.free(seq)
         if self.state_pool is not None:  # the state is recomputed from scratch with the prompt
             self.state_pool.release(seq)
-        if self.undo is not None:
-            self.undo.record_attr(self, "released")
+        self.transaction.record_attr(self, "released")
         self.released.append(seq.request_id)
 
     def take_released(self) -> list[str]:
@@ -258,127 +217,114 @@ class Scheduler:
         return released
 
     # --- the commit ------------------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, outputs: list[RowGroupOutput | int | None]) -> CommitResult:
-        """Commit a successful step: advance computed counts, publish full blocks to the prefix
-        cache, fork n > 1 requests whose prompt is done, append sampled tokens and apply the
-        token-level stop rules. A plain token id (or None) may stand for a row group's output."""
-        assert len(outputs) == len(out.scheduled)
-        result = CommitResult([], [])
-        for sched, row_out in zip(out.scheduled, outputs):
-            if not isinstance(row_out, RowGroupOutput):
-                row_out = RowGroupOutput([] if row_out is None else [SampledToken(row_out)])
-            one = self.postprocess_one(sched, row_out)
-            result.updated.extend(one.updated)
-            result.blocks_to_copy.extend(one.blocks_to_copy)
+    def update_from_output(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> CommitResult:
+        """Commit a successful step's results, request by request. The caller then copies
+        `blocks_to_copy` (copy-on-write of forked children's last blocks) before the next forward."""
+        result = CommitResult()
+        for sched, out in zip(plan.scheduled, runner_output.outputs, strict=True):
+            seq = sched.seq
+            if seq.is_finished:
+                continue
+            self._advance(sched, out)
+            if not out.tokens:
+                continue
+            result.changed.setdefault(seq.group_id, [])
+            try:
+                children = self._fork(seq, out.fork_tokens, result)
+            except Exception as error:  # the children made so far ran for nobody: they fail with their parent
+                for s in [seq] + result.changed[seq.group_id]:
+                    self.fail(s, f"committing this request's token failed: {type(error).__name__}: {error}")
+                continue
+            for s, tokens in [*((c, [t]) for c, t in zip(children, out.fork_tokens)), (seq, out.tokens)]:
+                try:
+                    self._commit_tokens(s, tokens, result)
+                except Exception as error:
+                    self.fail(s, f"committing this request's token failed: {type(error).__name__}: {error}")
+            if not seq.is_finished:  # slots of rejected (or never proposed) drafts go back
+                self.block_manager.trim(seq, seq.num_tokens)
         return result
 
-    def postprocess_one(self, sched: ScheduledSequence, out: RowGroupOutput) -> CommitResult:
-        """`postprocess` for one row group. The caller copies `blocks_to_copy` (copy-on-write of
-        forked sequences' last blocks) before the next forward."""
+    def _advance(self, sched: ScheduledSequence, out: RowGroupOutput) -> None:
+        """What the forward computed is the sequence's now: K/V (and a hybrid model's state) up to the
+        verified tokens, full blocks published, prompt logprobs recorded; its drafts are used up."""
         seq = sched.seq
         if self.state_pool is not None:
-            self.state_pool.publish(seq)  # the state this step computed is now the request's
+            self.state_pool.publish(seq)
         seq.num_computed_tokens = sched.start + sched.num_new_tokens - sched.num_spec_tokens
-        seq.spec_token_ids = []
+        seq.clear_drafts()
+        seq.prompt_logprobs.extend(out.prompt_logprobs)
         self.block_manager.cache_full_blocks(seq)
-        result = CommitResult([], [])
-        if not out.tokens:
-            return result
-        # Fork before the parent appends its token: it may finish at once, and its blocks must be
-        # shared first. Children go to the end of RUNNING: the newest, so preempted first.
-        for index, first in enumerate(out.fork_tokens, start=1):
+
+    def _fork(self, seq: Sequence, first_tokens: list[SampledToken], result: CommitResult) -> list[Sequence]:
+        """n > 1, the prompt is done: its children share its blocks (the partial last one is copied) and
+        go to the end of RUNNING, the newest, so preempted first. Forked before the parent appends its
+        token: it may finish at once, and its blocks must be shared first."""
+        children = []
+        for index in range(1, len(first_tokens) + 1):
             child = seq.fork(index, seq.seed + index)
             copy = self.block_manager.fork(seq, child)
             if copy is not None:
                 result.blocks_to_copy.append(copy)
+                result.copy_owners.append(child.group_id)
             if self.state_pool is not None:
                 self.state_pool.fork(seq, child)
             self.running.append(child)
-            self._append(child, first)
-            result.updated.append(child)
-            if (self.state_pool is not None and not child.is_finished
-                    and child.num_computed_tokens < seq.num_computed_tokens):
-                # No free block for the copy of the partial last block: the child would recompute those
-                # tokens, but a hybrid model's recurrent state (copied from the parent) already holds
-                # them. It recomputes its whole prompt instead, as a preempted sequence does.
-                self.preempt(child)
+            result.changed[seq.group_id].append(child)
+            children.append(child)
         seq.num_forks_pending = 0
-        # Verified drafts then the target's token. Each accepted draft's K/V was computed by this
-        # step; tokens past a stop are dropped.
-        for i, token in enumerate(out.tokens):
+        return children
+
+    def _commit_tokens(self, seq: Sequence, tokens: list[SampledToken], result: CommitResult) -> None:
+        """Append accepted drafts then the target's token, each through the token rules (tokens past a
+        stop are dropped), then the text through the stop strings."""
+        first = seq.num_output_tokens == 0
+        num_new = 0
+        for i, token in enumerate(tokens):
             if i:
-                seq.num_computed_tokens += 1  # the previous token was an accepted draft
-            self._append(seq, token)
-            if seq.is_finished:
+                seq.num_computed_tokens += 1  # the previous token was an accepted draft: its K/V are computed
+            seq.append_token(token.token_id)
+            num_new += 1
+            if token.logprob is not None:
+                seq.logprobs.append(token)
+                seq.cumulative_logprob += token.logprob
+            stop = self.stop_checker.check_token(seq, token.token_id)
+            if stop is not None:
+                self.finish(seq, stop.finish_reason, stop.stop_reason)
                 break
-        if not seq.is_finished:
-            if len(out.tokens) > 1:
-                self.block_manager.cache_full_blocks(seq)  # accepted drafts: only verified blocks
-            self.block_manager.trim(seq, seq.num_tokens)  # slots of rejected (or never proposed) drafts
-        result.updated.insert(0, seq)
-        return result
+        if not seq.is_finished and len(tokens) > 1:
+            self.block_manager.cache_full_blocks(seq)  # accepted drafts: only verified blocks
+        kept, match = self.stop_checker.check_strings(seq, num_new)
+        if match is not None:
+            self.finish(seq, FinishReason.STOP, match.stop)
+            seq.truncate_output(seq.num_output_tokens - num_new + kept)
+        if (self.state_pool is not None and seq.index > 0 and first and not seq.is_finished
+                and seq.num_computed_tokens < seq.num_tokens - 1):
+            # No free block for the copy of the partial last block: the child would recompute those
+            # tokens, but a hybrid model's recurrent state (copied from the parent) already holds
+            # them. It recomputes its whole prompt instead, as a preempted sequence does.
+            self.preempt(seq)
+        result.num_generation_tokens += kept
+        if first and seq.index == 0:
+            result.num_prompt_tokens += seq.num_prompt_tokens
 
-    def _append(self, seq: Sequence, token: SampledToken) -> None:
-        seq.append_token(token.token_id)
-        if token.logprob is not None:
-            seq.logprobs.append(token)
-            seq.cumulative_logprob += token.logprob
-        stop = self.check_stop(seq, token.token_id)
-        if stop is not None:
-            self.finish(seq, stop.finish_reason, stop.stop_reason)
+    def fail(self, seq: Sequence, error: str) -> None:
+        if not seq.is_finished or seq.finish_reason is not FinishReason.ERROR:
+            self.finish(seq, FinishReason.ERROR, error=error)
 
-    def check_stop(self, seq: Sequence, token_id: int) -> StopReason | None:
-        """The token-level stop rules (stop strings need text, so the engine checks those)."""
-        sp = seq.sampling_params
-        if seq.num_output_tokens > sp.min_tokens:  # the sampler masked these ids before that
-            if not sp.ignore_eos and token_id in self.eos_token_ids:
-                return StopReason("stop", None)
-            if token_id in sp.all_stop_token_ids:
-                return StopReason("stop", token_id)
-        if sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens:
-            return StopReason("length", None)
-        if seq.num_tokens >= self.max_model_len:
-            return StopReason("length", None)
-        return None
+    # --- transactions (engine/undo_log.py) -------------------------------------------------------
+    @property
+    def undo(self) -> UndoLog | None:
+        """The open step's undo log (None outside a step's transaction)."""
+        return self.transaction.log
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: Any = None, error: str | None = None) -> None:
-        """Finish a request (any state) and give its blocks back."""
-        self._record_seq(seq)
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
-            self.waiting.remove(seq)
-        self._release(seq)
-        seq.finish(reason, stop_reason, error)
-
-    # --- transactions ----------------------------------------------------------------------------
     def begin(self) -> None:
-        """Open the step's transaction: what `schedule()` changes from here on can be rolled back.
-        The queues are copied (their size is the number of requests, never the size of the pool);
-        blocks and sequences are recorded as they are touched."""
-        assert self.undo is None, "a transaction is already open"
-        self.undo = UndoLog()
-        for name in ("running", "waiting", "num_preemptions"):
-            self.undo.record_attr(self, name)
-        self.block_manager.begin(self.undo)
-        if self.state_pool is not None:
-            self.state_pool.undo = self.undo
+        self.transaction.begin()
 
     def commit(self) -> None:
-        """The step succeeded: forget its undo log."""
-        self.undo = None
-        self.block_manager.commit()
-        if self.state_pool is not None:
-            self.state_pool.undo = None
+        self.transaction.commit()
 
     def rollback(self, written_blocks: set[int] = frozenset()) -> None:
-        """Undo everything since `begin()` (see `BlockManager.rollback` for `written_blocks`)."""
-        assert self.undo is not None, "no transaction is open"
-        self.undo = None
-        self.block_manager.rollback(written_blocks)  # also restores the state pool's free list
-        if self.state_pool is not None:
-            self.state_pool.undo = None
+        self.transaction.rollback(written_blocks)
 
     def _record_seq(self, seq: Sequence) -> None:
-        if self.undo is not None:
-            self.undo.record_seq(seq)
+        self.transaction.record_seq(seq)

@@ -20,11 +20,15 @@ from __future__ import annotations
 import enum
 from array import array
 from collections.abc import Sequence as SequenceABC
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
+    from minivllm.engine.detokenizer import IncrementalDetokenizer
+    from minivllm.engine.step_types import PromptLogprob, SampledToken
     from minivllm.layers.logits_processors import RequestLogitRules
 
 
@@ -32,6 +36,16 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence finished, with vLLM's strings as values (a `FinishReason` compares equal to its
+    string, and JSON writes it as one)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # the caller aborted the request
+    ERROR = "error"  # the request could not run, or made its step fail on its own
 
 
 def as_token_array(token_ids: SequenceABC[int]) -> array:
@@ -69,7 +83,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # prefix-cache hashes of full blocks (BlockManager.block_hashes)
         self.num_admission_skips = 0  # times admission passed over this request (anti-starvation)
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         # Sampling outputs and n > 1 (see the module docstring).
@@ -78,12 +92,18 @@ class Sequence:
         self.num_forks_pending = sampling_params.n - 1  # children to fork when the prompt is done
         # allowed ids, biases and bad words, prepared once by the engine (layers/logits_processors.py)
         self.logit_rules: RequestLogitRules | None = None
-        self.logprobs: list[Any] = []  # one SampledToken per output token, when logprobs are asked
+        self.logprobs: list[SampledToken] = []  # one per output token, when logprobs are asked
         self.cumulative_logprob = 0.0
-        self.prompt_logprobs: list[Any] = []  # one PromptLogprob per prompt position done so far
-        # Speculative decoding: proposed tokens being verified this step. NOT tokens yet: block
-        # hashes, the detokenizer and the stop rules only ever see `token_ids`, which only grows.
+        self.prompt_logprobs: list[PromptLogprob] = []  # one per prompt position done so far
+        # The output's text so far, decoded token by token at commit (stop strings are searched in it);
+        # None for a sequence built without a tokenizer (the scheduler's own tests).
+        self.detokenizer: IncrementalDetokenizer | None = None
+        # Speculative decoding: tokens proposed after the last commit, verified by the next step that
+        # schedules this sequence. NOT tokens yet: block hashes, the detokenizer and the stop rules only
+        # ever see `token_ids`, which only grows. `draft_probs`: the proposer's distribution over them,
+        # (len(spec_token_ids), V); None = a deterministic proposal (one-hot).
         self.spec_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
         # Hybrid models: the state-pool pairs this sequence holds ([0] its own; more reserved for the
         # children of an n > 1 fork). None while it holds none (see engine/state_pool.py).
         self.state_slots: list[int] | None = None
@@ -145,9 +165,13 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)  # hashes depend on tokens only
         child.logit_rules = self.logit_rules
+        child.detokenizer = self.detokenizer.copy() if self.detokenizer is not None else None
         return child
 
-    def finish(self, reason: str, stop_reason: int | str | None = None, error: str | None = None) -> None:
+    def clear_drafts(self) -> None:
+        self.spec_token_ids, self.draft_probs = [], None
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -1,8 +1,15 @@
-"""`EngineStats`: the counters `LLM.get_stats()` returns (a snapshot, not a live view)."""
+"""`EngineStats`: the counters `LLM.get_stats()` returns (a snapshot, not a live view), and
+`EngineCounters`, the engine's running totals it is made from."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minivllm.engine.block_manager import BlockManager
+    from minivllm.engine.scheduler import Scheduler
+    from minivllm.engine.spec_decode.speculator import Speculator
 
 
 @dataclass(frozen=True)
@@ -49,3 +56,51 @@ class EngineStats:
         return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
                 "acceptance_rate": self.acceptance_rate,
                 "overhead_fraction": self.overhead_fraction}
+
+
+@dataclass
+class EngineCounters:
+    """The engine's running totals (what `EngineStats` reports of them). Tokens are counted at commit,
+    so recomputed or rejected ones never count."""
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_mixed_steps: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    num_prompt_tokens_total: int = 0
+    num_generation_tokens_total: int = 0
+    finished_requests: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
+
+    def count_step(self, num_prefill_tokens: int, num_decode_tokens: int, forward_time_s: float,
+                   step_time_s: float) -> None:
+        self.num_steps += 1
+        self.num_prefill_tokens += num_prefill_tokens
+        self.num_decode_tokens += num_decode_tokens
+        self.num_mixed_steps += bool(num_prefill_tokens and num_decode_tokens)
+        self.forward_time_s += forward_time_s
+        self.step_time_s += step_time_s
+
+    def count_finished(self, reason: str) -> None:
+        self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1
+
+
+def engine_stats(c: EngineCounters, bm: BlockManager, scheduler: Scheduler, speculator: Speculator | None
+                 ) -> EngineStats:
+    spec = {}
+    if speculator is not None:
+        sp = speculator
+        spec = dict(num_drafts=sp.per_position[0][0] if sp.per_position else 0,
+                    num_draft_tokens=sp.num_draft_tokens, num_accepted_tokens=sp.num_accepted_tokens,
+                    num_accepted_tokens_per_pos=tuple(a for _, a in sp.per_position),
+                    acceptance_per_position=sp.acceptance_per_position)
+    return EngineStats(
+        num_steps=c.num_steps, num_prefill_tokens=c.num_prefill_tokens, num_decode_tokens=c.num_decode_tokens,
+        num_mixed_steps=c.num_mixed_steps, num_preemptions=scheduler.num_preemptions,
+        prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens,
+        num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        step_time_s=c.step_time_s, forward_time_s=c.forward_time_s,
+        num_prompt_tokens_total=c.num_prompt_tokens_total, num_generation_tokens_total=c.num_generation_tokens_total,
+        finished_requests=dict(c.finished_requests), **spec)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
 
 
 class ScheduledTrace(NamedTuple):
@@ -41,10 +42,12 @@ class StepTrace:
 
 
 def record_step(step: int, plan: SchedulerOutput, scheduler: Scheduler, finished: list[str],
-                accepted: list[int] | None = None) -> StepTrace:
-    """`accepted`: drafts accepted per scheduled entry (speculative decoding), else all zero."""
+                runner_output: ModelRunnerOutput | None = None) -> StepTrace:
+    """`runner_output`: what the step sampled, for the drafts accepted per row group (none without it)."""
     bm = scheduler.block_manager
-    accepted = accepted or [0] * len(plan.scheduled)
+    accepted = ([max(0, len(o.tokens) - 1) if s.num_spec_tokens else 0
+                 for s, o in zip(plan.scheduled, runner_output.outputs)] if runner_output is not None
+                else [0] * len(plan.scheduled))
     return StepTrace(
         step=step,
         scheduled=tuple(ScheduledTrace(s.seq.request_id, s.start, s.num_new_tokens, s.is_prefill, s.samples,

@@ -13,14 +13,23 @@ old value here; a rollback writes those values back, a commit just drops the log
     record_attr(o, n) any other field (queues, counters): its value, copied if it is a container
 
 Only the FIRST record of each thing in a step is kept: that is the value to go back to.
+
+`StepTransaction` opens a log for the scheduler, the block manager and the state pool together
+(`begin`), and drops it (`commit`) or writes it back (`rollback`).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from minivllm.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    import torch
+
+    from minivllm.engine.block_manager import BlockManager
+    from minivllm.engine.state_pool import StatePool
 
 
 class BlockUndo(NamedTuple):
@@ -38,6 +47,7 @@ class SeqUndo(NamedTuple):
     num_cached_tokens: int
     num_admission_skips: int
     spec_token_ids: list[int]
+    draft_probs: torch.Tensor | None
     state_slots: list[int] | None
 
 
@@ -70,6 +80,7 @@ class UndoLog:
         if id(seq) not in self.seqs:
             self.seqs[id(seq)] = SeqUndo(seq, seq.status, seq.num_computed_tokens, list(seq.block_table),
                                          seq.num_cached_tokens, seq.num_admission_skips, list(seq.spec_token_ids),
+                                         seq.draft_probs,
                                          None if seq.state_slots is None else list(seq.state_slots))
 
     def record_attr(self, obj: Any, name: str) -> None:
@@ -84,7 +95,7 @@ class UndoLog:
             seq = s.seq
             seq.status, seq.num_computed_tokens, seq.block_table = s.status, s.num_computed_tokens, s.block_table
             seq.num_cached_tokens, seq.num_admission_skips = s.num_cached_tokens, s.num_admission_skips
-            seq.spec_token_ids, seq.state_slots = s.spec_token_ids, s.state_slots
+            seq.spec_token_ids, seq.draft_probs, seq.state_slots = s.spec_token_ids, s.draft_probs, s.state_slots
         for a in self.attrs.values():
             setattr(a.obj, a.name, a.value)
 
@@ -92,3 +103,48 @@ class UndoLog:
     def size(self) -> int:
         """How many things the step touched (what a commit or rollback costs)."""
         return len(self.blocks) + len(self.hashes) + len(self.seqs) + len(self.attrs)
+
+
+class StepTransaction:
+    """The step's transaction over the scheduler's queues, the block manager and the state pool."""
+
+    def __init__(self, owner: object, block_manager: BlockManager, state_pool: StatePool | None) -> None:
+        self.owner = owner  # the scheduler: its queues and counters are recorded at `begin`
+        self.block_manager = block_manager
+        self.state_pool = state_pool
+        self.log: UndoLog | None = None  # the open step's log
+
+    def begin(self) -> None:
+        """What changes from here on can be rolled back. The queues are copied (their size is the
+        number of requests, never the size of the pool); blocks and sequences are recorded as they
+        are touched."""
+        assert self.log is None, "a transaction is already open"
+        self.log = UndoLog()
+        for name in ("running", "waiting", "num_preemptions"):
+            self.log.record_attr(self.owner, name)
+        self.block_manager.begin(self.log)
+        if self.state_pool is not None:
+            self.state_pool.undo = self.log
+
+    def commit(self) -> None:
+        """The step succeeded: forget its log."""
+        self.log = None
+        self.block_manager.commit()
+        if self.state_pool is not None:
+            self.state_pool.undo = None
+
+    def rollback(self, written_blocks: set[int] = frozenset()) -> None:
+        """Undo everything since `begin()` (see `BlockManager.rollback` for `written_blocks`)."""
+        assert self.log is not None, "no transaction is open"
+        self.log = None
+        self.block_manager.rollback(written_blocks)  # also restores the sequences and the state pool's list
+        if self.state_pool is not None:
+            self.state_pool.undo = None
+
+    def record_seq(self, seq: Sequence) -> None:
+        if self.log is not None:
+            self.log.record_seq(seq)
+
+    def record_attr(self, obj: object, name: str) -> None:
+        if self.log is not None:
+            self.log.record_attr(obj, name)

@@ -36,7 +36,9 @@ from minivllm.layers.norm_rope_kernels import NormRopeKernels
 from minivllm.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rotate
 from minivllm.models.compiled_forward import Attend, CompiledForward
+from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
 from minivllm.models.hf_config import ModelSpec
+from minivllm.models.interface import CausalLM
 from minivllm.models.sharding import ShardLayout
 
 
@@ -106,12 +108,13 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Also serves Qwen2 and Qwen3 (their switches live in `spec`)."""
 
+    supports_compile = True
+
     def __init__(self, spec: ModelSpec, tp: ParallelContext | None = None) -> None:
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec)
         self.tp = tp = tp if tp is not None else ParallelContext()
         self.shard_layout = layout = ShardLayout.of(spec, tp.rank, tp.world_size)
         self.matmul_plan = MatmulPlan()  # shared by every Linear; filled by `plan_matmuls` at warm-up
@@ -121,7 +124,6 @@ class LlamaForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:  # vocab-parallel: this rank's rows
             self.lm_head = Linear(spec.hidden_size, layout.vocab_size, bias=False, plan=self.matmul_plan)
         self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
-        self.compiled: CompiledForward | None = None  # set by `compile_forward`; None: every step eager
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.spec.head_dim, max_position, self.spec.rope, device)
@@ -133,6 +135,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],  # per layer: (2, num_blocks, block_size, Hkv, D)
         backend: AttentionBackend,
+        linear_attn: LinearAttnMetadata | None = None,  # no linear-attention layers here: always None
     ) -> torch.Tensor:  # (T, hidden)
         if self.compiled is not None and self.compiled.runs(input_ids.shape[0]):
             return self.compiled(self, input_ids, positions, meta, kv_caches, backend)

@@ -16,8 +16,8 @@ The MLP is Llama's (reused from models/llama.py). Parameter names are the checkp
 State: full-attention layers read and write the paged KV cache exactly like Llama. Linear-attention
 layers read their starting state through `LinearAttnMetadata` and write their new states only into
 the staging slots it names, never into a slot they read (see layers/linear_attn_metadata.py):
-`forward` returns (hidden, one LinearAttnState per linear-attention layer); the engine publishes the
-staging slots at commit.
+`forward` returns the hidden states, as every family's does (models/interface.py); the engine
+publishes the staging slots at commit.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm_variants import GatedRMSNorm, ZeroCenteredRMSNorm
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from minivllm.models.hf_config import ModelSpec
+from minivllm.models.interface import CausalLM
 from minivllm.models.llama import MLP
 
 
@@ -141,15 +142,16 @@ class DecoderModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(CausalLM):
     """The text decoder of Qwen3.5 checkpoints (`Qwen3_5ForCausalLM`, and the `model.language_model`
-    part of `Qwen3_5ForConditionalGeneration`)."""
+    part of `Qwen3_5ForConditionalGeneration`). Eager only: its linear-attention layers are not compiled."""
+
+    needs_state_pool = True
 
     def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
         if spec.linear_attn is None or not spec.layer_types:
             raise ValueError(f"{spec.architecture} is not a hybrid checkpoint: no layer_types / linear_* keys")
-        self.spec = spec
+        super().__init__(spec)
         self.matmul_plan = MatmulPlan()  # shared by every Linear; filled by `plan_matmuls` at warm-up
         self.model = DecoderModel(spec, self.matmul_plan)
         if not spec.tie_word_embeddings:
@@ -167,23 +169,27 @@ class Qwen3_5ForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],  # per FULL-attention layer: (2, num_blocks, block_size, Hkv, D)
         backend: AttentionBackend,
-        state: LinearAttnMetadata,  # slots and pools of the linear-attention layers
-    ) -> tuple[torch.Tensor, list[LinearAttnState]]:  # (T, hidden), a new state per linear-attention layer
+        linear_attn: LinearAttnMetadata | None = None,  # slots and pools of the linear-attention layers
+    ) -> torch.Tensor:  # (T, hidden); the new states are in the staging slots `linear_attn` names
+        if linear_attn is None:
+            raise ValueError(f"{type(self).__name__} has linear-attention layers: its forward needs their state "
+                             "slots (linear_attn), which the engine's state pool provides")
+        state = linear_attn
         h = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, h.dtype)  # once per step, shared by all attention layers
         full_layer_caches = iter(kv_caches)
-        new_states: list[LinearAttnState] = []
+        num_linear = 0
         for layer in self.model.layers:
             x = layer.input_layernorm(h)
             if layer.is_linear:
-                x, new_state = layer.linear_attn(x, meta, state.initial_state(len(new_states)))
-                state.store(len(new_states), new_state)  # into the staging slots, if the engine gave them
-                new_states.append(new_state)
+                x, new_state = layer.linear_attn(x, meta, state.initial_state(num_linear))
+                state.store(num_linear, new_state)  # into the staging slots, if the engine gave them
+                num_linear += 1
             else:
                 x = layer.self_attn(cos_sin, x, next(full_layer_caches), meta, backend)
             h = h + x
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h), new_states
+        return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, V)
         return linear(hidden, self.lm_head_weight, plan=self.matmul_plan)

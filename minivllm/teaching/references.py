@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.scheduler import ScheduledSequence, Scheduler
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.step_types import ScheduledSequence
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.layers.sampler import SamplingRow, SamplingTensors, apply_top_k_top_p_min_p
 from minivllm.sampling_params import SamplingParams

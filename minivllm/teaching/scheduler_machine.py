@@ -4,7 +4,8 @@
     run_state_machine_as_test(machine)          # or: TestScheduler = machine.TestCase, under pytest
 
 hypothesis drives a `Scheduler` on a tiny pool through random actions — add a request (with n > 1
-forks, with a priority), step (with speculative drafts, some accepted), abort, and a failed step
+forks, with a priority), step (`schedule` then `update_from_output`; speculative drafts attached after
+the commit, as the engine's proposer does, some accepted), abort, and a failed step
 that is rolled back — and after every action checks the block manager's invariants: every block is
 owned or free, ref counts match the block tables, a rolled-back step leaves no trace. At the end
 every request must finish and every block come back. When an action breaks a rule, hypothesis
@@ -23,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.scheduler import ScheduledSequence, Scheduler
+from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.scheduling_policy import CheckedPolicy, FCFSPolicy, PolicyContractError, SchedulingPolicy
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
 
 EOS = 1  # the machine's end-of-sequence token: a request that samples it finishes
@@ -41,7 +42,7 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
     import hypothesis.strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-    from minivllm.engine.sampling_metadata import RowGroupOutput, SampledToken
+    from minivllm.engine.step_types import ModelRunnerOutput, RowGroupOutput, SampledToken
 
     class SchedulerMachine(RuleBasedStateMachine):
         @initialize(num_blocks=st.integers(4, 12), block_size=st.sampled_from([1, 2, 4]),
@@ -50,8 +51,9 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
         def setup(self, num_blocks: int, block_size: int, budget: int, chunked: bool, seed: int, spec: int) -> None:
             self.sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=4, max_num_batched_tokens=budget,
                                    max_model_len=64 if chunked else budget, eos_token_ids=frozenset({EOS}),
-                                   enable_chunked_prefill=chunked, max_admission_skips=3, num_speculative_tokens=spec,
+                                   enable_chunked_prefill=chunked, max_admission_skips=3,
                                    policy=CheckedPolicy(make_policy()))
+            self.num_speculative_tokens = spec
             self.rng = random.Random(seed)
             self.count = 0
 
@@ -80,28 +82,30 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
         def step(self) -> None:
             out = self.sched.schedule()
             outputs = []
-            for i, s in enumerate(out.scheduled):
+            for s in out.scheduled:
                 token = SampledToken(self.rng.choice([EOS, 7, 8]))
                 assert not (s.num_spec_tokens and s.seq.num_forks_pending), \
                     "a prompt about to fork got draft slots: its children would never be forked"
-                if s.num_spec_tokens:  # a proposer drafts d <= k tokens; the target accepts a <= d
-                    d = self.rng.randint(0, s.num_spec_tokens)
-                    s.seq.spec_token_ids = [self.rng.choice([7, 8]) for _ in range(d)]
-                    out.scheduled[i] = ScheduledSequence(s.seq, s.start, s.num_new_tokens - s.num_spec_tokens + d, d)
-                    a = self.rng.randint(0, d)
+                assert s.num_spec_tokens <= len(s.seq.spec_token_ids), "more draft slots than drafts"
+                if s.num_spec_tokens:  # the target accepts a <= d of the d drafts verified
+                    a = self.rng.randint(0, s.num_spec_tokens)
                     outputs.append(RowGroupOutput([SampledToken(t) for t in s.seq.spec_token_ids[:a]] + [token]))
                 elif s.samples:
                     forks = [SampledToken(self.rng.choice([EOS, 7])) for _ in range(s.seq.num_forks_pending)]
                     outputs.append(RowGroupOutput([token], forks))
                 else:
                     outputs.append(RowGroupOutput())
-            self.sched.postprocess(out, outputs)
+            self.sched.update_from_output(out, ModelRunnerOutput(outputs))
+            for seq in self.sched.running:  # a proposer drafts d <= k tokens after the commit
+                room = min(self.num_speculative_tokens, self.sched.draft_room(seq))
+                if room:
+                    seq.spec_token_ids = [self.rng.choice([7, 8]) for _ in range(self.rng.randint(0, room))]
 
         @rule(data=st.data())
         def abort(self, data: Any) -> None:
             alive = [s for s in self.sched.live_sequences if not s.is_finished]
             if alive:
-                self.sched.finish(data.draw(st.sampled_from(alive)), "abort")
+                self.sched.finish(data.draw(st.sampled_from(alive)), FinishReason.ABORT)
 
         @rule()
         def failed_step(self) -> None:
@@ -125,8 +129,9 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
                 assert all(s.status is SequenceStatus.RUNNING for s in self.sched.running)
                 seats = len(self.sched.running) + sum(s.num_forks_pending for s in self.sched.running)
                 assert seats <= self.sched.max_num_seqs, "more sequences than max_num_seqs (forks to come included)"
-                for s in self.sched.live_sequences:  # rejected drafts leave no trace
-                    assert not s.spec_token_ids and len(s.block_table) <= bm.blocks_needed(s.num_tokens)
+                for s in self.sched.live_sequences:  # drafts wait on decoding sequences only; rejected ones leave no trace
+                    assert len(s.spec_token_ids) <= self.sched.draft_room(s)
+                    assert len(s.block_table) <= bm.blocks_needed(s.num_tokens)
                     assert s.num_computed_tokens < s.num_tokens
 
         def teardown(self) -> None:

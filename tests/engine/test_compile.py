@@ -7,7 +7,6 @@ Every other test runs eagerly (the CPU default); these compile a handful of smal
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import pytest
 import torch
@@ -15,7 +14,8 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.loading import compile_decision
-from minivllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
+from minivllm.engine.warmup import warmup_batch
 from minivllm.engine.sequence import Sequence
 from minivllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from minivllm.models.compiled_forward import padded_num_tokens
@@ -120,13 +120,13 @@ def test_padding_rows_write_only_the_scratch_block(model_factory):
     seq = Sequence("r", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=1))
     seq.block_table = [10, 11]
     plan = SchedulerOutput([ScheduledSequence(seq, 0, 5)])  # 5 rows -> padded to 8
-    batch = runner.prepare_inputs(plan)
-    assert batch.input_ids.shape == (8,) and batch.attn_metadata.num_tokens == 5
+    inputs = runner.prepare_inputs(plan).inputs
+    assert inputs.input_ids.shape == (8,) and inputs.attn_metadata.num_tokens == 5
     bs, scratch = runner.block_size, runner.scratch_block
-    assert (batch.attn_metadata.slot_mapping[5:] // bs == scratch).all()
-    assert batch.attn_metadata.block_tables.shape[0] == 1  # the scratch block is in no request's table
+    assert (inputs.attn_metadata.slot_mapping[5:] // bs == scratch).all()
+    assert inputs.attn_metadata.block_tables.shape[0] == 1  # the scratch block is in no request's table
     before = runner.kv_cache.clone()
-    runner.execute_model(plan)
+    llm.llm_engine.executor.execute_model(plan)
     changed = (runner.kv_cache != before).flatten(3).any(-1).any(0).any(0)  # (num_blocks + 1,) per block
     assert set(changed.nonzero().flatten().tolist()) == {10, 11, scratch}
     llm.shutdown()
@@ -159,15 +159,12 @@ def test_warmup_splits_a_compiled_size_longer_than_the_model_positions(engines):
     """A compiled size may exceed max_position_embeddings (several sequences share a step); its warm-up
     step must not read RoPE past the table (in a compiled kernel that aborts the process)."""
     runner = engines[1].llm_engine.model_runner
-    spec, cap = runner.spec, 100  # as if the model had 100 positions (the pool holds 384 tokens)
-    runner.spec = dataclasses.replace(spec, max_position_embeddings=cap)
-    try:
-        n = 2 * cap + 5
-        batch = runner._warmup_batch(n)
-    finally:
-        runner.spec = spec
+    cap = 100  # as if the model had 100 positions (the pool holds 384 tokens)
+    n = 2 * cap + 5
+    batch = warmup_batch(n, runner.block_size, runner.num_blocks, cap)
     assert sum(s.num_new_tokens for s in batch) == n and len(batch) > 1
     assert all(s.num_new_tokens <= cap and s.start == 0 for s in batch)
     blocks = [b for s in batch for b in s.seq.block_table]
     assert len(blocks) == len(set(blocks)) and max(blocks) < runner.num_blocks
-    assert sum(s.num_new_tokens for s in runner._warmup_batch(10 ** 6)) <= runner.num_blocks * runner.block_size
+    huge = warmup_batch(10 ** 6, runner.block_size, runner.num_blocks, runner.spec.max_position_embeddings)
+    assert sum(s.num_new_tokens for s in huge) <= runner.num_blocks * runner.block_size

@@ -53,6 +53,10 @@ class Injected(RuntimeError):
     """A failure this machine injected."""
 
 
+class ProposerFailed(Injected):
+    """The proposer's own failure: raised after the step's commit (drafts are proposed for the next step)."""
+
+
 class NoisyProposer(Proposer):
     """Drafts drawn from a random distribution over the vocabulary, which it returns as `Draft.probs`: drafts
     a target rarely accepts, and a q that rejection sampling must honour. Fails when armed."""
@@ -64,7 +68,7 @@ class NoisyProposer(Proposer):
     def propose(self, requests):
         if self.fail:
             self.fail = False
-            raise Injected("the proposer failed")
+            raise ProposerFailed("the proposer failed")
         drafts = []
         for r in requests:
             q = torch.softmax(torch.randn(r.max_tokens, 384, generator=self.rng) * 3, -1)  # (d, V)
@@ -132,15 +136,15 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                 return out
 
             engine.model_runner.model.forward = injected_forward
-            detokenize = engine.output_processor.detokenize
+            check_strings = engine.scheduler.stop_checker.check_strings
 
-            def injected_detokenize(state, seq):
+            def injected_check_strings(seq, num_new):  # the commit's text step (it decodes the new tokens)
                 if seq.request_id == self.fail_commit:
                     self.fail_commit = None
                     raise Injected("a commit")
-                return detokenize(state, seq)
+                return check_strings(seq, num_new)
 
-            engine.output_processor.detokenize = injected_detokenize
+            engine.scheduler.stop_checker.check_strings = injected_check_strings
             for request in first:  # a load from the start: pool pressure needs several requests at once
                 self.add(**request)
 
@@ -167,6 +171,9 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             before = self._snapshot()
             try:
                 outs = self.engine.step()
+            except ProposerFailed:  # after the commit: the step stands, its outputs come with the next step
+                reach["proposer failed"] += 1
+                return
             except Injected:
                 reach["rolled back"] += 1
                 after = self._snapshot()  # rolled back: nothing moved but an overwritten cached block's hash

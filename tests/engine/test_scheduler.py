@@ -8,18 +8,17 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.step_types import ModelRunnerOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.teaching.scheduler_machine import scheduler_machine
 
 EOS = 1
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=16, chunked=True, skips=8, max_len=256,
-                   spec=0):
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=16, chunked=True, skips=8, max_len=256):
     bm = BlockManager(num_blocks, block_size)
     return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                     eos_token_ids=frozenset({EOS}), enable_chunked_prefill=chunked, max_admission_skips=skips,
-                     num_speculative_tokens=spec)
+                     eos_token_ids=frozenset({EOS}), enable_chunked_prefill=chunked, max_admission_skips=skips)
 
 
 def seq(rid: str, n: int, max_tokens: int = 4, start: int = 10, n_seqs: int = 1) -> Sequence:
@@ -30,7 +29,7 @@ def seq(rid: str, n: int, max_tokens: int = 4, start: int = 10, n_seqs: int = 1)
 def fake_step(sched: Scheduler, token: int = 7):
     out = sched.schedule()
     sampled = [token if s.samples else None for s in out.scheduled]
-    sched.postprocess(out, sampled)
+    sched.update_from_output(out, ModelRunnerOutput.from_token_ids(sampled))
     return out
 
 
@@ -72,7 +71,7 @@ def test_no_head_of_line_blocking_on_blocks_and_starvation_guard():
     sched.add_sequence(seq("r2", 2, max_tokens=2, start=200))  # needs 1: fits, overtakes r1
     out = sched.schedule()
     assert [s.seq.request_id for s in out.scheduled] == ["r0", "r2"]
-    sched.postprocess(out, [7] * 2)
+    sched.update_from_output(out, ModelRunnerOutput.from_token_ids([7] * 2))
     # r1 keeps being skipped; once past max_admission_skips, nobody behind it is admitted.
     for _ in range(2):
         fake_step(sched)
@@ -100,7 +99,8 @@ def test_preemption_takes_the_newest_and_puts_it_first_in_line():
 
 
 def test_teaching_api_loop_like_minivllm():
-    """The MinivLLM docs' loop: add_sequence / schedule / postprocess / is_finished."""
+    """The MinivLLM docs' loop: add_sequence / schedule / postprocess / is_finished (postprocess is vLLM v1's
+    update_from_output here)."""
     sched = make_scheduler()
     for i in range(3):
         sched.add_sequence(seq(f"r{i}", 5 + i, max_tokens=3))
@@ -108,7 +108,7 @@ def test_teaching_api_loop_like_minivllm():
     while not sched.is_finished():
         out = sched.schedule()
         token_ids = [42 if s.samples else None for s in out.scheduled]
-        sched.postprocess(out, token_ids)
+        sched.update_from_output(out, ModelRunnerOutput.from_token_ids(token_ids))
         steps += 1
     assert steps < 10
     assert sched.block_manager.num_free_blocks == 16

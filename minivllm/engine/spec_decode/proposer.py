@@ -33,8 +33,10 @@ class DraftRequest:
 
     request_id: str
     token_ids: array  # prompt + output so far (array("i"))
-    max_tokens: int  # at most this many drafts: the reserved slots, the budget and max_tokens allow
-    block_table: tuple[int, ...]  # covers positions up to len(token_ids) - 1 + max_tokens
+    max_tokens: int  # at most this many drafts: num_speculative_tokens, max_tokens and max_model_len allow
+    # Its blocks so far: they cover its tokens, not yet the drafts (the next schedule() reserves those
+    # slots, as many as its budget and the pool allow: fewer drafts may be verified than proposed).
+    block_table: tuple[int, ...]
     num_computed_tokens: int  # the target's K/V cover positions [0, num_computed_tokens)
     sampling_params: SamplingParams  # the request's (a proposer may sample like the target)
     seed: int  # the sequence's sampling seed

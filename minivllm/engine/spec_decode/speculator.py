@@ -1,13 +1,17 @@
-"""`Speculator`: the engine's side of speculative decoding, between planning and the forward.
+"""`Speculator`: the engine's side of speculative decoding, after each step's commit.
 
-    propose(plan)             ask the proposer for drafts to fill the draft slots the scheduler
-                              reserved; drafts go to `seq.spec_token_ids` (recorded in the step's
-                              undo log) and each row group shrinks to the drafts actually proposed
     after_step(plan, out, released)
                               count drafts and acceptances; tell the proposer what the target
                               verified (`on_commit`), then which sequences gave their blocks back
                               since, for whatever reason (finished, aborted, failed, preempted:
                               `on_free`), so that it forgets them
+    propose(running, room)    ask the proposer for drafts for every decoding sequence that has none,
+                              and attach them to it (`seq.spec_token_ids`, `seq.draft_probs`); the
+                              next `schedule()` reserves their slots — as many as its token budget
+                              and the pool allow — and the step after verifies them
+
+Drafts are proposed after the commit, never between planning and the forward: a plan is final when
+`schedule()` returns.
 
 The proposer is checked like user input: more drafts than asked, an id outside the vocabulary, or
 `Draft.probs` that is no distribution over the drafts (shape, sign, sum) is an error naming the
@@ -17,19 +21,19 @@ proposer, never silently trimmed or broadcast.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from minivllm.engine.sampling_metadata import RowGroupOutput
-from minivllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from minivllm.engine.resolved_config import ResolvedConfig
+from minivllm.engine.sequence import Sequence
 from minivllm.engine.spec_decode.config import SpeculativeConfig
 from minivllm.engine.spec_decode.ngram import NgramProposer
-from minivllm.engine.spec_decode.proposer import DraftRequest, Proposer
+from minivllm.engine.spec_decode.proposer import Draft, DraftRequest, Proposer
+from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
 
 
-def build_proposer(cfg: SpeculativeConfig, engine: Any, num_blocks: int) -> Proposer:
-    """The proposer a `speculative_config` asks for (`engine`: the LLMEngine being built)."""
+def build_proposer(cfg: SpeculativeConfig, config: ResolvedConfig, num_blocks: int) -> Proposer:
+    """The proposer a `speculative_config` asks for (`num_blocks`: the target's KV pool)."""
     if cfg.method == "ngram":
         return NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
     if cfg.method == "custom":
@@ -39,10 +43,11 @@ def build_proposer(cfg: SpeculativeConfig, engine: Any, num_blocks: int) -> Prop
         return cfg.proposer
     from minivllm.engine.spec_decode.draft_model import DraftModelProposer
 
-    c = engine.config
-    return DraftModelProposer(cfg.model, engine.spec, device=engine.device, dtype=engine.dtype, num_blocks=num_blocks,
+    c = config.engine
+    return DraftModelProposer(cfg.model, config.spec, device=config.device, dtype=config.dtype, num_blocks=num_blocks,
                               block_size=c.block_size, max_model_len=c.max_model_len,
-                              attention_backend=c.attention_backend)
+                              attention_backend=c.attention_backend, max_num_seqs=c.max_num_seqs,
+                              num_speculative_tokens=cfg.num_speculative_tokens)
 
 
 class Speculator:
@@ -51,6 +56,7 @@ class Speculator:
         self.proposer = proposer
         self.check_token_ids = check_token_ids
         self.vocab_size = vocab_size
+        self.num_speculative_tokens = cfg.num_speculative_tokens
         # A caller's proposer is checked like user input; the built-in ones are trusted (the draft model's
         # distributions are the sampler's own: checking (d, V) tensors each step would cost ~1 ms a sequence).
         self.check_probs = cfg.method == "custom"
@@ -58,29 +64,33 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.per_position = [[0, 0] for _ in range(cfg.num_speculative_tokens)]  # [drafted, accepted]
 
-    def propose(self, plan: SchedulerOutput, scheduler: Scheduler) -> None:
-        entries = [(i, s) for i, s in enumerate(plan.scheduled) if s.num_spec_tokens]
-        if not entries:
+    def propose(self, running: list[Sequence], room: Callable[[Sequence], int]) -> None:
+        """Drafts for every decoding sequence in `running` that has none, at most `room(seq)` (the
+        scheduler's `draft_room`: what max_tokens and max_model_len allow) and num_speculative_tokens each.
+        All are checked before any is attached: a proposer's bad draft attaches nothing."""
+        wanted = [(seq, min(self.num_speculative_tokens, room(seq))) for seq in running if not seq.spec_token_ids]
+        wanted = [(seq, k) for seq, k in wanted if k > 0]
+        if not wanted:
             return
-        requests = [DraftRequest(s.seq.request_id, s.seq.token_ids, s.num_spec_tokens, tuple(s.seq.block_table),
-                                 s.seq.num_computed_tokens, s.seq.sampling_params, s.seq.seed) for _, s in entries]
+        requests = [DraftRequest(seq.request_id, seq.token_ids, k, tuple(seq.block_table), seq.num_computed_tokens,
+                                 seq.sampling_params, seq.seed) for seq, k in wanted]
         drafts = self.proposer.propose(requests)
         if len(drafts) != len(requests):
             raise ValueError(f"the proposer returned {len(drafts)} drafts for {len(requests)} requests")
-        for (i, sched), draft in zip(entries, drafts):
-            seq, ids = sched.seq, list(draft.token_ids)
-            if len(ids) > sched.num_spec_tokens:
-                raise ValueError(f"the proposer drafted {len(ids)} tokens for {seq.request_id!r}, "
-                                 f"more than the {sched.num_spec_tokens} asked")
-            self.check_token_ids(seq.request_id, "draft token_ids", ids)
-            if draft.probs is not None and ids and self.check_probs:
-                self._check_probs(seq.request_id, ids, draft.probs)
-            scheduler.undo.record_seq(seq)
+        for (seq, k), draft in zip(wanted, drafts):
+            self._check(seq, k, draft)
+        for (seq, _), draft in zip(wanted, drafts):
+            ids = list(draft.token_ids)
             seq.spec_token_ids = ids
-            unused = sched.num_spec_tokens - len(ids)
-            plan.scheduled[i] = ScheduledSequence(seq, sched.start, sched.num_new_tokens - unused, len(ids))
-            if draft.probs is not None and ids:
-                plan.draft_probs[seq.request_id] = draft.probs[:len(ids)]
+            seq.draft_probs = draft.probs[:len(ids)] if draft.probs is not None and ids else None
+
+    def _check(self, seq: Sequence, k: int, draft: Draft) -> None:
+        ids = list(draft.token_ids)
+        if len(ids) > k:
+            raise ValueError(f"the proposer drafted {len(ids)} tokens for {seq.request_id!r}, more than the {k} asked")
+        self.check_token_ids(seq.request_id, "draft token_ids", ids)
+        if draft.probs is not None and ids and self.check_probs:
+            self._check_probs(seq.request_id, ids, draft.probs)
 
     def _check_probs(self, request_id: str, ids: list[int], probs: torch.Tensor) -> None:
         """A proposal distribution must be one: a (drafts, V) row per draft, finite, non-negative, summing to 1,
@@ -103,7 +113,7 @@ class Speculator:
             raise ValueError(f"{where} that gives probability 0 to its own draft token; a draft must be drawn "
                              "from its distribution")
 
-    def after_step(self, plan: SchedulerOutput | None, sampled: list[RowGroupOutput] | None,
+    def after_step(self, plan: SchedulerOutput | None, sampled: ModelRunnerOutput | None,
                    released: list[str]) -> None:
         """After a committed step (`plan`, `sampled`), or after requests were finished without one (None):
         count, tell the proposer what was verified, then what was released."""
@@ -112,9 +122,9 @@ class Speculator:
         for request_id in released:
             self.proposer.on_free(request_id)
 
-    def _count_and_commit(self, plan: SchedulerOutput, sampled: list[RowGroupOutput]) -> None:
+    def _count_and_commit(self, plan: SchedulerOutput, sampled: ModelRunnerOutput) -> None:
         ids, computed = [], []
-        for sched, out in zip(plan.scheduled, sampled):
+        for sched, out in zip(plan.scheduled, sampled.outputs):
             seq = sched.seq
             if sched.num_spec_tokens:
                 accepted = max(0, len(out.tokens) - 1)

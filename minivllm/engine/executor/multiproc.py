@@ -3,11 +3,12 @@ sends them every step, turns any failure into `EngineDeadError`, and ends them.
 
     start-up   spawn ranks 1 .. L-1 (torch.multiprocessing, "spawn"; L = LOCAL_WORLD_SIZE, by default
                tensor_parallel_size; the ranks of other nodes run `python -m minivllm.distributed`),
-               join the group as rank 0, then `load_rank`: every rank builds its shard (WorkerStart) and
-               the workers warm up; rank 0 waits for that, with the start-up bound (parallel_state.py)
-    a step     `with executor.run(StepInputs(...)):  <rank 0's forward>`  (engine/model_runner.py)
-               the workers run the same forward on their shards; the all-reduces inside keep the
-               ranks in lockstep and the logits are gathered on rank 0, which samples alone
+               join the group as rank 0, then every rank builds its shard (WorkerStart) and the workers
+               warm up; rank 0 waits for that, with the start-up bound (distributed/parallel_state.py)
+    a step     `runner.execute_model(plan, on_every_rank=self.run)`: rank 0 packs the step, then inside
+               `run(StepInputs)` the workers run the same forward on their shards (engine/executor/
+               worker.py); the all-reduces keep the ranks in lockstep and the logits are gathered on
+               rank 0, which samples alone
     shutdown   Shutdown to every worker, wait a few seconds, kill what is left, leave the group
 
 The failure model. Inside `run` the ranks are in lockstep, so an exception on any rank there leaves
@@ -37,30 +38,31 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.multiprocessing as mp
 
-from minivllm.config import EngineConfig
-from minivllm.distributed.communication import CollectiveRpc, CommandChannel, Shutdown, WorkerCommand, WorkerStart
+from minivllm.distributed.communication import CommandChannel
 from minivllm.distributed.parallel_state import (JOIN_TIMEOUT_S, Rendezvous, close_parallel_context,
                                                 init_parallel_context)
-from minivllm.distributed.worker import WorkerLaunch, worker_main
 from minivllm.engine.errors import EngineDeadError
-from minivllm.engine.loading import RankModel, load_rank
-from minivllm.models.hf_config import ModelSpec
-
-if TYPE_CHECKING:
-    from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.executor.abstract import Executor
+from minivllm.engine.executor.commands import CollectiveRpc, CopyBlocks, Shutdown, WorkerCommand, WorkerStart
+from minivllm.engine.executor.worker import WorkerLaunch, worker_main
+from minivllm.engine.loading import load_rank
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.resolved_config import ResolvedConfig
+from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
 
 T = TypeVar("T")
 SHUTDOWN_GRACE_S = 5.0  # how long a worker has to leave after Shutdown before it is killed
 
 
-class MultiprocExecutor:
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        """Start the local workers and join the group as rank 0 (returns when every rank has joined)."""
+class MultiprocExecutor(Executor):
+    def __init__(self, resolved: ResolvedConfig) -> None:
+        """Start the local workers, join the group as rank 0, and build every rank's shard."""
+        config, device = resolved.engine, resolved.device
         world = config.tensor_parallel_size
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks on this node, rank 0 included
         if not 1 <= local <= world:
@@ -87,6 +89,11 @@ class MultiprocExecutor:
             message = self._fail(error)
             raise RuntimeError(f"starting {world} tensor-parallel ranks failed: {message}") from error
         self.channel = CommandChannel(self.tp)
+        try:
+            self.runner = self._load_ranks(resolved)
+        except BaseException:  # e.g. a worker that fails to load: none may outlive us
+            self.shutdown()
+            raise
 
     def _wait_for_workers_to_start(self, started: Any, count: int) -> None:
         """Until every local worker says it is about to join, watch their processes: one that dies while
@@ -109,16 +116,27 @@ class MultiprocExecutor:
     def worker_processes(self) -> list[mp.Process]:
         return list(self.workers.processes) if self.workers is not None else []
 
-    def load_rank(self, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> RankModel:
-        """Rank 0's shard, built while every worker builds its own (they end in the same collective)."""
+    def _load_ranks(self, resolved: ResolvedConfig) -> ModelRunner:
+        """Rank 0's shard and runner, built while every worker builds its own (they end in the same collective)."""
+        config, dtype = resolved.engine, resolved.dtype
         worker_config = config.replace(dtype=str(dtype).removeprefix("torch."), speculative_config=None,
                                        scheduling_policy="fcfs")  # rank 0's business, and may not pickle
         with self.run(WorkerStart(worker_config)):
-            rank = load_rank(config, spec, self.tp.device, dtype, self.tp)
+            rank = load_rank(config, resolved.spec, self.tp.device, dtype, self.tp)
             # Wait (with the start-up bound, not a step's) until every worker has built its shard and warmed up,
             # however long that takes on a busy machine; then each waits for commands, which is no failure.
             self.tp.wait_for_every_rank()
-            return rank
+        return ModelRunner(rank.model, rank.spec, rank.backend, num_blocks=rank.num_blocks,
+                           block_size=config.block_size, dtype=dtype, device=self.tp.device,
+                           eos_token_ids=resolved.eos_token_ids, one_rank=False)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output, on_every_rank=self.run)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            with self.run(CopyBlocks(pairs)):  # every rank holds its own heads of these blocks
+                self.runner.copy_blocks(pairs)
 
     @contextmanager
     def run(self, command: WorkerCommand) -> Iterator[None]:
@@ -137,10 +155,10 @@ class MultiprocExecutor:
                 self._fail(error)
                 raise
 
-    def collective_rpc(self, method: Callable[[int, "ModelRunner"], T], local: Callable[[], T]) -> list[T]:
-        """`method(rank, model_runner)` on every worker, `local()` here; the results in rank order."""
+    def collective_rpc(self, method: Callable[[int, ModelRunner], T]) -> list[T]:
+        """`method(rank, model_runner)` on every rank; the results in rank order."""
         with self.run(CollectiveRpc(method)):
-            return self.channel.gather(local())
+            return self.channel.gather(method(0, self.runner))
 
     def shutdown(self) -> None:
         """Tell the workers to stop, give them `SHUTDOWN_GRACE_S`, kill what is left, leave the group.

@@ -1,15 +1,15 @@
 """A tensor-parallel worker: one process, one rank, its shard of the weights and of the KV pool.
 
-    worker_main                     spawned by rank 0 (distributed/executor.py), or on another node
+    worker_main                     spawned by rank 0 (engine/executor/multiproc.py), or on another node
                                     by `python -m minivllm.distributed` (`main` below)
       init_parallel_context         join the group: blocks until every rank has joined
       WorkerStart                   the engine's config, from rank 0
       load_rank                     read only this rank's slices of the checkpoint; agree on the pool size
       warm-up, then meet rank 0     time the CPU kernels, as rank 0 does; rank 0 waits for that before
                                     anything else (parallel_state.py: the start-up group)
-      loop over commands            StepInputs    -> the forward of its shard: the same all-reduces as
-                                                     every other rank, then its slice of the logits,
-                                                     gathered on rank 0 (which alone samples)
+      loop over commands            StepInputs    -> `ModelRunner.forward`, the one forward path: the same
+                                                     all-reduces as every other rank, then its slice of
+                                                     the logits, gathered on rank 0 (which alone samples)
                                     CopyBlocks    -> copy-on-write in its own pool
                                     CollectiveRpc -> run the function, send the result back
                                     Shutdown      -> leave the group, exit
@@ -32,12 +32,13 @@ from typing import Any
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.distributed.communication import (CollectiveRpc, CommandChannel, CopyBlocks, Shutdown, StepInputs,
-                                                WorkerStart)
+from minivllm.distributed.communication import CommandChannel
 from minivllm.distributed.parallel_state import (ParallelContext, Rendezvous, close_parallel_context,
                                                 init_parallel_context)
+from minivllm.engine.executor.commands import CollectiveRpc, CopyBlocks, Shutdown, WorkerStart
 from minivllm.engine.loading import load_rank, resolve_dtype
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.step_inputs import StepInputs
 from minivllm.models.hf_config import load_model_spec
 
 
@@ -63,25 +64,16 @@ class Worker:
         rank = load_rank(config, spec, tp.device, dtype, tp)
         self.tp = tp
         self.runner = ModelRunner(rank.model, rank.spec, rank.backend, num_blocks=rank.num_blocks,
-                                  block_size=config.block_size, dtype=dtype, device=tp.device)
+                                  block_size=config.block_size, dtype=dtype, device=tp.device, one_rank=False)
         if config.warmup:  # as rank 0's warm-up does: time the CPU kernels on this rank's shapes
             self.runner.measure_cpu_kernels()
-
-    def execute_model(self, step: StepInputs) -> None:
-        """This rank's part of rank 0's `ModelRunner.execute_model`: the forward, no sampling."""
-        runner, device = self.runner, self.tp.device
-        meta = step.attention_metadata(device)
-        runner.backend.prepare(meta)
-        hidden = runner.model(step.input_ids.to(device), step.positions.to(device), meta, runner.kv_caches,
-                              runner.backend)  # (T, hidden), the same on every rank after the last all-reduce
-        runner.model.compute_logits(hidden[step.logits_indices.to(device)])  # (S, V/N), gathered on rank 0
 
     @torch.inference_mode()
     def serve(self, channel: CommandChannel) -> None:
         while True:
             match channel.receive():
-                case StepInputs() as step:
-                    self.execute_model(step)
+                case StepInputs() as step:  # rank 0's forward, on this rank's shard; no sampling here
+                    self.runner.forward(step)
                 case CopyBlocks(pairs):
                     self.runner.copy_blocks(pairs)
                 case CollectiveRpc(method):

@@ -1,0 +1,87 @@
+"""Building an engine: from an `EngineConfig` to the parts `LLMEngine` wires together.
+
+    checkpoint      config.json -> ModelSpec; refused early if it cannot be sharded as asked
+    config          resolved once (engine/resolved_config.py): device, dtype, limits, speculation
+    executor        this rank's model and KV pool, and the workers' under tensor parallelism
+                    (`UniProcExecutor` / `MultiprocExecutor`, engine/executor/)
+    state pool      hybrid models: a recurrent-state slot pair per running request
+    block manager   the KV pool's bookkeeping, sized by the executor (every rank agreed on it)
+    speculator      the proposer `speculative_config` asks for (a draft model loads here)
+    scheduler       with the scheduling policy (a caller's own is wrapped in `CheckedPolicy`)
+    processors      the request's way in (validation, tokenization) and out (RequestOutputs)
+
+If anything fails after the workers started, they are ended before the error goes up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from minivllm.config import EngineConfig
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.executor.abstract import Executor
+from minivllm.engine.executor.multiproc import MultiprocExecutor
+from minivllm.engine.executor.uniproc import UniProcExecutor
+from minivllm.engine.input_processor import InputProcessor
+from minivllm.engine.loading import compile_decision
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.resolved_config import ResolvedConfig, resolve_config
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.scheduling_policy import get_policy
+from minivllm.engine.spec_decode.speculator import Speculator, build_proposer
+from minivllm.engine.state_pool import StatePool
+from minivllm.models.hf_config import load_model_spec
+from minivllm.models.sharding import check_shardable
+
+
+@dataclass
+class EngineParts:
+    config: ResolvedConfig
+    tokenizer: PreTrainedTokenizerBase
+    executor: Executor
+    state_pool: StatePool | None
+    block_manager: BlockManager
+    scheduler: Scheduler
+    speculator: Speculator | None
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+    compilation: str  # eager or compiled, and why, in words (logged at start-up; `minivllm bench` prints it)
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    model_dir = Path(config.model)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model folder {config.model!r} does not exist; pass a local Hugging Face "
+                                "checkpoint folder (config.json + *.safetensors + tokenizer files)")
+    spec = load_model_spec(model_dir)
+    check_shardable(spec, config.tensor_parallel_size)  # before any process is started
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    resolved = resolve_config(config, spec, tokenizer.eos_token_id)
+    c = resolved.engine
+    input_processor = InputProcessor(tokenizer, spec, c, resolved.device)
+    state_pool = StatePool(spec, c.max_num_seqs, resolved.dtype, resolved.device) if spec.linear_attn else None
+    executor = MultiprocExecutor(resolved) if c.tensor_parallel_size > 1 else UniProcExecutor(resolved, state_pool)
+    try:
+        runner = executor.runner
+        compilation = compile_decision(runner.model, c, resolved.device)[1]
+        if runner.cuda_graphs is not None:
+            compilation += f"; decode steps replay CUDA graphs {runner.cuda_graphs.sizes}"
+        speculator = None
+        if resolved.speculative is not None:
+            proposer = build_proposer(resolved.speculative, resolved, runner.num_blocks)
+            # drafts are checked like a request's token ids
+            speculator = Speculator(resolved.speculative, proposer, input_processor.check_token_ids, spec.vocab_size)
+    except BaseException:  # e.g. a draft model that fails to load: the workers must not outlive us
+        executor.shutdown()
+        raise
+    block_manager = BlockManager(runner.num_blocks, c.block_size, c.enable_prefix_caching)
+    scheduler = Scheduler(
+        block_manager, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+        max_model_len=c.max_model_len, eos_token_ids=resolved.eos_token_ids,
+        enable_chunked_prefill=c.enable_chunked_prefill, max_admission_skips=c.max_admission_skips,
+        state_pool=state_pool, policy=get_policy(c.scheduling_policy))
+    return EngineParts(resolved, tokenizer, executor, state_pool, block_manager, scheduler, speculator,
+                       input_processor, OutputProcessor(tokenizer), compilation)

@@ -1,0 +1,50 @@
+"""`Executor` (vLLM's name): the engine's one handle on the ranks that run the model.
+
+    execute_model(scheduler_output) -> ModelRunnerOutput   one step: pack, forward on every rank, sample
+    copy_blocks(pairs)                                     copy-on-write of forked sequences' K/V blocks
+    collective_rpc(method)                                 method(rank, model_runner) on every rank
+    warmup()                                               time the CPU kernels, run the first steps
+    shutdown()                                             end the workers, if any
+
+`runner` is rank 0's `ModelRunner`: it packs and samples (the other ranks only run the forward).
+Every executor builds its ranks' models in its constructor, from the resolved config.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
+
+T = TypeVar("T")
+
+
+class Executor(abc.ABC):
+    runner: ModelRunner  # rank 0's
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; rank 0's results."""
+
+    @abc.abstractmethod
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Block dst gets block src's K/V, in every layer, on every rank."""
+
+    @abc.abstractmethod
+    def collective_rpc(self, method: Callable[[int, ModelRunner], T]) -> list[T]:
+        """`method(rank, model_runner)` on every rank, the results in rank order."""
+
+    def warmup(self) -> None:
+        """Choose the CPU kernels by timing them (logged at INFO, printed by `minivllm bench`), then run
+        the warm-up steps through the whole stack (engine/warmup.py)."""
+        for line in self.runner.measure_cpu_kernels():
+            logging.getLogger("minivllm").info("%s", line)
+        for plan in self.runner.warmup_plans():
+            self.execute_model(plan)
+
+    def shutdown(self) -> None:
+        """End what the executor started. Safe to call twice."""

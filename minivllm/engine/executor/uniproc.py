@@ -1,0 +1,33 @@
+"""`UniProcExecutor` (vLLM's name): one rank, in this process — the model runner called directly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from minivllm.distributed.parallel_state import ParallelContext
+from minivllm.engine.executor.abstract import Executor
+from minivllm.engine.loading import load_rank
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.resolved_config import ResolvedConfig
+from minivllm.engine.state_pool import StatePool
+from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
+
+T = TypeVar("T")
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: ResolvedConfig, state_pool: StatePool | None = None) -> None:
+        rank = load_rank(config.engine, config.spec, config.device, config.dtype, ParallelContext())
+        self.runner = ModelRunner(rank.model, rank.spec, rank.backend, num_blocks=rank.num_blocks,
+                                  block_size=config.engine.block_size, dtype=config.dtype, device=config.device,
+                                  eos_token_ids=config.eos_token_ids, state_pool=state_pool)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(pairs)
+
+    def collective_rpc(self, method: Callable[[int, ModelRunner], T]) -> list[T]:
+        return [method(0, self.runner)]

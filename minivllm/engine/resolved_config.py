@@ -1,0 +1,95 @@
+"""`ResolvedConfig`: every option the engine runs with, decided once, in one place, then frozen.
+
+`EngineConfig` holds what the user asked (with "auto" and None meaning "you choose"); `resolve_config`
+turns it into what this engine will do, with the checkpoint and the machine at hand:
+
+    device              "auto": CUDA when available, else CPU                  (loading.resolve_device)
+    dtype               "auto": the checkpoint's on CUDA; on CPU bf16 only where the CPU computes it
+                        natively                                               (loading.resolve_dtype)
+    max_model_len       None: the model's max_position_embeddings (and the token budget without chunked
+                        prefill); a larger value is refused with what to lower
+    prefix caching      off for a hybrid model (a cached prefix would need its recurrent state)
+    speculative_config  parsed and checked (`SpeculativeConfig`); refused for a hybrid model
+    eos_token_ids       the checkpoint's and the tokenizer's
+
+Nothing else in the engine re-derives an option: every component reads the resolved one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.engine.loading import resolve_device, resolve_dtype
+from minivllm.engine.spec_decode.config import SpeculativeConfig
+from minivllm.models.hf_config import ModelSpec
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    engine: EngineConfig  # max_model_len set; enable_prefix_caching as it will be
+    spec: ModelSpec  # the checkpoint's model
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: frozenset[int]
+    speculative: SpeculativeConfig | None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+
+
+def resolve_config(config: EngineConfig, spec: ModelSpec, tokenizer_eos_token_id: int | None) -> ResolvedConfig:
+    device = resolve_device(config)
+    dtype = resolve_dtype(config, spec, device)
+    _say_dtype(config, spec, device, dtype)
+    eos = set(spec.eos_token_ids)
+    if tokenizer_eos_token_id is not None:
+        eos.add(tokenizer_eos_token_id)
+    config = _limits(_hybrid_limits(config, spec), spec)
+    speculative = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config is not None else None
+    return ResolvedConfig(config, spec, device, dtype, frozenset(eos), speculative)
+
+
+def _say_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+    chosen = (f"minivllm: dtype {str(dtype).removeprefix('torch.')} (dtype={config.dtype!r}, checkpoint "
+              f"{spec.dtype}, {device.type}), quantization {config.quantization}")
+    # Said on stderr when the machine made the choice (auto picked other than the checkpoint's).
+    machine_choice = config.dtype == "auto" and str(dtype).removeprefix("torch.") != str(spec.dtype)
+    if machine_choice or config.quantization:
+        print(chosen, file=sys.stderr)
+    else:
+        logging.getLogger("minivllm").info(chosen)
+
+
+def _hybrid_limits(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
+    """What a hybrid model (linear-attention layers with a recurrent state) cannot do here."""
+    if spec.linear_attn is None:
+        return config
+    if config.speculative_config is not None:
+        raise ValueError(f"{spec.architecture} has linear-attention layers: speculative decoding would have to "
+                         "roll their recurrent state back past rejected drafts, which minivllm does not do; "
+                         "drop speculative_config")
+    if config.enable_prefix_caching:
+        # A cached prefix is only usable with the recurrent state at its end, which is not kept.
+        print(f"minivllm: prefix caching is off for {spec.architecture}: a cached prefix would need the "
+              "linear-attention state at its end, which minivllm does not keep", file=sys.stderr)
+        config = config.replace(enable_prefix_caching=False)
+    return config
+
+
+def _limits(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
+    limit = spec.max_position_embeddings
+    if not config.enable_chunked_prefill:
+        limit = min(limit, config.max_num_batched_tokens)
+    if config.max_model_len is None:
+        return config.replace(max_model_len=limit)
+    if config.max_model_len > limit:
+        also = "" if config.enable_chunked_prefill else ", or max_num_batched_tokens with chunked prefill off"
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds {limit} (the model's "
+                         f"max_position_embeddings{also}); lower max_model_len")
+    return config

@@ -1,0 +1,118 @@
+"""The hand-offs of one step: what the scheduler plans, and what comes back from the model.
+
+    Scheduler.schedule() ──SchedulerOutput──> Executor.execute_model() ──ModelRunnerOutput──>
+    Scheduler.update_from_output()
+
+These types sit in a module of their own (vLLM keeps them in `v1/core/sched/output.py` and
+`v1/outputs.py`) so that the scheduler imports nothing of the model runner and the model runner
+nothing of the scheduler: each side knows only the plan and the result.
+
+A plan is final when `schedule()` returns: nothing edits it afterwards. A sequence's drafts
+(speculative decoding) were attached to it before the plan was made (`Sequence.spec_token_ids`), and
+the plan says how many of them this step verifies (`num_spec_tokens`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from minivllm.engine.sequence import Sequence
+
+
+class ScheduledSequence(NamedTuple):
+    """One row group of the step: `seq` computes positions [start, start + num_new_tokens). The last
+    `num_spec_tokens` of them are draft slots (speculative decoding): the rows after the sequence's
+    last token, fed with the first `num_spec_tokens` of its `spec_token_ids`, every one of them
+    sampled to verify the drafts."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    num_spec_tokens: int = 0
+
+    @property
+    def samples(self) -> bool:
+        """Does this chunk reach the end of the sequence (so its last row's logits are sampled)?"""
+        return self.start + self.num_new_tokens - self.num_spec_tokens == self.seq.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return not (self.num_new_tokens - self.num_spec_tokens == 1 and self.start >= self.seq.num_prompt_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step: the row groups to run, in batch order, and who was preempted for them."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def written_blocks(self, block_size: int) -> set[int]:
+        """Blocks a (possibly failed) run of this plan may have written K/V into."""
+        return {b for s in self.scheduled
+                for b in s.seq.block_table[s.start // block_size:(s.start + s.num_new_tokens - 1) // block_size + 1]}
+
+
+class SampledToken(NamedTuple):
+    token_id: int
+    logprob: float | None = None  # the model's raw logprob of this token (None: not asked)
+    rank: int | None = None  # 1 + how many tokens the model found strictly more likely
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the N most likely (id, logprob), best first
+
+
+class PromptLogprob(NamedTuple):
+    position: int  # which prompt token this is (>= 1)
+    token: SampledToken  # the prompt token, with its logprob, rank and the top-N at that position
+
+
+@dataclass
+class RowGroupOutput:
+    """What one scheduled row group produced in a step."""
+
+    tokens: list[SampledToken] = field(default_factory=list)  # appended to the sequence, in order
+    fork_tokens: list[SampledToken] = field(default_factory=list)  # first tokens of forked children 1..n-1
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step produced: one `RowGroupOutput` per scheduled row group, in the plan's order."""
+
+    outputs: list[RowGroupOutput]
+    forward_time_s: float = 0.0  # the model forward and LM head (for the engine's overhead figures)
+
+    @classmethod
+    def from_token_ids(cls, token_ids: Iterable[int | None]) -> "ModelRunnerOutput":
+        """One plain token (or None: nothing sampled) per row group: what a test or a notebook that
+        drives the scheduler without a model hands to `update_from_output`."""
+        return cls([RowGroupOutput([] if t is None else [SampledToken(t)]) for t in token_ids])
+
+
+@dataclass
+class CommitResult:
+    """What `Scheduler.update_from_output` changed, for the engine to report and finish."""
+
+    # request (group id) -> the children it forked this step; every request whose sequences got a token
+    changed: dict[str, list[Sequence]] = field(default_factory=dict)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write of forks
+    copy_owners: list[str] = field(default_factory=list)  # the request each copy is for
+    num_generation_tokens: int = 0  # tokens appended for good (a stop string's cut excluded)
+    num_prompt_tokens: int = 0  # prompt tokens of requests that got their first token

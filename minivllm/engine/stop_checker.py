@@ -1,0 +1,71 @@
+"""`StopChecker`: when a sequence is done (vLLM v0's name for the same job).
+
+Two kinds of rule, both applied at commit (`Scheduler.update_from_output`), token by token:
+
+    token rules    EOS (unless ignore_eos), a stop token id, max_tokens, max_model_len
+                   — checked as each token is appended (`check_token`)
+    stop strings   need text: the sequence's incremental detokenizer decodes the new tokens and the
+                   stop strings are searched in the tail the new text could have completed
+                   (`check_strings`); the output is cut where the stop string starts (or ends, with
+                   include_stop_str_in_output), and tokens after the one that completed it are dropped
+
+EOS and stop tokens are masked by the sampler until `min_tokens` outputs exist, and stop strings are
+not searched before then either. A stop string completed by the token that reached max_tokens still
+wins over "length".
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from minivllm.engine.detokenizer import StopMatch, find_stop_string
+from minivllm.engine.sequence import FinishReason, Sequence
+
+
+class StopReason(NamedTuple):
+    finish_reason: FinishReason  # STOP or LENGTH
+    stop_reason: int | str | None  # the stop token id or stop string (None: EOS, or a length limit)
+
+
+class StopChecker:
+    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def check_token(self, seq: Sequence, token_id: int) -> StopReason | None:
+        """The token rules, for the token just appended to `seq`."""
+        sp = seq.sampling_params
+        if seq.num_output_tokens > sp.min_tokens:  # the sampler masked these ids before that
+            if not sp.ignore_eos and token_id in self.eos_token_ids:
+                return StopReason(FinishReason.STOP, None)
+            if token_id in sp.all_stop_token_ids:
+                return StopReason(FinishReason.STOP, token_id)
+        if sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens:
+            return StopReason(FinishReason.LENGTH, None)
+        if seq.num_tokens >= self.max_model_len:
+            return StopReason(FinishReason.LENGTH, None)
+        return None
+
+    def check_strings(self, seq: Sequence, num_new: int) -> tuple[int, StopMatch | None]:
+        """Add `seq`'s `num_new` new tokens (several after accepted drafts) to its text, token by token.
+        Returns how many of them the output keeps, and the stop string one of them completed, if any
+        (the text is then already cut; the caller finishes the sequence and drops the tokens after it)."""
+        detok = seq.detokenizer
+        if detok is None:
+            return num_new, None  # built without a tokenizer (the scheduler's own tests): no text
+        new = seq.output_token_ids[detok.num_output_tokens:]
+        sp = seq.sampling_params
+        for i, token_id in enumerate(new):
+            last = i == len(new) - 1
+            delta = detok.update(token_id)
+            if last and seq.is_finished:
+                delta += detok.flush()
+            if not delta or not sp.stop_strings or detok.num_output_tokens <= sp.min_tokens:
+                continue
+            if last and seq.finish_reason not in (None, FinishReason.LENGTH):  # EOS or a stop token came first
+                continue
+            match = find_stop_string(detok.text, len(delta), sp.stop_strings, sp.include_stop_str_in_output)
+            if match is not None:
+                detok.text = detok.text[:match.truncate_at]
+                return i + 1, match
+        return len(new), None

@@ -1,0 +1,59 @@
+"""Warm-up: the CPU kernels chosen by timing them on this machine, and the first steps run before any request.
+
+    measure_cpu_kernels   time the matmul forms (layers/matmul_plan.py), RMSNorm's and RoPE's two ways
+                          (layers/norm_rope_kernels.py), decode attention's (layers/torch_attention.py)
+                          and greedy sampling's (layers/sampler.py), keep the faster, say what was chosen
+    warmup_batch          prompts on free, uncached blocks: one small prefill through the whole stack,
+                          so that lazy initialisation (allocators, kernels' first calls, a compiled
+                          model's graphs, one per size) happens before the first request is timed
+
+Every rank measures its own kernels on its own shapes (a tensor-parallel worker too). A GPU, or a
+model, backend or sampler without the choice, keeps its defaults.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.step_types import ScheduledSequence
+from minivllm.layers.attention import AttentionBackend
+from minivllm.layers.sampler import Sampler, TritonSampler
+from minivllm.layers.torch_attention import TorchAttentionBackend
+from minivllm.models.interface import CausalLM
+from minivllm.sampling_params import SamplingParams
+
+
+def measure_cpu_kernels(model: CausalLM, backend: AttentionBackend, sampler: Sampler | TritonSampler, kv_dtype: torch.dtype,
+                        block_size: int, vocab_size: int, device: torch.device) -> list[str]:
+    """Choose each kernel on this machine; one line each of what was chosen (logged at INFO, and
+    printed by `minivllm bench`). Idempotent for the matmuls."""
+    said = [model.plan_matmuls().summary()]
+    if device.type != "cpu":
+        return said
+    norm_rope = model.choose_norm_rope_kernels()
+    if norm_rope is not None:
+        said.append(str(norm_rope))
+    if isinstance(backend, TorchAttentionBackend):  # the Triton backend has no CPU kernel to choose
+        said.append(str(backend.choose_decode_kernel(kv_dtype, block_size)))
+    if isinstance(sampler, Sampler):
+        said.append(str(sampler.choose_greedy_kernel(vocab_size, kv_dtype)))
+    return said
+
+
+def warmup_batch(n: int, block_size: int, num_blocks: int, max_positions: int,
+                 hybrid: bool = False) -> list[ScheduledSequence]:
+    """Prompts of n tokens in all, none longer than the model's positions (a compiled size may be larger
+    than one sequence can be: its RoPE table would be read out of bounds), on distinct free blocks."""
+    batch, first_block = [], 0
+    while n > 0 and first_block < num_blocks:
+        length = min(n, max_positions, (num_blocks - first_block) * block_size)
+        seq = Sequence(f"warmup-{len(batch)}", [0] * length, SamplingParams(temperature=1.0, top_p=0.9))
+        seq.block_table = list(range(first_block, first_block + -(-length // block_size)))
+        if hybrid:
+            seq.state_slots = [0]  # reads nothing (start 0), writes a staging slot that is never published
+        batch.append(ScheduledSequence(seq, 0, length))
+        first_block, n = first_block + len(seq.block_table), n - length
+        if hybrid:
+            break  # one staging slot: one sequence (hybrid models are not compiled anyway)
+    return batch
