@@ -16,7 +16,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from minivllm.model_source import ModelUnavailableError, cache_root
+from minivllm.model_cache import ModelUnavailableError, cache_root
 from minivllm.models.gguf import convert_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

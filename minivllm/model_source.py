@@ -5,7 +5,9 @@
   path/to/file.gguf          converted once into the cache (see `models/gguf.py`)
   org/name                   a Hugging Face hub id, downloaded through `huggingface_hub` when online
 
-The cache lives in $MINIVLLM_CACHE, else ~/.cache/minivllm; delete that folder to clear it.
+The cache lives in $MINIVLLM_CACHE, else ~/.cache/minivllm (see `model_cache.py`); delete that folder
+to clear it. Every failure is a `ModelUnavailableError`, re-exported here beside `resolve_model`, which
+raises it.
 """
 
 from __future__ import annotations
@@ -13,17 +15,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from minivllm.model_cache import ModelUnavailableError, cache_root
 
-class ModelUnavailableError(RuntimeError):
-    """The model cannot be found or fetched; the message says what to do."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MINIVLLM_CACHE") or Path.home() / ".cache" / "minivllm")
+__all__ = ["ModelUnavailableError", "resolve_model"]
 
 
 def resolve_model(model: str | None, *, verbose: bool = True) -> str:
     if model is None:
+        # Imported here, not at the top: the default model's code is needed only when no model is given.
         from minivllm.default_model import default_model_dir
 
         return str(default_model_dir(verbose=verbose))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from minivllm.layers.attention import AttentionMetadata
+from minivllm.layers.attention_interface import AttentionMetadata
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata, LinearAttnState
 from minivllm.layers.torch_attention import TorchAttentionBackend
 from minivllm.models.hf_config import ModelSpec

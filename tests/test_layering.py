@@ -2,6 +2,7 @@
 
     kernels/          imports nothing from minivllm (it is installed as `minivllm.kernels`, so only a
                       one-dot relative import `from .x import y` may reach a sibling kernel module)
+    minivllm/         no import cycle between its modules (kernels/ included, as `minivllm.kernels`)
     minivllm/layers/  imports nothing from minivllm/models/ (models are built from layers, not back)
     minivllm/         (the engine: everything outside teaching/) imports nothing from minivllm/teaching/,
                       the code of the notebooks and the course; one exception, `minivllm bench`, which
@@ -16,6 +17,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def from_module(node: ast.ImportFrom, package: str) -> str | None:
+    """The absolute name of the module a `from ... import` statement of `package` reads from; None for
+    a relative import that climbs above the top package."""
+    if not node.level:
+        return node.module
+    parts = package.split(".")
+    if node.level > len(parts):
+        return None
+    return ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+
+
 def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
     """(line, absolute module name) for every import in `source`, a module of `package`; relative
     imports are resolved against `package`, `from a import b` yields both `a` and `a.b`, and an
@@ -25,14 +37,10 @@ def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                if node.level > len(parts):
-                    found.append((node.lineno, "<relative import above the top package>"))
-                    continue
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            else:
-                base = node.module
+            base = from_module(node, package)
+            if base is None:
+                found.append((node.lineno, "<relative import above the top package>"))
+                continue
             found.append((node.lineno, base))
             found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
         elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
@@ -98,3 +106,121 @@ def test_the_checker_sees_nested_relative_and_dynamic_imports(tmp_path):
     (tmp_path / "teaching" / "t.py").write_text("from minivllm.teaching import viz\n")
     assert len(violations(tmp_path, "minivllm", "minivllm.teaching")) == 2
     assert violations(tmp_path, "minivllm", "minivllm.teaching", skip="teaching") == []
+
+
+# --- the import graph: no cycles ---
+
+
+def is_type_checking_block(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`: its body is read by type checkers, never run."""
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (getattr(test, "id", None) == "TYPE_CHECKING"
+                                         or getattr(test, "attr", None) == "TYPE_CHECKING")
+
+
+def runtime_nodes(node: ast.AST) -> list[ast.AST]:
+    """Every node below `node` that can run, i.e. all but the bodies of `if TYPE_CHECKING:` blocks
+    (their `else:` runs)."""
+    found: list[ast.AST] = []
+    for child in ast.iter_child_nodes(node):
+        found.append(child)
+        if is_type_checking_block(child):
+            found += [n for orelse in child.orelse for n in [orelse, *runtime_nodes(orelse)]]
+        else:
+            found += runtime_nodes(child)
+    return found
+
+
+def module_files() -> dict[str, Path]:
+    """{module name: file} for minivllm/ and kernels/ (installed as minivllm.kernels)."""
+    modules: dict[str, Path] = {}
+    for folder, top in ((ROOT / "minivllm", "minivllm"), (ROOT / "kernels", "minivllm.kernels")):
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":  # a package's module is named after its folder
+                parts = parts[:-1]
+            modules[".".join((top, *parts))] = path
+    return modules
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """{module: the modules of `modules` it imports when it runs}. `import a.b` is an edge to a.b;
+    `from a import b` is one to a.b when a.b is a module, else to a (b is a name defined in a)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = from_module(node, package) or "<above the top package>"
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+            elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                  and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
+                targets.add(node.args[0].value)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per edge that closes a loop, found by depth-first search with three colours: white
+    (not reached), grey (on the current path), black (done). An edge to a grey module closes a loop:
+    the path from that module to here. Each cycle is returned from its smallest name, so the same loop
+    found from two places is reported once. Not every loop of a tangle is listed (a loop through
+    modules already done is not walked again), but every tangle shows at least one: break it, rerun."""
+    colour = {name: "white" for name in graph}
+    path: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(name: str) -> None:
+        colour[name] = "grey"
+        path.append(name)
+        for target in sorted(graph[name]):
+            if colour[target] == "grey":
+                loop = path[path.index(target):]
+                start = loop.index(min(loop))
+                cycles.append(loop[start:] + loop[:start])
+            elif colour[target] == "white":
+                visit(target)
+        path.pop()
+        colour[name] = "black"
+
+    for name in sorted(graph):
+        if colour[name] == "white":
+            visit(name)
+    return sorted({tuple(c): c for c in cycles}.values())
+
+
+def test_minivllm_modules_import_each_other_without_cycles():
+    cycles = find_cycles(import_graph(module_files()))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join([*c, c[0]]) for c in cycles)
+
+
+def test_the_cycle_search_sees_function_level_and_dynamic_imports_but_not_type_checking():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"d2"}, "d2": {"d"}, "e": set()}
+    assert find_cycles(graph) == [["a", "b", "c"], ["d", "d2"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minivllm import x\n"
+              "else:\n    import minivllm.y\n"
+              "def f():\n    from . import z\n    return importlib.import_module('minivllm.w')\n")
+    nodes = runtime_nodes(ast.parse(source))
+    imported = [n.names[0].name for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert imported == ["TYPE_CHECKING", "minivllm.y", "z"]
+    assert any(isinstance(n, ast.Constant) and n.value == "minivllm.w" for n in nodes)
+
+
+def test_the_import_graph_resolves_packages_and_skips_type_checking(tmp_path):
+    files = {"pkg/__init__.py": "from pkg.a import VALUE\n",
+             "pkg/a.py": "from pkg import b\nfrom . import c\nVALUE = 1\n",
+             "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n",
+             "pkg/c.py": "def f():\n    from pkg import VALUE\n    import pkg.b\n"}
+    modules = {}
+    for relative, text in files.items():
+        (tmp_path / relative).parent.mkdir(exist_ok=True)
+        (tmp_path / relative).write_text(text)
+        name = relative.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        modules[name] = tmp_path / relative
+    graph = import_graph(modules)
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b", "pkg.c"}, "pkg.b": set(), "pkg.c": {"pkg", "pkg.b"}}
+    assert find_cycles(graph) == [["pkg", "pkg.a", "pkg.c"]]

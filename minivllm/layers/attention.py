@@ -1,83 +1,22 @@
-"""Paged attention: the per-step metadata and the small backend interface.
+"""Choosing the attention backend: `get_attention_backend(name, device, ...)`.
 
-Every step is one flat "varlen" batch: the new tokens of all scheduled requests, back to back.
+    "torch"   layers/torch_attention.py   plain tensor ops + SDPA (and a C++ decode kernel on CPU)
+    "triton"  layers/triton_attention.py  the paged-attention kernels of kernels/
+    "auto"    Triton on CUDA, PyTorch elsewhere (on CPU, Triton runs only in its slow interpreter)
 
-    tokens       [ a0 a1 a2 a3 | b0 | c0 c1 ]          T = 7 rows, B = 3 requests
-    cu_seqlens_q [0,            4,   5,     7]          request i owns rows cu[i]:cu[i+1]
-    context_lens [4,            9,   6]                 K/V length after this step (cached + new)
-    block_tables [[3, 8, -], [1, 5, 6], [2, 4, -]]      physical blocks, padded with 0 (masked)
-    slot_mapping [48 49 50 51 | 104 | 69 70]             where each row's new K/V is stored
-
-A request's query rows are the *last* `query_len` positions of its context: rows that are decode
-(query_len 1), a prefill chunk, or a chunk after a cached prefix all look the same. Row r of
-request i sits at position `context_len - query_len + r` and may attend to keys 0..that position.
-
-A backend receives q/k/v for the flat batch and the layer's slice of the paged cache, stores the
-new k/v at `slot_mapping`, and returns attention over each request's whole context.
+The interface both implement, `AttentionBackend`, and the per-step `AttentionMetadata` live in
+`attention_interface.py`; they are re-exported here so that `from minivllm.layers.attention import
+AttentionBackend, AttentionMetadata, get_attention_backend` gives a caller everything at once.
+The backends are imported inside the factory, so loading this module does not load Triton.
 """
 
 from __future__ import annotations
 
-import abc
-import functools
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
+from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) int64, flat slot = block * block_size + offset
-    cu_seqlens_q: torch.Tensor  # (B + 1,) int32
-    context_lens: torch.Tensor  # (B,) int32
-    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
-    query_lens: list[int]  # host copies of the shapes, so backends need not sync with the device
-    context_lens_host: list[int]
-    block_size: int
-    plan: Any = field(default=None)  # backend-specific per-step precomputation (built once a step)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @functools.cached_property  # read by every layer's attention: summed once a step
-    def num_tokens(self) -> int:
-        """The requests' rows; a compiled step may carry more (padding, after these: their K/V go to a
-        scratch slot and their attention output is zero)."""
-        return sum(self.query_lens)
-
-
-class AttentionBackend(abc.ABC):
-    """What the model needs from attention. One instance serves every layer."""
-
-    name: str = "abstract"
-    # Whether `prepare_cuda_graph` exists: decode steps replayed from CUDA graphs (engine/cuda_graphs.py).
-    supports_cuda_graphs: bool = False
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads (GQA)"
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
-
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Per-step work shared by all layers (index tensors, masks); stored in `meta.plan`."""
-
-    def prepare_cuda_graph(self, meta: AttentionMetadata) -> None:
-        """`prepare` for a CUDA graph: one plan for decode rows of any length (every row one request,
-        the lengths only in `meta`'s tensors, which later steps overwrite in place)."""
-        raise NotImplementedError(f"the {self.name} attention backend does not run inside CUDA graphs")
-
-    @abc.abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,  # (T, num_heads, head_dim)
-        k: torch.Tensor,  # (T, num_kv_heads, head_dim)
-        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
-        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim): keys, values
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # (T, num_heads * head_dim)
-        ...
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
 
 
 def get_attention_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.kv_cache_write_cpu import kv_cache_write_cpu
 from minivllm.kernels.paged_decode_attention import paged_decode_attention
-from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 
 # Where warm-up times the decode kernel against gather + SDPA: (rows, context) pairs, a batch of short
 # contexts and a few long ones. The kernel must win both by MARGIN, as a matmul form must (matmul_plan.py).

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 
 
 class _TritonPlan(NamedTuple):

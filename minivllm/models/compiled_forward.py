@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.layers.custom_op import direct_register_custom_op
 
 # (layer index, q (T, Hq, D), k, v (T, Hkv, D)) -> attention output (T, Hq * D)

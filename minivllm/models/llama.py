@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import ParallelContext
-from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear import Linear, linear
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.layers.gated_deltanet import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, l2norm,
                                             recurrent_gated_delta_rule)
 from minivllm.layers.linear import Linear, linear

@@ -80,7 +80,7 @@ def _ref_logits_indices(query_lens: list[int], samples: list[bool]) -> list[int]
 
 
 def _ref_causal_mask(q_len: int, ctx_len: int) -> torch.Tensor:
-    from minivllm.layers.attention import AttentionMetadata
+    from minivllm.layers.attention_interface import AttentionMetadata
     from minivllm.layers.torch_attention import TorchAttentionBackend
 
     meta = AttentionMetadata(torch.zeros(q_len, dtype=torch.long), torch.tensor([0, q_len]),

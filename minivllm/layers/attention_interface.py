@@ -1,0 +1,86 @@
+"""What the model and an attention backend agree on: the per-step metadata and the backend's interface.
+
+Every step is one flat "varlen" batch: the new tokens of all scheduled requests, back to back.
+
+    tokens       [ a0 a1 a2 a3 | b0 | c0 c1 ]          T = 7 rows, B = 3 requests
+    cu_seqlens_q [0,            4,   5,     7]          request i owns rows cu[i]:cu[i+1]
+    context_lens [4,            9,   6]                 K/V length after this step (cached + new)
+    block_tables [[3, 8, -], [1, 5, 6], [2, 4, -]]      physical blocks, padded with 0 (masked)
+    slot_mapping [48 49 50 51 | 104 | 69 70]             where each row's new K/V is stored
+
+A request's query rows are the *last* `query_len` positions of its context: rows that are decode
+(query_len 1), a prefill chunk, or a chunk after a cached prefix all look the same. Row r of
+request i sits at position `context_len - query_len + r` and may attend to keys 0..that position.
+
+A backend receives q/k/v for the flat batch and the layer's slice of the paged cache, stores the
+new k/v at `slot_mapping`, and returns attention over each request's whole context.
+
+Why a module of its own: the backends (`torch_attention.py`, `triton_attention.py`) subclass
+`AttentionBackend`, and the factory that picks one (`attention.py`) imports the backends. With the
+interface here, imports point one way only: factory -> backends -> interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer's attention (the picture in the module docstring)."""
+
+    slot_mapping: torch.Tensor  # (T,) int64, flat slot = block * block_size + offset
+    cu_seqlens_q: torch.Tensor  # (B + 1,) int32
+    context_lens: torch.Tensor  # (B,) int32
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
+    query_lens: list[int]  # host copies of the shapes, so backends need not sync with the device
+    context_lens_host: list[int]
+    block_size: int
+    plan: Any = field(default=None)  # backend-specific per-step precomputation (built once a step)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @functools.cached_property  # read by every layer's attention: summed once a step
+    def num_tokens(self) -> int:
+        """The requests' rows; a compiled step may carry more (padding, after these: their K/V go to a
+        scratch slot and their attention output is zero)."""
+        return sum(self.query_lens)
+
+
+class AttentionBackend(abc.ABC):
+    """What the model needs from attention. One instance serves every layer."""
+
+    name: str = "abstract"
+    # Whether `prepare_cuda_graph` exists: decode steps replayed from CUDA graphs (engine/cuda_graphs.py).
+    supports_cuda_graphs: bool = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads (GQA)"
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Per-step work shared by all layers (index tensors, masks); stored in `meta.plan`."""
+
+    def prepare_cuda_graph(self, meta: AttentionMetadata) -> None:
+        """`prepare` for a CUDA graph: one plan for decode rows of any length (every row one request,
+        the lengths only in `meta`'s tensors, which later steps overwrite in place)."""
+        raise NotImplementedError(f"the {self.name} attention backend does not run inside CUDA graphs")
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, num_heads, head_dim)
+        k: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (T, num_kv_heads, head_dim)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim): keys, values
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, num_heads * head_dim)
+        ...
