@@ -15,7 +15,8 @@ from server_helpers import events, serving
 from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.async_engine import AsyncLLMEngine
-from minivllm.entrypoints.openai.protocol import REFUSED
+from minivllm.entrypoints.openai.field_policy import NO_EFFECT, REFUSED
+from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from minivllm.entrypoints.openai.server import build_app
 
 MODEL = "tiny"
@@ -381,6 +382,12 @@ def test_defaults_of_refused_fields_are_accepted(url):
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "tools": [],
                                                        "tool_choice": "none", "user": "me", **defaults})
     assert r.status_code == 200, r.text
+
+
+def test_no_field_has_a_policy_and_a_declaration():
+    # A declared field never reaches model_extra, so a policy for it would silently never run.
+    declared = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    assert declared.isdisjoint(set(REFUSED) | NO_EFFECT) and set(REFUSED).isdisjoint(NO_EFFECT)
 
 
 def test_unknown_fields_are_logged_and_ignored(client, caplog):

@@ -26,6 +26,8 @@ from minivllm.outputs import RequestOutput
 
 WIDTH = 8.0  # inches: about the content width of the docs site, so 10 pt stays 10 pt
 PREFILL, DECODE, PREEMPT, PAD = "tab:blue", "tab:green", "tab:red", "0.85"
+# matplotlib's ten categorical colours ("tab10") by name, to tell requests or ranks apart: i -> _TAB10[i % 10]
+_TAB10 = tuple("tab:" + c for c in "blue orange green red purple brown pink gray olive cyan".split())
 
 
 def _axes(ax: Any, size: tuple[float, float]) -> Any:
@@ -55,10 +57,11 @@ def _legend_below(ax: Any, handles: list[Any], labels: list[str]) -> None:
                   fontsize=9, frameon=False)
 
 
-def _patch(color: Any, hatch: str | None = None) -> Any:
+def _patch(face: Any, xy: tuple[float, float] = (0, 0), width: float = 1, height: float = 1, **style: Any) -> Any:
+    """A rectangle: a cell of a picture (for `ax.add_patch`) or, at the defaults, a legend's swatch."""
     import matplotlib.pyplot as plt
 
-    return plt.Rectangle((0, 0), 1, 1, facecolor=color, edgecolor="grey", hatch=hatch)
+    return plt.Rectangle(xy, width, height, facecolor=face, **{"edgecolor": "grey", **style})
 
 
 def plot_timeline(trace: list[StepTrace], ax: Any = None, title: str = "scheduler timeline") -> Any:
@@ -76,47 +79,37 @@ def plot_timeline(trace: list[StepTrace], ax: Any = None, title: str = "schedule
             if s.is_prefill and s.num_new_tokens > 1 and len(str(s.num_new_tokens)) <= 2:
                 ax.text(st.step, rows[s.request_id], str(s.num_new_tokens), ha="center", va="center",
                         fontsize=count_size, color="white", fontweight="bold")
-        for rid in st.preempted:
-            ax.plot(st.step, rows.get(rid, 0), "x", color=PREEMPT, markersize=9, markeredgewidth=2)
+    handles, labels = [_patch(PREFILL), _patch(DECODE)], ["prefill chunk (number = its tokens)", "decode (1 token)"]
+    preempted = [(st.step, rows.get(rid, 0)) for st in trace for rid in st.preempted]
+    if preempted:  # one marker series for all of them, which is also their legend entry
+        handles += ax.plot(*zip(*preempted), "x", color=PREEMPT, markersize=9, markeredgewidth=2)
+        labels.append("preempted")
     ax.set_yticks(range(len(rows)), list(rows))
     ax.set_ylim(len(rows) - 0.5, -0.5)
     _integer_steps(ax)
     ax.set_title(title, fontsize=11)
-    import matplotlib.lines as mlines
-
-    handles, labels = [_patch(PREFILL), _patch(DECODE)], ["prefill chunk (number = its tokens)", "decode (1 token)"]
-    if any(st.preempted for st in trace):
-        handles.append(mlines.Line2D([], [], color=PREEMPT, marker="x", linestyle="none", markersize=8,
-                                     markeredgewidth=2))
-        labels.append("preempted")
     _legend_below(ax, handles, labels)
     return ax
 
 
 def plot_block_map(step: StepTrace, ax: Any = None, columns: int = 16) -> Any:
     """One cell per physical block, coloured by owner; hatched = findable in the prefix cache."""
-    import matplotlib.pyplot as plt
-
     nrows = -(-step.num_total_blocks // columns)
     ax = _axes(ax, (WIDTH, 1.0 + 0.5 * nrows))
     owners: dict[int, list[str]] = {}
     for rid, table in step.block_tables.items():
         for b in table:
             owners.setdefault(b, []).append(rid)
-    palette = plt.get_cmap("tab10")
     ids = sorted(step.block_tables)
     for b in range(step.num_total_blocks):
         x, y = b % columns, b // columns
         who = owners.get(b, [])
-        face = "white" if not who else ("gold" if len(who) > 1 else palette(ids.index(who[0]) % 10))
-        ax.add_patch(plt.Rectangle((x, y), 0.95, 0.95, facecolor=face, edgecolor="grey",
-                                   hatch="//" if b in step.cached_blocks else None))
+        face = "white" if not who else ("gold" if len(who) > 1 else _TAB10[ids.index(who[0]) % 10])
+        ax.add_patch(_patch(face, (x, y), 0.95, 0.95, hatch="//" if b in step.cached_blocks else None))
         ax.text(x + 0.47, y + 0.5, str(b), ha="center", va="center", fontsize=9)
-    ax.set_xlim(0, columns)
-    ax.set_ylim(nrows, 0)
-    ax.set_aspect("equal")
+    ax.set(xlim=(0, columns), ylim=(nrows, 0), aspect="equal")
     ax.set_axis_off()
-    legend = [_patch(palette(i % 10)) for i in range(len(ids))] + [_patch("gold"), _patch("white", "//")]
+    legend = [_patch(_TAB10[i % 10]) for i in range(len(ids))] + [_patch("gold"), _patch("white", hatch="//")]
     ax.legend(legend, ids + ["shared", "prefix-cached"], loc="upper left", bbox_to_anchor=(1.01, 1.0),
               fontsize=9, frameon=False)
     ax.set_title(f"KV pool after step {step.step}: {len(step.free_blocks)} of {step.num_total_blocks} "
@@ -143,33 +136,25 @@ def plot_slot_map(slot_mapping: Sequence[int], positions: Sequence[int], query_l
                   blocks_per_row: int = 8) -> Any:
     """The KV pool as blocks of `block_size` slots; a slot written this step is coloured by its
     request and shows the token position whose K/V lands there (rows: `query_lens` per request)."""
-    import matplotlib.pyplot as plt
-
     nrows = -(-num_blocks // blocks_per_row)
     ax = _axes(ax, (WIDTH, 0.9 + 0.62 * nrows))
-    palette = plt.get_cmap("tab10")
-    owner: dict[int, tuple[int, int]] = {}  # slot -> (request index, position)
-    row = 0
-    for r, n in enumerate(query_lens):
-        for _ in range(n):
-            owner[int(slot_mapping[row])] = (r, int(positions[row]))
-            row += 1
+    request_of_row = [r for r, n in enumerate(query_lens) for _ in range(n)]  # rows are packed request by request
+    owner = {int(slot): (r, int(pos)) for slot, pos, r in zip(slot_mapping, positions, request_of_row)}
     gap = 0.25  # between blocks
     for b in range(num_blocks):
         x0, y = (b % blocks_per_row) * (block_size + gap), b // blocks_per_row
         for i in range(block_size):
             slot = b * block_size + i
             r, pos = owner.get(slot, (None, None))
-            face = "#f2f2f2" if r is None else palette(r % 10)
-            ax.add_patch(plt.Rectangle((x0 + i, y), 1, 0.8, facecolor=face, edgecolor="white", linewidth=1.5))
+            face = "#f2f2f2" if r is None else _TAB10[r % 10]
+            ax.add_patch(_patch(face, (x0 + i, y), 1, 0.8, edgecolor="white", linewidth=1.5))
             if r is not None:
                 ax.text(x0 + i + 0.5, y + 0.4, f"p{pos}", ha="center", va="center", fontsize=8, color="white",
                         fontweight="bold")
         ax.text(x0 + block_size / 2, y + 0.8, f"block {b}", ha="center", va="top", fontsize=8, color="0.35")
-    ax.set_xlim(-0.1, blocks_per_row * (block_size + gap))
-    ax.set_ylim(nrows + 0.1, -0.1)
+    ax.set(xlim=(-0.1, blocks_per_row * (block_size + gap)), ylim=(nrows + 0.1, -0.1))
     ax.set_axis_off()
-    handles = [_patch(palette(r % 10)) for r in range(len(names))] + [_patch("#f2f2f2")]
+    handles = [_patch(_TAB10[r % 10]) for r in range(len(names))] + [_patch("#f2f2f2")]
     ax.legend(handles, [f"request {n}" for n in names] + ["not written this step"], loc="upper center",
               bbox_to_anchor=(0.5, 0.0), ncol=len(names) + 1, fontsize=9, frameon=False)
     ax.set_title(f"KV slots this step writes ({block_size} slots a block; pN = the token at position N)",
@@ -182,30 +167,26 @@ def plot_block_tables(seqs: Sequence[Any], ref_counts: Sequence[int], block_size
     """Each sequence's block table as a row of physical blocks. Gold = shared (ref count > 1, shown
     under the block); hatched = a private copy (`copies`: new block -> the block it copies). The bar
     inside a block shows how many of its slots hold tokens."""
-    import matplotlib.pyplot as plt
-
     copies = dict(copies or {})
-    palette = plt.get_cmap("tab10")
     width = max(len(s.block_table) for s in seqs)
     ax = _axes(ax, (WIDTH, 0.9 + 0.85 * len(seqs)))
     for r, seq in enumerate(seqs):
         y = r * 1.3
         for j, b in enumerate(seq.block_table):
             shared = ref_counts[b] > 1
-            face = "gold" if shared else palette((r + 1) % 10)
-            ax.add_patch(plt.Rectangle((j * 1.6, y), 1.4, 0.9, facecolor=face, edgecolor="0.3",
-                                       hatch="//" if b in copies else None, alpha=0.9))
+            face = "gold" if shared else _TAB10[(r + 1) % 10]
+            ax.add_patch(_patch(face, (j * 1.6, y), 1.4, 0.9, edgecolor="0.3", hatch="//" if b in copies else None,
+                                alpha=0.9))
             filled = min(block_size, max(0, seq.num_tokens - j * block_size))
-            ax.add_patch(plt.Rectangle((j * 1.6, y + 0.78), 1.4 * filled / block_size, 0.12, facecolor="0.2"))
+            ax.add_patch(_patch("0.2", (j * 1.6, y + 0.78), 1.4 * filled / block_size, 0.12, edgecolor="none"))
             ax.text(j * 1.6 + 0.7, y + 0.4, str(b), ha="center", va="center", fontsize=12, fontweight="bold")
             note = f"ref {ref_counts[b]}" if shared else (f"copy of {copies[b]}" if b in copies else "own")
             ax.text(j * 1.6 + 0.7, y + 1.08, f"{note} · {filled}/{block_size}", ha="center", va="center",
                     fontsize=8.5)
         ax.text(-0.2, y + 0.45, seq.request_id, ha="right", va="center", fontsize=10)
-    ax.set_xlim(-2.6, width * 1.6)
-    ax.set_ylim(len(seqs) * 1.3, -0.2)
+    ax.set(xlim=(-2.6, width * 1.6), ylim=(len(seqs) * 1.3, -0.2))
     ax.set_axis_off()
-    ax.legend([_patch("gold"), _patch("white", "//"), _patch("0.2")],
+    ax.legend([_patch("gold"), _patch("white", hatch="//"), _patch("0.2")],
               ["shared block (ref count > 1)", "copied partial block (copy-on-write)", "slots holding tokens"],
               loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=9, frameon=False)
     ax.set_title(title or "block tables (number = physical block id)", fontsize=11)
@@ -271,8 +252,7 @@ def plot_distributions(series: Mapping[str, Sequence[float]], labels: Sequence[s
     ax.set_xticks(range(len(labels)), list(labels), fontsize=10, rotation=30 if max(map(len, labels)) > 6 else 0)
     ax.tick_params(labelsize=10)
     ax.set_ylabel(ylabel, fontsize=10)
-    handles, names = ax.get_legend_handles_labels()
-    _legend_below(ax, handles, names)
+    _legend_below(ax, *ax.get_legend_handles_labels())
     ax.set_title(title, fontsize=11)
     return ax
 
@@ -283,9 +263,6 @@ def plot_weight_shards(shapes: Mapping[str, tuple[int, int]], slices: Mapping[st
     features), each part coloured by the rank that holds it. `slices[name][r]` is rank r's
     `WeightSlice` (`ShardLayout.checkpoint_slice`); None, or the same slice on every rank, is drawn
     as held by every rank (replicated)."""
-    import matplotlib.pyplot as plt
-
-    palette = plt.get_cmap("tab10")
     everyone = "0.75"
     gap = 0.6 * max(cols for _, cols in shapes.values())
     width = sum(cols for _, cols in shapes.values()) + gap * (len(shapes) - 1)
@@ -297,29 +274,22 @@ def plot_weight_shards(shapes: Mapping[str, tuple[int, int]], slices: Mapping[st
         parts = list(slices[name])
         ranks = max(ranks, len(parts))
         if any(s is None for s in parts) or len(set(parts)) == 1:
-            ax.add_patch(plt.Rectangle((x, 0), cols, rows, facecolor=everyone, edgecolor="black"))
+            ax.add_patch(_patch(everyone, (x, 0), cols, rows, edgecolor="black"))
             replicated, split = True, "whole"
         else:
             split = "by rows" if parts[0].dim == 0 else "by columns"
             for r, s in enumerate(parts):  # dim 0: a band of rows; dim 1: a band of columns
-                if s.dim == 0:
-                    xy, w, h = (x, s.start), cols, s.stop - s.start
-                else:
-                    xy, w, h = (x + s.start, 0), s.stop - s.start, rows
-                ax.add_patch(plt.Rectangle(xy, w, h, facecolor=palette(r % 10), edgecolor="black"))
+                band = s.stop - s.start
+                xy, w, h = ((x, s.start), cols, band) if s.dim == 0 else ((x + s.start, 0), band, rows)
+                ax.add_patch(_patch(_TAB10[r % 10], xy, w, h, edgecolor="black"))
         ax.text(x + cols / 2, -0.03 * tallest, f"{name}\n{rows}×{cols}\n{split}", ha="center", va="bottom",
                 fontsize=9)
         x += cols + gap
-    ax.set_xlim(-gap / 4, width + gap / 4)
-    ax.set_ylim(tallest * 1.02, -head)
-    ax.set_aspect("equal")
-    ax.set_xticks([])
-    ax.set_yticks([])
-    for side in ax.spines.values():
-        side.set_visible(False)
+    ax.set(xlim=(-gap / 4, width + gap / 4), ylim=(tallest * 1.02, -head), aspect="equal", xticks=[], yticks=[])
+    ax.spines[:].set_visible(False)  # no frame: each matrix has its own edge
     ax.set_xlabel("columns = input features (every matrix to the same scale)", fontsize=10)
     ax.set_ylabel("rows = output features", fontsize=10)
-    handles = [_patch(palette(r % 10)) for r in range(ranks)] + ([_patch(everyone)] if replicated else [])
+    handles = [_patch(_TAB10[r % 10]) for r in range(ranks)] + ([_patch(everyone)] if replicated else [])
     labels = [f"rank {r}" for r in range(ranks)] + (["every rank (replicated)"] if replicated else [])
     _legend_below(ax, handles, labels)
     ax.set_title(title, fontsize=11)

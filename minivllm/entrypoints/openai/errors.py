@@ -27,7 +27,7 @@ import re
 from jinja2 import TemplateError
 
 from minivllm.engine.errors import EngineDeadError, StepFailedError
-from minivllm.entrypoints.openai.protocol import RequestError
+from minivllm.entrypoints.openai.field_policy import RequestError
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -2,7 +2,7 @@
 
     ServingContext.admit(req, render)
       ├─ model name (404), engine alive (503)
-      ├─ req.check_fields(): refused and unknown fields (protocol.py)        400
+      ├─ req.check_fields(): refused and unknown fields (field_policy.py)    400
       └─ worker thread:
            req.sampling_params(): values SamplingParams refuses, logprobs cap   400
            render (chat template + tokenize, once), request prepared and fits?  400 (context_length_exceeded:

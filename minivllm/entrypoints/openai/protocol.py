@@ -1,16 +1,10 @@
 """The OpenAI request shapes we accept and how they become `SamplingParams`; the answers' ids.
 
-Every field of OpenAI's and vLLM's request schemas is in one of three groups, so nothing a client
-asks for is silently dropped:
-
-    implemented     declared on the models below; it reaches SamplingParams, the prompt or the answer
-    REFUSED         not implemented: any value but its default is a 400 naming the field and saying why
-    NO_EFFECT       OpenAI's bookkeeping (`user`, `metadata`, `store`, ...): accepted, changes nothing
-
-A field in neither schema is ignored, as vLLM does, and logged: one line per request with the count
-and the first few names, each escaped and cut short (`log_safe`), since a client chooses them.
-vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `prompt_logprobs`, ...) are top-level fields,
-which is where the openai client's `extra_body` puts them.
+The models below declare every request field minivllm implements: each one reaches SamplingParams,
+the prompt or the answer. A field they do not declare is refused, accepted without effect, or
+ignored and logged, by field_policy.py. vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
+`prompt_logprobs`, ...) are top-level fields, which is where the openai client's `extra_body` puts
+them.
 
 Fields left out fall back to the model's `generation_config.json` (temperature, top_p, top_k, min_p,
 repetition_penalty), then to OpenAI's defaults. Types are strict (pydantic's strict mode): an integer
@@ -22,75 +16,19 @@ check raises `RequestError` naming the field (400).
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minivllm.entrypoints.openai.field_policy import RequestError, check_undeclared
 from minivllm.sampling_params import SamplingParams
 
-log = logging.getLogger("minivllm.server")
-
-_BEAM = "it applies to beam search, which is not implemented; use n > 1 with sampling"
-_TOOLS = "tool calling is not implemented (there is no tool-call parser)"
-_STRUCTURED = "structured output (guided decoding, JSON mode or schema) is not implemented"
-_TEXT = "this server takes and produces text only"
-# field: (the values that mean "not asked for", why anything else is refused). None always means "not asked for".
-REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False,), _BEAM),
-    "length_penalty": ((1.0,), _BEAM),
-    "early_stopping": ((False,), _BEAM),
-    "tools": (([],), _TOOLS),
-    "tool_choice": (("none", "auto"), _TOOLS),  # without tools, "auto" is "none"
-    "parallel_tool_calls": ((True,), _TOOLS),
-    "functions": (([],), _TOOLS),
-    "function_call": (("none", "auto"), _TOOLS),
-    "response_format": (({"type": "text"},), _STRUCTURED),
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
-    "prompt_embeds": ((), _TEXT),
-    "mm_processor_kwargs": ((), _TEXT),
-    "modalities": ((["text"],), _TEXT),
-    "audio": ((), _TEXT),
-    "suffix": ((), "inserting text before a suffix (fill-in-the-middle) is not implemented"),
-    "logits_processors": ((), "custom logits processors cannot be sent to this server"),
-    "lora_request": ((), "LoRA adapters are not implemented"),
-    "spaces_between_special_tokens": ((True,), "the detokenizer always decodes as the tokenizer does"),
-    "truncation_side": (("left",), "truncate_prompt_tokens keeps the prompt's last tokens only"),
-    "cache_salt": ((), "prefix-cache isolation between users is not implemented"),
-    "kv_transfer_params": ((), "disaggregated prefill (KV transfer) is not implemented"),
-    "vllm_xargs": ((), "this server takes no custom sampling extensions"),
-    "chat_template": ((), "a request's own chat template is not accepted (vLLM also refuses it unless "
-                          "started with --trust-request-chat-template); the model's template is used"),
-    "documents": ((), "retrieval documents for the chat template are not implemented"),
-    "prediction": ((), "predicted outputs are not implemented"),
-    "reasoning_effort": ((), "reasoning control is not implemented; a template's switch (e.g. Qwen3's "
-                             "enable_thinking) can be set through chat_template_kwargs"),
-    "include_reasoning": ((True,), "there is no reasoning parser: reasoning stays in the content"),
-    "web_search_options": ((), "web search is not implemented"),
-    "verbosity": ((), "verbosity control is not implemented"),
-}
-NO_EFFECT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 # chat_template_kwargs may not set what the server decides itself.
 _TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                   "chat_template", "tools", "documents", "return_dict"}
 _INT64 = 2**63
-_LOGGED_NAMES, _NAME_CHARS = 5, 40  # unknown fields in the log: at most this many names, each this long
-
-
-class RequestError(ValueError):
-    """A request field is invalid; `param` names it (OpenAI's `error.param`), the message says why."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
 
 
 class Limits(NamedTuple):
@@ -145,20 +83,8 @@ class _Common(BaseModel):
     priority: int = 0  # lower = sooner, with --scheduling-policy priority
 
     def check_fields(self, limits: Limits) -> None:
-        """Refuse what is asked for but not implemented; report fields that no schema has."""
-        unknown = []
-        for name, value in (self.model_extra or {}).items():
-            if name in REFUSED:
-                defaults, why = REFUSED[name]
-                if value is not None and value not in defaults:
-                    raise RequestError(name, f"not supported by this server: {why}; leave it out")
-            elif name not in NO_EFFECT:
-                unknown.append(name)
-        if unknown:  # one line, however many: the names are the client's, so escaped, cut and counted
-            shown = ", ".join(log_safe(name, _NAME_CHARS) for name in unknown[:_LOGGED_NAMES])
-            more = f" and {len(unknown) - _LOGGED_NAMES} more" if len(unknown) > _LOGGED_NAMES else ""
-            log.warning("ignored request fields that are not in OpenAI's or vLLM's API (%d): %s%s",
-                        len(unknown), shown, more)
+        """The checks at the door: undeclared fields (field_policy.py), then combinations and limits."""
+        check_undeclared(self.model_extra or {})
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of", f"best_of={self.best_of} != n={self.n} is not supported: ranking "
                                           "completions on the server is not implemented; use n")
@@ -328,9 +254,3 @@ def new_id(prefix: str, request_id: str | None = None) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-def log_safe(text: str, limit: int = 64) -> str:
-    """A client's string as one harmless log token: quoted and escaped as `repr` does (a newline cannot
-    start a forged log line), cut to `limit` characters."""
-    return repr(text[:limit]) + ("..." if len(text) > limit else "")

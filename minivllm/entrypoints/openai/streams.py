@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from minivllm.entrypoints.openai.errors import RequestFailed, api_error
-from minivllm.entrypoints.openai.protocol import log_safe
+from minivllm.entrypoints.openai.field_policy import log_safe
 from minivllm.outputs import RequestOutput, SampleLogprobs
 
 log = logging.getLogger("minivllm.server")
