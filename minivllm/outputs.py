@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from minivllm.engine.sequence import FinishReason
+
 
 class Logprob(NamedTuple):
     """One candidate token at one position (vLLM's `Logprob`)."""
@@ -39,7 +41,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None  # compares equal to vLLM's strings: "stop", "length", ...
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None  # sum of the generated tokens' logprobs (if logprobs asked)
     logprobs: SampleLogprobs | None = None  # one entry per generated token (if logprobs asked)

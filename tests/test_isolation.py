@@ -183,13 +183,13 @@ def test_undo_log_does_not_grow_with_the_pool(model_factory):
         for i in range(4):
             engine.add_request(f"r{i}", {"prompt_token_ids": [3, 4, 5 + i] * 3}, SamplingParams(max_tokens=4))
         touched = []
-        original = engine.scheduler.commit
+        original = engine.scheduler.transaction.commit
 
         def commit():
-            touched.append(engine.scheduler.undo.size)
+            touched.append(engine.scheduler.transaction.log.size)
             original()
 
-        engine.scheduler.commit = commit
+        engine.scheduler.transaction.commit = commit
         run(engine, {})
         sizes.append(touched)
     assert sizes[0] == sizes[1]

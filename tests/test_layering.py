@@ -4,6 +4,13 @@
                       one-dot relative import `from .x import y` may reach a sibling kernel module)
     minivllm/         no import cycle between its modules (kernels/ included, as `minivllm.kernels`)
     minivllm/layers/  imports nothing from minivllm/models/ (models are built from layers, not back)
+    minivllm/distributed/, layers/, models/
+                      import nothing from minivllm/engine/: the process groups and the command channel
+                      are the low layer the layers use too; the engine's executors and workers sit on
+                      top (engine/executor/). One exception: `python -m minivllm.distributed`, a
+                      command that nothing imports, starts the engine's worker
+    engine/           the scheduler's side imports nothing of the model runner's, and the runner's
+                      nothing of the scheduler's: they meet only in engine/step_types.py
     minivllm/         (the engine: everything outside teaching/) imports nothing from minivllm/teaching/,
                       the code of the notebooks and the course; one exception, `minivllm bench`, which
                       times a tiny random checkpoint (teaching/checkpoints.py) when given no model
@@ -87,6 +94,32 @@ def test_the_engine_imports_nothing_from_teaching():
         return module is not None and (name == module or name.startswith(module + "."))
 
     assert [v for v in found if not allowed(v)] == []
+
+
+def test_distributed_layers_and_models_import_nothing_from_the_engine():
+    found = [v for folder in ("distributed", "layers", "models")
+             for v in violations(ROOT / "minivllm" / folder, f"minivllm.{folder}", "minivllm.engine")]
+    assert [v for v in found if not v.startswith("distributed/__main__.py:")] == []
+
+
+SCHEDULER_SIDE = ("scheduler", "block_manager", "scheduling_policy", "stop_checker", "undo_log", "state_pool")
+RUNNER_SIDE = ("model_runner", "step_inputs", "sampling_metadata", "warmup", "cuda_graphs", "executor")
+
+
+def engine_imports(module: str) -> set[str]:
+    """The engine modules (by their name under minivllm.engine) that minivllm/engine/<module>.py imports."""
+    path = ROOT / "minivllm" / "engine" / f"{module}.py"
+    names = {name for _, name in imported_modules(path.read_text(), "minivllm.engine")}
+    return {n.removeprefix("minivllm.engine.").split(".")[0] for n in names if n.startswith("minivllm.engine.")}
+
+
+def test_the_scheduler_and_the_model_runner_meet_only_in_the_step_types():
+    for module in SCHEDULER_SIDE:
+        assert not engine_imports(module) & set(RUNNER_SIDE), f"engine/{module}.py imports the runner's side"
+    for module in RUNNER_SIDE[:-1]:
+        assert not engine_imports(module) & set(SCHEDULER_SIDE) - {"state_pool"}, \
+            f"engine/{module}.py imports the scheduler's side"
+    assert "step_types" in engine_imports("scheduler") and "step_types" in engine_imports("model_runner")
 
 
 def test_the_checker_sees_nested_relative_and_dynamic_imports(tmp_path):

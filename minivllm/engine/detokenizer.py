@@ -15,7 +15,9 @@ count of tokens and decodes nothing: the text stays "".
 from __future__ import annotations
 
 import copy
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from transformers import PreTrainedTokenizerBase
 
 _CONTEXT_TOKENS = 5  # how far back into the prompt the first window starts
 
@@ -26,7 +28,7 @@ class StopMatch(NamedTuple):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  detokenize: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from transformers import PreTrainedTokenizerBase
+
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
@@ -42,7 +44,7 @@ class PromptTooLong(ValueError):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, spec: ModelSpec, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, config: EngineConfig, device: torch.device) -> None:
         self.tokenizer, self.spec, self.config, self.device = tokenizer, spec, config, device
         self._max_token_bytes: int | None = None
 

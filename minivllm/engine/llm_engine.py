@@ -14,10 +14,8 @@ returned, the transaction commits: the plan's reservations are final, and `updat
 the results request by request, each request's failure its own (its tokens were appended: there is no
 going back, only forward). How failures are contained: engine/errors.py and docs/concepts/failures.md.
 
-Requests that can never run (more completions than max_num_seqs, longer than max_model_len, or needing
-more KV blocks than the whole pool) finish at once with finish_reason "error" and a message saying
-which limit to change. A proposer's failure after the commit is not a request's: the step's outputs
-come with the next step, and the error is raised.
+A request that can never run (engine/input_processor.py) finishes at once with finish_reason "error"
+and the limit to change. A proposer's failure after the commit is its own: the error is raised.
 """
 
 from __future__ import annotations
@@ -26,7 +24,8 @@ import gc
 import itertools
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from minivllm.config import EngineConfig
@@ -51,9 +50,9 @@ T = TypeVar("T")
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         parts = build_engine(config)
-        self.resolved = parts.config
-        self.config, self.spec = parts.config.engine, parts.config.spec
-        self.device, self.dtype, self.eos_token_ids = parts.config.device, parts.config.dtype, parts.config.eos_token_ids
+        self.resolved = r = parts.config
+        self.config, self.spec, self.device, self.dtype, self.eos_token_ids = r.engine, r.spec, r.device, r.dtype, \
+            r.eos_token_ids
         self.tokenizer, self.executor, self.state_pool = parts.tokenizer, parts.executor, parts.state_pool
         self.block_manager, self.scheduler, self.speculator = parts.block_manager, parts.scheduler, parts.speculator
         self.input_processor, self.output_processor = parts.input_processor, parts.output_processor
@@ -86,9 +85,6 @@ class LLMEngine:
         return self.executor.runner.model
 
     # --- requests --------------------------------------------------------------------------------
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        return self.input_processor.tokenize(prompt)
-
     def make_sequence(self, request_id: str, prompt: PromptType,
                       sampling_params: SamplingParams | None = None, priority: int = 0) -> Sequence:
         """Validate a request and build its Sequence without touching engine state (its arrival
@@ -96,9 +92,6 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return self.input_processor.make_sequence(request_id, prompt, sampling_params, priority)
-
-    def check_token_ids(self, request_id: str, field: str, ids: Iterable[int]) -> list[int]:
-        return self.input_processor.check_token_ids(request_id, field, ids)
 
     def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     priority: int = 0) -> None:
@@ -134,55 +127,51 @@ class LLMEngine:
                     self.scheduler.finish(seq, FinishReason.ABORT)
             if report:
                 self._pending.append(self.output_processor.output(state))
-        self._after_commit([])
+        self._after_commit()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Plan, run and commit one step; returns one output per request that changed."""
         outputs, self._pending = self._pending, []
-        if self.scheduler.is_finished():
-            return self._counted(outputs)
+        if not self.scheduler.is_finished():
+            with self._reported_later_if_it_raises(outputs):
+                self._step(outputs)
+        return self._counted(outputs)
+
+    def _step(self, outputs: list[RequestOutput]) -> None:
         t0 = time.perf_counter()
-        self.scheduler.begin()  # the transaction: what schedule() changes can be rolled back
+        self.scheduler.transaction.begin()  # the transaction: what schedule() changes can be rolled back
         try:
             scheduler_output = self.scheduler.schedule()
         except BaseException:  # a scheduling policy's failure, not a request's: undo, raise
-            self.scheduler.rollback()
-            self._pending = outputs + self._pending
+            self.scheduler.transaction.rollback()
             raise
         if scheduler_output.is_empty:  # nothing could run (every candidate preempted or waiting): no forward
-            self.scheduler.commit()
-            self._after_commit(outputs)
-            return self._counted(outputs)
+            self.scheduler.transaction.commit()
+            return self._after_commit()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception as error:  # rolled back and bisected: the culprits finish with the error
-            outputs.extend(self._guarded(outputs, lambda: self._report(self.recovery.recover(scheduler_output, error))))
-            self._after_commit(outputs)
-            return self._counted(outputs)
+            outputs.extend(self._report(self.recovery.recover(scheduler_output, error)))
+            return self._after_commit()
         except BaseException:  # KeyboardInterrupt and the like: undo, never bisect
-            self.scheduler.rollback(scheduler_output.written_blocks(self.config.block_size))
-            self._pending = outputs + self._pending
+            self.scheduler.transaction.rollback(scheduler_output.written_blocks(self.config.block_size))
             raise
-        self.scheduler.commit()  # the forward succeeded: the plan's reservations are final
+        self.scheduler.transaction.commit()  # the forward succeeded: the plan's reservations are final
         committed = self.scheduler.update_from_output(scheduler_output, runner_output)
-        published = self._guarded(outputs, lambda: self._publish(committed))
+        published = self._publish(committed)
         outputs.extend(published)
         if self.config.record_trace:
             self.trace.append(record_step(self.counters.num_steps, scheduler_output, self.scheduler,
                                           [o.request_id for o in published if o.finished], runner_output))
         try:
-            self._after_commit(outputs, scheduler_output, runner_output)  # drafts for the next step, too
+            self._after_commit(scheduler_output, runner_output)  # drafts for the next step, too
         finally:
             self.counters.count_step(scheduler_output.num_prefill_tokens, scheduler_output.num_decode_tokens,
                                      runner_output.forward_time_s, time.perf_counter() - t0)
-        return self._counted(outputs)
 
     def _publish(self, committed: CommitResult) -> list[RequestOutput]:
         """After the commit: forked children join their requests, their blocks are copied (a copy that
@@ -214,30 +203,25 @@ class LLMEngine:
             outputs.append(self.output_processor.output(state))
         return outputs
 
-    def _guarded(self, outputs: list[RequestOutput], make: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
-        """`make()`; if it raises, what this step has to report goes out with the next one."""
+    @contextmanager
+    def _reported_later_if_it_raises(self, outputs: list[RequestOutput]) -> Iterator[None]:
+        """What this step has to report goes out with the next one if the step raises."""
         try:
-            return make()
+            yield
         except BaseException:
             self._pending = outputs + self._pending
             raise
 
-    def _after_commit(self, outputs: list[RequestOutput], scheduler_output: SchedulerOutput | None = None,
+    def _after_commit(self, scheduler_output: SchedulerOutput | None = None,
                       runner_output: ModelRunnerOutput | None = None) -> None:
         """Once the scheduler's state is final: the proposer learns what the step verified and which
         sequences gave their blocks back, then drafts for the next step. If it raises, that is its
-        failure, not a request's: the outputs go out with the next step, and the error is raised."""
+        failure, not a request's: the step stands, and the error is raised."""
         released = self.scheduler.take_released()
-        if self.speculator is None:
-            return
-
-        def tell() -> list[RequestOutput]:
+        if self.speculator is not None:
             self.speculator.after_step(scheduler_output, runner_output, released)
             if scheduler_output is not None:
                 self.speculator.propose(self.scheduler.running, self.scheduler.draft_room)
-            return []
-
-        self._guarded(outputs, tell)
 
     def _counted(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for o in outputs:

@@ -16,7 +16,8 @@ could be the start of a stop string: streamed text therefore never has to shrink
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+
+from transformers import PreTrainedTokenizerBase
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.step_types import SampledToken
@@ -41,7 +42,7 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self._token_text: dict[int, str] = {}  # decoded text of single tokens (for logprobs)
 

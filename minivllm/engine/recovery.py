@@ -36,7 +36,7 @@ class StepRecovery:
                 raise dead(error) from error
             culprits = self._blame(plan.scheduled)
         finally:
-            self.scheduler.rollback(written)
+            self.scheduler.transaction.rollback(written)
         if not culprits:
             raise error
         for sched, err in culprits:

@@ -16,17 +16,14 @@ done, are reserved a seat at admission). Prefill and decode share the batch ("mi
      prefill any admitted request may receive a partial chunk. Nothing is admitted in a step that
      preempted (the pool is under pressure).
 
-Starvation: each time a request is passed over for lack of blocks its `num_admission_skips` grows;
-past `max_admission_skips`, admission stops at that request until the running requests free enough
-blocks for it. The token budget never starves anyone: with chunked prefill every request can start
-with a chunk of whatever budget is left. Requests that can never run are refused by the engine before
-they get here (`InputProcessor.unservable_reason`), so the loop cannot hang.
+Starvation: a request passed over for lack of blocks counts `num_admission_skips`; past
+`max_admission_skips`, admission stops at it until enough blocks are free. Requests that can never run
+are refused before they get here (`InputProcessor.unservable_reason`), so the loop cannot hang.
 
 The commit, `update_from_output`, is the one place a step's results land, request by request (an
-exception fails only the request it happened in): computed counts advance, full blocks are published
-to the prefix cache, a prompt that is done forks its n - 1 children, sampled tokens (accepted drafts,
-then the target's token) are appended, the stop rules are applied (`StopChecker`: tokens and stop
-strings), drafts' unused slots and finished sequences' blocks are given back.
+exception fails only its request): computed counts advance, full blocks reach the prefix cache, a
+done prompt forks its n - 1 children, tokens (accepted drafts, then the target's) are appended through
+the stop rules (`StopChecker`), unused draft slots and finished sequences' blocks go back.
 
 Mapping onto the small teaching API of MinivLLM (github.com/Wenyueh/MinivLLM — a separate study
 project built on nano-vllm, whose guide writes a scheduler with these method names; not this project):
@@ -48,23 +45,14 @@ from minivllm.engine.state_pool import StatePool
 from minivllm.engine.step_types import (CommitResult, ModelRunnerOutput, RowGroupOutput, SampledToken,
                                         ScheduledSequence, SchedulerOutput)
 from minivllm.engine.stop_checker import StopChecker
-from minivllm.engine.undo_log import StepTransaction, UndoLog
+from minivllm.engine.undo_log import StepTransaction
 
 
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        eos_token_ids: frozenset[int] = frozenset(),
-        enable_chunked_prefill: bool = True,
-        max_admission_skips: int = 8,
-        state_pool: StatePool | None = None,
-        policy: SchedulingPolicy | None = None,
-    ) -> None:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: frozenset[int] = frozenset(), enable_chunked_prefill: bool = True,
+                 max_admission_skips: int = 8, state_pool: StatePool | None = None,
+                 policy: SchedulingPolicy | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -81,7 +69,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
         self.num_preemptions = 0
-        self.transaction = StepTransaction(self, block_manager, state_pool)  # begin / commit / rollback
+        # The step's transaction over the queues, the blocks and the state pool: begin / commit / rollback
+        self.transaction = StepTransaction(self, block_manager, state_pool)
 
     # --- queues --------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
@@ -144,7 +133,7 @@ class Scheduler:
             n = seq.num_tokens - prefix.num_tokens
             fits_budget = n <= budget or self.enable_chunked_prefill
             n = min(n, budget)
-            self._record_seq(seq)
+            self.transaction.record_seq(seq)
             no_seat = 1 + seq.num_forks_pending > seats  # n > 1: its children will run beside it
             no_state = self.state_pool is not None and not self.state_pool.can_allocate(seq)
             if not fits_budget or no_seat or no_state or not bm.can_allocate(seq, n, prefix):
@@ -172,15 +161,11 @@ class Scheduler:
         (n > 1): its last row is sampled once per child, which verification does not do."""
         if seq.num_uncomputed_tokens != 1 or seq.num_forks_pending or seq.is_finished:
             return 0
-        room = self.max_model_len - seq.num_tokens - 1
-        max_tokens = seq.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - seq.num_output_tokens - 1)
-        return max(0, room)
+        return max(0, self.stop_checker.tokens_left(seq) - 1)
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, forget the K/V and drafts, back to the front of WAITING."""
-        self._record_seq(seq)
+        self.transaction.record_seq(seq)
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
@@ -195,7 +180,7 @@ class Scheduler:
         if seq.is_finished:  # e.g. a stop string completed by the token that hit max_tokens: the reason changes
             seq.finish(reason, stop_reason, error)
             return
-        self._record_seq(seq)
+        self.transaction.record_seq(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -308,23 +293,6 @@ class Scheduler:
             result.num_prompt_tokens += seq.num_prompt_tokens
 
     def fail(self, seq: Sequence, error: str) -> None:
-        if not seq.is_finished or seq.finish_reason is not FinishReason.ERROR:
+        """A commit that raised: the sequence (unless it finished already) ends with the error."""
+        if not seq.is_finished:
             self.finish(seq, FinishReason.ERROR, error=error)
-
-    # --- transactions (engine/undo_log.py) -------------------------------------------------------
-    @property
-    def undo(self) -> UndoLog | None:
-        """The open step's undo log (None outside a step's transaction)."""
-        return self.transaction.log
-
-    def begin(self) -> None:
-        self.transaction.begin()
-
-    def commit(self) -> None:
-        self.transaction.commit()
-
-    def rollback(self, written_blocks: set[int] = frozenset()) -> None:
-        self.transaction.rollback(written_blocks)
-
-    def _record_seq(self, seq: Sequence) -> None:
-        self.transaction.record_seq(seq)

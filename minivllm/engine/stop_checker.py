@@ -46,6 +46,13 @@ class StopChecker:
             return StopReason(FinishReason.LENGTH, None)
         return None
 
+    def tokens_left(self, seq: Sequence) -> int:
+        """How many more tokens `seq` may get before max_tokens or max_model_len stops it."""
+        left = self.max_model_len - seq.num_tokens
+        if seq.sampling_params.max_tokens is not None:
+            left = min(left, seq.sampling_params.max_tokens - seq.num_output_tokens)
+        return left
+
     def check_strings(self, seq: Sequence, num_new: int) -> tuple[int, StopMatch | None]:
         """Add `seq`'s `num_new` new tokens (several after accepted drafts) to its text, token by token.
         Returns how many of them the output keeps, and the stop string one of them completed, if any

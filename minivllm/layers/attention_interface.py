@@ -25,7 +25,6 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -41,7 +40,9 @@ class AttentionMetadata:
     query_lens: list[int]  # host copies of the shapes, so backends need not sync with the device
     context_lens_host: list[int]
     block_size: int
-    plan: Any = field(default=None)  # backend-specific per-step precomputation (built once a step)
+    # What the backend's `prepare` built for this step (index tensors, masks), of the backend's own type:
+    # each backend reads back only the plan it made (and checks it is one).
+    plan: object | None = field(default=None)
 
     @property
     def num_seqs(self) -> int:

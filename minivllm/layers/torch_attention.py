@@ -115,7 +115,8 @@ class TorchAttentionBackend(AttentionBackend):
         T = q.shape[0]
         Hkv, D = self.num_kv_heads, self.head_dim
         G = self.num_heads // Hkv
-        plan: _Plan = meta.plan
+        plan = meta.plan
+        assert isinstance(plan, _Plan), "prepare(meta) must run before forward: meta.plan is not this backend's"
 
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, Hkv, D) each
         bs = k_cache.shape[1]

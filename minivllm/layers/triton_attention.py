@@ -72,7 +72,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = q.shape[0]
-        plan: _TritonPlan = meta.plan
+        plan = meta.plan
+        assert isinstance(plan, _TritonPlan), "prepare(meta) must run before forward: meta.plan is not this backend's"
         self._write(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         if plan.num_splits:
             n = meta.num_seqs  # the requests' rows; a compiled step's padding rows after them get zeros

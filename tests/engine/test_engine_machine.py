@@ -216,7 +216,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                 state = engine.requests.get(seq.group_id)
                 assert state is not None and any(s is seq for s in state.seqs), f"{seq} belongs to no live request"
             engine.block_manager.check_invariants(live)
-            assert sched.undo is None, "a step's transaction was left open"
+            assert sched.transaction.log is None, "a step's transaction was left open"
             seats = len(sched.running) + sum(s.num_forks_pending for s in sched.running)  # forks to come included
             assert seats <= engine.config.max_num_seqs, f"{seats} sequences for max_num_seqs={engine.config.max_num_seqs}"
             pool = engine.state_pool
