@@ -10,13 +10,23 @@ KV-pool sizing when `num_kv_blocks` is None:
     loaded, less a 10 % reserve for activations (so 81 % by default), is given to the KV cache.
   * CPU: a fixed byte budget, `cpu_kv_cache_bytes` (default 1 GiB); CPU memory is committed lazily
     (engine/kv_cache.py), so an unused pool costs address space, not RAM.
+
+Four fields are seams that take an object of your own (docs/concepts/seams.md): `attention_backend`
+(an `AttentionBackend`), `scheduling_policy` (a `SchedulingPolicy`), `sampling_filter` (a
+`SamplingFilter`) and `block_allocator` (a `BlockAllocator`). They are checked here for their type and
+for what they cannot be combined with; the engine checks the rest when it builds (a backend's heads
+against the model's). On the command line only the names are flags; an object is passed from Python.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+
+from minivllm.engine.block_allocator import BlockAllocator
+from minivllm.engine.scheduling_policy import SchedulingPolicy, get_policy
+from minivllm.layers.attention_interface import AttentionBackend
+from minivllm.layers.sampler import SamplingFilter
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
@@ -35,7 +45,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"
+    # "auto" (Triton on CUDA, PyTorch elsewhere), "torch", "triton", or an AttentionBackend instance
+    # (layers/attention_interface.py), with the model's head counts; one rank only.
+    attention_backend: str | AttentionBackend = "auto"
     seed: int = 0
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 1 << 30
@@ -47,7 +59,13 @@ class EngineConfig:
     speculative_config: dict | None = None
     # Which waiting request to admit first and whom to preempt: "fcfs" (default), "priority" (lower
     # `priority` first), or a SchedulingPolicy instance (engine/scheduling_policy.py).
-    scheduling_policy: Any = "fcfs"
+    scheduling_policy: str | SchedulingPolicy = "fcfs"
+    # The sampler's filter step (temperature-scaled logits -> logits with removed tokens at -inf): None =
+    # top-k, top-p, min-p; or a SamplingFilter instance (layers/sampler.py). The PyTorch sampler only.
+    sampling_filter: SamplingFilter | None = None
+    # Which free KV block is reused next (so which cached prefix is evicted): None = least recently
+    # freed first; or a BlockAllocator instance (engine/block_allocator.py), one per engine.
+    block_allocator: BlockAllocator | None = None
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's default: 20).
     max_logprobs: int = 20
     # Tokenizer folder if not beside the weights (e.g. for a GGUF file); None = the model folder.
@@ -86,8 +104,9 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is invalid: choose one of {_DTYPES}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device={self.device!r} is invalid: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
-        if self.attention_backend not in _BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r} is invalid: choose one of {_BACKENDS}")
+        if not isinstance(self.attention_backend, AttentionBackend) and self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is invalid: choose one of {_BACKENDS} "
+                             "or pass an AttentionBackend instance")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes",
                      "max_admission_skips", "max_logprobs", "tensor_parallel_size"):
             positive(name)
@@ -119,13 +138,35 @@ class EngineConfig:
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True, False or None (auto)")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
-        from minivllm.engine.scheduling_policy import get_policy
-
         get_policy(self.scheduling_policy)  # raises, naming the choices
-        if self.speculative_config is not None:
-            from minivllm.engine.spec_decode.config import SpeculativeConfig
+        self._check_seams()
 
-            SpeculativeConfig.from_dict(self.speculative_config)  # raises, naming what to change
+    def _check_seams(self) -> None:
+        """The instance-valued fields: the right type, and nothing they cannot be combined with."""
+        backend = self.attention_backend
+        if isinstance(backend, AttentionBackend) and self.tensor_parallel_size > 1:
+            raise ValueError(f"attention_backend={type(backend).__name__}(...) with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: each rank needs a backend of its own for its own heads; "
+                             f"pass a name {_BACKENDS}, or tensor_parallel_size=1")
+        for name, kind, module in (("sampling_filter", SamplingFilter, "layers.sampler"),
+                                   ("block_allocator", BlockAllocator, "engine.block_allocator")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(f"{name}={value!r} is not a {kind.__name__}: subclass minivllm.{module}."
+                                 f"{kind.__name__}, or pass None for the default")
+        if self.speculative_config is None:
+            return
+        from minivllm.engine.spec_decode.config import SpeculativeConfig
+
+        method = SpeculativeConfig.from_dict(self.speculative_config).method  # raises, naming what to change
+        if self.sampling_filter is not None:
+            raise ValueError(f"sampling_filter={type(self.sampling_filter).__name__}(...) with speculative_config: "
+                             "drafts are verified against the default filter's distribution (layers/sampler.py "
+                             "filtered_probs), not yours; drop one of the two")
+        if method == "draft_model" and isinstance(backend, AttentionBackend):
+            raise ValueError(f"attention_backend={type(backend).__name__}(...) with a draft model "
+                             "(speculative_config 'model'): the draft builds a backend for its own heads from a "
+                             f"name; pass one of {_BACKENDS}, or speculate with method 'ngram'")
 
     def replace(self, **changes: object) -> "EngineConfig":
         """A validated copy with some fields changed (the config itself is never mutated)."""

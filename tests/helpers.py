@@ -23,6 +23,7 @@ def prompt_logits(llm, ids: list[int]) -> torch.Tensor:  # (len(ids), V) fp32: t
     seq = Sequence("probe", ids, SamplingParams())
     seq.block_table = list(range(-(-len(ids) // runner.block_size)))
     inputs = runner.prepare_inputs(SchedulerOutput([ScheduledSequence(seq, 0, len(ids))])).inputs
+    runner.backend.prepare(inputs.attn_metadata)
     with torch.inference_mode():
         hidden = runner.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, runner.kv_caches,
                               runner.backend)

@@ -103,7 +103,7 @@ def test_counters_never_go_down(qwen3_dir):
     stats = EngineStats(0, 0, 0, 0, 0, prefix_cache_queries=40, prefix_cache_hits=16, num_free_blocks=8,
                         num_total_blocks=8, num_running=0, num_waiting=0, step_time_s=0, forward_time_s=0,
                         num_prompt_tokens_total=40, finished_requests={"stop": 2})
-    engine = SimpleNamespace(stats=stats, engine=SimpleNamespace(spec_config=None))
+    engine = SimpleNamespace(stats=stats, engine=SimpleNamespace(resolved=SimpleNamespace(num_speculative_tokens=0)))
     collector = EngineCollector(engine, ("m", "0"))
 
     def counters() -> dict[str, float]:

@@ -7,7 +7,7 @@ prefix cache. It never touches a tensor; it only decides which physical block ho
 
 Invariants (proved by `check_invariants()`):
   * every block is either FREE (ref count 0, in `free_blocks`) or OWNED (ref count = number of block
-    tables that hold it), never both;
+    tables that hold it), never both — whatever the allocator;
   * a block's hash is registered only once the block is full and its K/V are computed.
 
 Prefix caching. A full block's hash covers its tokens *and its parent's hash*:
@@ -17,9 +17,9 @@ cached prefix. The hash must be collision-resistant: a collision would serve one
 prompt's K/V (vLLM moved from Python's 64-bit `hash()` to SHA-256 after a cache-poisoning report;
 anyone who can send prompts could search for `hash()` collisions). SHA-256 of 64 bytes costs ~1 us.
 
-A freed block keeps its hash and stays findable until it is reused: `free_blocks` is an LRU queue
-(an OrderedDict, oldest first), and taking a block from it evicts its hash. A hit on a free cached
-block simply takes it out of the queue again.
+A freed block keeps its hash and stays findable until it is reused. Which free block is reused next
+is the allocator's choice, `free_blocks` (engine/block_allocator.py: LRU by default, or yours): taking
+a block from it evicts its hash, and a hit on a free cached block revives it (takes it out again).
 
 At least one prompt token is always computed (at most `(num_tokens - 1) // B` blocks can hit), so
 the last prompt position produces the logits to sample from.
@@ -27,14 +27,16 @@ the last prompt position produces the logits to sample from.
 Transactions. While a step is planned and run, every change goes through the step's `UndoLog`
 (`begin` / `commit` / `rollback`): the first time a block, a hash entry or a sequence is touched, its
 old value is recorded. A rollback therefore costs what the step touched, not the size of the pool.
+Each block's `free_stamp` (when it was last freed, from `_clock`) is recorded with it, so a rollback can
+hand the allocator back the blocks that were free with the stamps they had (`BlockAllocator.restore`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from typing import NamedTuple
 
+from minivllm.engine.block_allocator import BlockAllocator, get_allocator
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.undo_log import BlockUndo, UndoLog
 
@@ -52,15 +54,16 @@ class PrefixMatch(NamedTuple):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 allocator: BlockAllocator | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts: list[int] = [0] * num_blocks
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # When each block last joined the free queue: the queue is always in stamp order, which is
-        # how a rollback puts revived blocks back where they were.
+        self.free_blocks: BlockAllocator = get_allocator(allocator)  # None: LRU; yours is checked
+        self.free_blocks.reset(num_blocks)
+        # When each block was last freed: what the allocator orders by, and what a rollback gives it back.
         self.free_stamp: list[int] = list(range(num_blocks))
         self._clock = num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks  # hash of a full, computed block
@@ -117,7 +120,7 @@ class BlockManager:
         for b in prefix.blocks:
             self._record_block(b)
             if self.ref_counts[b] == 0:
-                del self.free_blocks[b]  # a hit on a freed-but-cached block revives it
+                self.free_blocks.revive(b)  # a hit on a freed-but-cached block revives it
             self.ref_counts[b] += 1
         seq.block_table = list(prefix.blocks)
         seq.num_computed_tokens = prefix.num_tokens
@@ -158,8 +161,8 @@ class BlockManager:
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0
             if self.ref_counts[b] == 0:
-                self.free_blocks[b] = None
                 self.free_stamp[b] = self._clock
+                self.free_blocks.give_back(b, self._clock)
                 self._clock += 1
         del seq.block_table[keep:]
 
@@ -203,9 +206,8 @@ class BlockManager:
                 self.hash_to_block[hashes[i]] = b
 
     def _take_free_block(self) -> int:
-        b = next(iter(self.free_blocks))  # least recently freed
-        self._record_block(b)
-        del self.free_blocks[b]
+        b = self.free_blocks.take()  # the allocator's choice (LRU: the least recently freed)
+        self._record_block(b)  # nothing of ours has changed yet: recorded as it was, free
         self._forget_hash(b)  # evict: its old content is about to be overwritten
         self.ref_counts[b] = 1
         return b
@@ -234,38 +236,26 @@ class BlockManager:
         undo, self.undo = self.undo, None
         assert undo is not None, "no transaction is open"
         for b, r in undo.blocks.items():
+            if self.ref_counts[b] == 0:  # free now: out, and back below only if it was free before the step
+                self.free_blocks.revive(b)
             self.ref_counts[b], self.block_hash[b], self.free_stamp[b] = r.ref_count, r.block_hash, r.free_stamp
-            self.free_blocks.pop(b, None)
         for h, b in undo.hashes.items():
             if b is None:
                 self.hash_to_block.pop(h, None)
             else:
                 self.hash_to_block[h] = b
         undo.undo_seqs_and_attrs()  # includes _clock and the hit counters
-        self._requeue(sorted((b for b, r in undo.blocks.items() if r.was_free), key=self.free_stamp.__getitem__))
+        was_free = [(b, r.free_stamp) for b, r in undo.blocks.items() if r.was_free]
+        self.free_blocks.restore(sorted(was_free, key=lambda pair: pair[1]))  # oldest first
         for b in written_blocks:
             if self.block_hash[b] is not None and self.ref_counts[b] == 0:
                 self._forget_hash(b)
 
-    def _requeue(self, blocks: list[int]) -> None:
-        """Put blocks (sorted by stamp) back into the LRU queue at their old places. Blocks taken from
-        the head go back to the head in O(len(blocks)); a block revived from the middle of the queue
-        (a prefix-cache hit) needs the queue rebuilt in stamp order, which only a failed step pays."""
-        if not blocks:
-            return
-        head = next(iter(self.free_blocks), None)
-        if head is None or self.free_stamp[blocks[-1]] < self.free_stamp[head]:
-            for b in reversed(blocks):
-                self.free_blocks[b] = None
-                self.free_blocks.move_to_end(b, last=False)
-            return
-        merged = sorted([*self.free_blocks, *blocks], key=self.free_stamp.__getitem__)
-        self.free_blocks = OrderedDict.fromkeys(merged)
-
     def _record_block(self, b: int) -> None:
         if self.undo is not None and not self.undo.has_block(b):
+            # free exactly when no table holds it (the first invariant)
             self.undo.record_block(b, BlockUndo(self.ref_counts[b], self.block_hash[b], self.free_stamp[b],
-                                                b in self.free_blocks))
+                                                self.ref_counts[b] == 0))
 
     def _record_hash(self, h: bytes) -> None:
         if self.undo is not None:
@@ -288,12 +278,14 @@ class BlockManager:
             assert len(set(seq.block_table)) == len(seq.block_table), f"duplicate block in {seq}"
             for b in seq.block_table:
                 owners[b] += 1
+        free = list(self.free_blocks)
+        assert len(free) == len(set(free)) == len(self.free_blocks), "the allocator lists a block twice, or miscounts"
+        free_set = set(free)
         for b in range(self.num_blocks):
-            is_free = b in self.free_blocks
+            is_free = b in free_set
             assert self.ref_counts[b] == owners[b], f"block {b}: ref {self.ref_counts[b]} != owners {owners[b]}"
             assert is_free == (owners[b] == 0), f"block {b}: free={is_free} but owned by {owners[b]}"
-        stamps = [self.free_stamp[b] for b in self.free_blocks]
-        assert stamps == sorted(stamps), "the free queue is not in LRU (stamp) order"
+        self.free_blocks.check_invariants()  # the allocator's own (LRU: its queue in stamp order)
         for h, b in self.hash_to_block.items():
             assert self.block_hash[b] == h, f"block {b} is findable under a hash it does not hold"
         assert self.num_hit_tokens <= self.num_queried_tokens

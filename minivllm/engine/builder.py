@@ -3,9 +3,11 @@
     checkpoint      config.json -> ModelSpec; refused early if it cannot be sharded as asked
     config          resolved once (engine/resolved_config.py): device, dtype, limits, speculation
     executor        this rank's model and KV pool, and the workers' under tensor parallelism
-                    (`UniProcExecutor` / `MultiprocExecutor`, engine/executor/)
+                    (`UniProcExecutor` / `MultiprocExecutor`, engine/executor/); rank 0's sampler gets
+                    the caller's `sampling_filter`, if any (checked on every call: `CheckedFilter`)
     state pool      hybrid models: a recurrent-state slot pair per running request
-    block manager   the KV pool's bookkeeping, sized by the executor (every rank agreed on it)
+    block manager   the KV pool's bookkeeping, sized by the executor (every rank agreed on it), with the
+                    caller's `block_allocator`, if any (wrapped in `CheckedAllocator`)
     speculator      the proposer `speculative_config` asks for (a draft model loads here)
     scheduler       with the scheduling policy (a caller's own is wrapped in `CheckedPolicy`)
     processors      the request's way in (validation, tokenization) and out (RequestOutputs)
@@ -66,6 +68,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     executor = MultiprocExecutor(resolved) if c.tensor_parallel_size > 1 else UniProcExecutor(resolved, state_pool)
     try:
         runner = executor.runner
+        if c.sampling_filter is not None:  # sampling is rank 0's alone; the Triton sampler refuses one
+            runner.sampler.set_filter(c.sampling_filter)
         compilation = compile_decision(runner.model, c, resolved.device)[1]
         if runner.cuda_graphs is not None:
             compilation += f"; decode steps replay CUDA graphs {runner.cuda_graphs.sizes}"
@@ -77,7 +81,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     except BaseException:  # e.g. a draft model that fails to load: the workers must not outlive us
         executor.shutdown()
         raise
-    block_manager = BlockManager(runner.num_blocks, c.block_size, c.enable_prefix_caching)
+    block_manager = BlockManager(runner.num_blocks, c.block_size, c.enable_prefix_caching, c.block_allocator)
     scheduler = Scheduler(
         block_manager, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
         max_model_len=c.max_model_len, eos_token_ids=resolved.eos_token_ids,

@@ -7,7 +7,8 @@ in hardware (AMX or avx512_bf16), float32 otherwise (`resolve_dtype`).
 `load_rank` is what every rank runs at start-up, rank 0 (the engine) and each tensor-parallel
 worker alike, in the same order, because its last steps are collectives: build this rank's shard of
 the model, agree with the other ranks on the KV pool's size, pick the attention backend for this
-rank's heads. With one rank it is simply "build the model, size the pool".
+rank's heads (or check the caller's `AttentionBackend` instance against them: one rank only). With one
+rank it is simply "build the model, size the pool".
 """
 
 from __future__ import annotations

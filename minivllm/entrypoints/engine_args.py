@@ -4,6 +4,8 @@
     EngineConfig.enable_prefix_caching: bool        -->  --enable-prefix-caching / --no-enable-prefix-caching
     EngineConfig.max_model_len: int | None          -->  --max-model-len N         (an int; default None)
     EngineConfig.speculative_config: dict | None    -->  --speculative-config JSON
+    EngineConfig.attention_backend: str | AttentionBackend  -->  --attention-backend NAME (an instance: Python only)
+    EngineConfig.block_allocator: BlockAllocator | None     -->  --block-allocator, which refuses any value
 
 Every field but `model` becomes a flag. A flag left out is not passed at all, so `EngineConfig`
 applies its own default: defaults live in the dataclass only (--help reads them from there), and
@@ -41,7 +43,7 @@ HELP: dict[str, str] = {
                      "--cpu-kv-cache-bytes)",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes already computed",
     "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
-    "attention_backend": "auto, torch or triton",
+    "attention_backend": "auto, torch or triton (an AttentionBackend of your own: from Python, LLM(...))",
     "seed": "the engine's seed: a request without a seed gets one derived from it (reproducible runs)",
     "gpu_memory_utilization": "share of the GPU's free memory after the weights that goes to the KV cache "
                               "(less a tenth kept for activations)",
@@ -51,7 +53,11 @@ HELP: dict[str, str] = {
     "compile_sizes": "token counts that get a compiled graph, comma-separated (e.g. 1,2,4,8); a step is padded up "
                      "to the next one, larger steps run eagerly",
     "scheduling_policy": "fcfs (first come, first served) or priority (a lower request `priority` first, "
-                         "as in vLLM)",
+                         "as in vLLM); a SchedulingPolicy of your own: from Python, LLM(...)",
+    "sampling_filter": "a SamplingFilter object, so from Python only: LLM(model, sampling_filter=...); "
+                       "None: top-k, top-p, min-p",
+    "block_allocator": "a BlockAllocator object, so from Python only: LLM(model, block_allocator=...); "
+                       "None: least recently freed first",
 }
 # Older spellings, still accepted (not shown in --help).
 ALIASES = {"--no-prefix-caching": "enable_prefix_caching", "--no-chunked-prefill": "enable_chunked_prefill"}
@@ -71,8 +77,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         text = f"{describe(f.name)} (default: {f.default})".replace("%", "%%")  # argparse formats help with %
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
-        else:
-            group.add_argument(flag, type=_PARSERS.get(kind, str), default=argparse.SUPPRESS, help=text,
+        else:  # a field that only takes an object (a class, not a name) gets a flag that says so when used
+            parse = _PARSERS.get(kind) or functools.partial(_python_only, f.name, kind.__name__)
+            group.add_argument(flag, type=parse, default=argparse.SUPPRESS, help=text,
                                metavar="JSON" if kind is dict else None)
     for alias, name in ALIASES.items():
         group.add_argument(alias, dest=name, action="store_false", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -109,7 +116,8 @@ def _field_comments() -> dict[str, str]:
 
 
 def _value_type(hint: Any) -> Any:
-    """int for `int` and `int | None`; dict for `dict | None`; Any stays Any (parsed as a string)."""
+    """int for `int` and `int | None`; dict for `dict | None`; str for `str | AttentionBackend` (the
+    first of a union); a class for `SamplingFilter | None` (an object: no parser, `_python_only`)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     return typing.get_origin(hint) or hint
@@ -130,6 +138,11 @@ def _int_tuple(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be comma-separated integers (e.g. 1,2,4,8), got {text!r}") from None
+
+
+def _python_only(name: str, kind: str, text: str) -> object:
+    raise argparse.ArgumentTypeError(f"{name} takes a {kind} object, which a command line cannot give: create "
+                                     f"the engine from Python, LLM(model, {name}=...)")
 
 
 _PARSERS = {int: int, float: float, str: str, dict: _json_object, tuple: _int_tuple}

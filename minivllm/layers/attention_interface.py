@@ -56,7 +56,20 @@ class AttentionMetadata:
 
 
 class AttentionBackend(abc.ABC):
-    """What the model needs from attention. One instance serves every layer."""
+    """What the model needs from attention: the seam for a backend of your own. One instance serves every
+    layer, and each step runs, in this order:
+
+        prepare(meta)                       once a step, before the first layer: per-step work shared by
+                                            all layers (index tensors, masks), kept in `meta.plan`
+        forward(q, k, v, kv_cache, meta)    once per layer: store the T new rows' k and v in `kv_cache`
+                                            at `meta.slot_mapping` (flat slot = block * block_size + offset),
+                                            then return, for each request's query rows, attention over its
+                                            whole context (the cached prefix, then the rows, causally)
+
+    Rows past `meta.num_tokens` (a compiled step's padding) get zeros. Built-in: "torch" and "triton"
+    (`attention.py`); yours is passed as `LLM(model, attention_backend=MyBackend(num_heads, num_kv_heads,
+    head_dim))`: the engine checks those three against the model, and refuses it with tensor_parallel_size > 1
+    or a draft model (one instance serves one model's heads on one rank)."""
 
     name: str = "abstract"
     # Whether `prepare_cuda_graph` exists: decode steps replayed from CUDA graphs (engine/cuda_graphs.py).

@@ -1,7 +1,13 @@
 """The sampler: every row of a step sampled with its own parameters in one batched call.
 
     logits (S, V) ──> /temperature ──> top-k ──> top-p ──> min-p ──> argmax(logits + Gumbel noise)
+                   │                   └──── the filter step ─────┘
                    └─ greedy rows (temperature 0) take argmax(logits) directly
+
+The filter step is a seam: a `SamplingFilter` turns the temperature-scaled logits and each row's
+parameters into the logits to draw from (removed tokens -inf). `TopKTopPMinP` is the default; pass
+your own with `LLM(model, sampling_filter=MyFilter())` (the PyTorch sampler only: the Triton one filters
+inside its kernel). It never touches a greedy row: their token is the argmax of the unfiltered logits.
 
 Gumbel-max: argmax_i(l_i + g_i) with g_i = -log(E_i), E_i ~ Exp(1), is an exact draw from
 softmax(l); filtered entries are -inf and can never win. Each row's noise comes from its own
@@ -23,6 +29,7 @@ or fp32 logits (kernels/greedy_argmax.py): one pass, no float32 copy.
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -102,8 +109,9 @@ def argmax_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:  # (S, V) ->
 
 
 def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """(S, V) -> (S, V): the distribution each row is drawn from (temperature, then the filters);
-    one-hot at the argmax for greedy rows. Speculative verification compares drafts against it."""
+    """(S, V) -> (S, V): the distribution each row is drawn from (temperature, then the default filters);
+    one-hot at the argmax for greedy rows. Speculative verification compares drafts against it (which is
+    why `sampling_filter` and `speculative_config` are refused together: config.py)."""
     temps = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
     probs = apply_top_k_top_p_min_p(logits / temps[:, None], t).softmax(-1)
     greedy = torch.nn.functional.one_hot(argmax_rows(logits), logits.shape[1]).to(probs.dtype)
@@ -131,6 +139,55 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
     return logits
 
 
+class SamplingFilter(abc.ABC):
+    """The sampler's filter step. Called with a step's sampled rows, float32 logits already divided by each
+    row's temperature (R, V), and their parameters (`sampling.top_ks`, `.top_ps`, `.min_ps`, ...: yours may
+    read any of them, or none); returns (R, V) logits with every removed token set to -inf. RULES: the
+    shape stays (R, V), and a row with temperature > 0 keeps at least one token (`CheckedFilter` enforces
+    both). Greedy rows pass through too, but their token is the unfiltered argmax, whatever you return."""
+
+    name = "custom"
+
+    @abc.abstractmethod
+    def __call__(self, logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:  # (R, V) -> (R, V)
+        ...
+
+
+class TopKTopPMinP(SamplingFilter):
+    """The default filter: vLLM's top-k, then top-p, then min-p (`apply_top_k_top_p_min_p`)."""
+
+    name = "top-k-top-p-min-p"
+
+    def __call__(self, logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+        return apply_top_k_top_p_min_p(logits, sampling)
+
+
+class FilterContractError(AssertionError):
+    """A sampling filter returned something the sampler cannot draw from (the rule is in the message)."""
+
+
+class CheckedFilter(SamplingFilter):
+    """Wraps a filter of your own and checks its two RULES on every call, naming the one it breaks: a wrong
+    shape would draw tokens for the wrong rows; a sampled row with every token removed would draw token 0
+    (argmax of all -inf) without a word. One reduction over the logits a step."""
+
+    def __init__(self, inner: SamplingFilter) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def __call__(self, logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+        out = self.inner(logits, sampling)
+        rule = f"{type(self.inner).__name__} broke a RULE:"
+        if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise FilterContractError(f"{rule} a filter returns logits of the shape it was given, "
+                                      f"{tuple(logits.shape)}; got {got}")
+        emptied = ~(out > float("-inf")).any(-1) & (sampling.temperatures > 0)  # (R,) rows with nothing left
+        if bool(emptied.any()):
+            raise FilterContractError(f"{rule} every sampled row keeps at least one token (not all -inf); rows "
+                                      f"{emptied.nonzero()[:, 0].tolist()} kept none")
+        return out
+
+
 class GreedyKernelChoice(NamedTuple):
     used: bool  # all-greedy steps take their argmax from minivllm's CPU kernel (else argmax_rows, float32)
     detail: str  # what was measured, or why it was not
@@ -145,6 +202,11 @@ class Sampler:
 
     def __init__(self) -> None:
         self.greedy_kernel = GreedyKernelChoice(False, "not measured: no CPU warm-up")
+        self.filter: SamplingFilter = TopKTopPMinP()
+
+    def set_filter(self, sampling_filter: SamplingFilter) -> None:
+        """The engine's `sampling_filter` (engine/builder.py), checked on every call (`CheckedFilter`)."""
+        self.filter = sampling_filter if isinstance(sampling_filter, CheckedFilter) else CheckedFilter(sampling_filter)
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:  # (S, V) in the model's dtype -> (S,)
         if self.greedy_kernel.used and logits.dtype in (torch.float32, torch.bfloat16):
@@ -159,7 +221,7 @@ class Sampler:
         logits = logits.float()
         greedy = argmax_rows(logits)
         temps = torch.where(t.temperatures > 0, t.temperatures, torch.ones_like(t.temperatures))
-        scaled = apply_top_k_top_p_min_p(logits / temps[:, None], t)
+        scaled = self.filter(logits / temps[:, None], t)  # (S, V); greedy rows keep `greedy` below
         gumbel = self.gumbel_noise(t.seeds, t.positions, logits.shape[1], logits.device)  # (S, V)
         drawn = argmax_rows(scaled + gumbel)
         return torch.where(t.temperatures > 0, drawn, greedy)
@@ -203,6 +265,11 @@ class Sampler:
 
 class TritonSampler:
     """The same contract through `kernels/sampling.py` (bisection cut-offs, Philox Gumbel noise)."""
+
+    def set_filter(self, sampling_filter: SamplingFilter) -> None:
+        raise ValueError(f"sampling_filter={type(sampling_filter).__name__}(...) runs in the PyTorch sampler, but this "
+                         "engine samples with Triton's (attention_backend 'triton', which 'auto' picks on CUDA), "
+                         "whose kernel filters by itself (kernels/sampling.py): pass attention_backend='torch'")
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # (S, V) -> (S,)
         from minivllm.kernels.sampling import triton_sample

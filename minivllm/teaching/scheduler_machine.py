@@ -2,6 +2,7 @@
 
     machine = scheduler_machine(PriorityPolicy, priorities=True)
     run_state_machine_as_test(machine)          # or: TestScheduler = machine.TestCase, under pytest
+    scheduler_machine(make_allocator=MyAllocator)   # a block allocator of your own under the same rules
 
 hypothesis drives a `Scheduler` on a tiny pool through random actions — add a request (with n > 1
 forks, with a priority), step (`schedule` then `update_from_output`; speculative drafts attached after
@@ -14,7 +15,9 @@ shrinks the run to the shortest one that still breaks it.
 The project's own tests run this machine on the built-in policies (tests/engine/test_scheduler.py),
 and the capstone's grader runs the very same one on a student's policy (teaching/capstone.py), wrapped
 in `CheckedPolicy` (engine/scheduling_policy.py, which the engine's scheduler wraps every policy in too):
-it names the rule of the seam a policy breaks (`PolicyContractError`).
+it names the rule of the seam a policy breaks (`PolicyContractError`). A block allocator
+(`make_allocator`, engine/block_allocator.py) is wrapped in `CheckedAllocator` the same way
+(`AllocatorContractError`); the invariants and the exact rollback must hold whichever block it hands out.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from minivllm.engine.block_allocator import BlockAllocator
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.scheduling_policy import CheckedPolicy, FCFSPolicy, PolicyContractError, SchedulingPolicy
@@ -33,12 +37,13 @@ EOS = 1  # the machine's end-of-sequence token: a request that samples it finish
 
 
 def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, *, priorities: bool = False,
-                      max_spec: int = 3) -> type:
+                      max_spec: int = 3, make_allocator: Callable[[], BlockAllocator] | None = None) -> type:
     """The scheduler's hypothesis state machine, for any policy: random add / step / abort / failed
     step against a tiny pool (speculative drafts and n > 1 forks included), the block manager's
     invariants after every action, and a full drain at the end. `priorities`: also add requests with
     random priorities in -2..2. Run it with `run_state_machine_as_test(machine)` or as
-    `machine.TestCase` under pytest. The policy is wrapped in `CheckedPolicy`."""
+    `machine.TestCase` under pytest. The policy is wrapped in `CheckedPolicy`. `make_allocator`: the block
+    manager's allocator (None: the default LRU), wrapped in `CheckedAllocator`."""
     import hypothesis.strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -49,8 +54,10 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
                     budget=st.integers(2, 24), chunked=st.booleans(), seed=st.integers(0, 1000),
                     spec=st.integers(0, max_spec))
         def setup(self, num_blocks: int, block_size: int, budget: int, chunked: bool, seed: int, spec: int) -> None:
-            self.sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=4, max_num_batched_tokens=budget,
-                                   max_model_len=64 if chunked else budget, eos_token_ids=frozenset({EOS}),
+            allocator = make_allocator() if make_allocator is not None else None
+            self.sched = Scheduler(BlockManager(num_blocks, block_size, allocator=allocator), max_num_seqs=4,
+                                   max_num_batched_tokens=budget, max_model_len=64 if chunked else budget,
+                                   eos_token_ids=frozenset({EOS}),
                                    enable_chunked_prefill=chunked, max_admission_skips=3,
                                    policy=CheckedPolicy(make_policy()))
             self.num_speculative_tokens = spec
@@ -146,5 +153,6 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
             assert bm.num_free_blocks == bm.num_blocks
             bm.check_invariants([])
 
-    SchedulerMachine.__name__ = f"SchedulerMachine[{getattr(make_policy, '__name__', 'policy')}]"
+    allocator_name = "" if make_allocator is None else f", {getattr(make_allocator, '__name__', 'allocator')}"
+    SchedulerMachine.__name__ = f"SchedulerMachine[{getattr(make_policy, '__name__', 'policy')}{allocator_name}]"
     return SchedulerMachine

@@ -18,7 +18,7 @@ def kv1_dir(tmp_path_factory) -> str:
 
 @pytest.fixture
 def one_thread_per_rank():
-    """The workers take rank 0's thread count (distributed/worker.py)."""
+    """The workers take rank 0's thread count (engine/executor/worker.py)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -144,7 +144,7 @@ def test_a_worker_warming_up_longer_than_a_steps_timeout_is_waited_for(qwen3_dir
 
 DIES_WHILE_STARTING = """
 import os
-import minivllm.distributed.worker as worker
+import minivllm.engine.executor.worker as worker
 
 
 def crash(*args):  # a worker that dies before it joins: a missing library, the OOM killer

@@ -119,8 +119,9 @@ class MultiprocExecutor(Executor):
     def _load_ranks(self, resolved: ResolvedConfig) -> ModelRunner:
         """Rank 0's shard and runner, built while every worker builds its own (they end in the same collective)."""
         config, dtype = resolved.engine, resolved.dtype
+        # The scheduler's, the proposer's and the sampler's parts are rank 0's business, and may not pickle.
         worker_config = config.replace(dtype=str(dtype).removeprefix("torch."), speculative_config=None,
-                                       scheduling_policy="fcfs")  # rank 0's business, and may not pickle
+                                       scheduling_policy="fcfs", sampling_filter=None, block_allocator=None)
         with self.run(WorkerStart(worker_config)):
             rank = load_rank(config, resolved.spec, self.tp.device, dtype, self.tp)
             # Wait (with the start-up bound, not a step's) until every worker has built its shard and warmed up,

@@ -180,8 +180,7 @@ class EngineCollector(Collector):
 
     def __init__(self, engine: AsyncLLMEngine, labels: tuple[str, str]) -> None:
         self.engine, self.labels = engine, list(labels)
-        spec = engine.engine.spec_config
-        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0  # 0: spec decoding off
+        self.num_spec_tokens = engine.engine.resolved.num_speculative_tokens  # 0: spec decoding off
         self._highest: dict[tuple[str, ...], float] = {}  # (counter, label values...) -> highest total seen
 
     def collect(self) -> Iterator[Metric]:

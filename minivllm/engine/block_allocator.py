@@ -1,0 +1,190 @@
+"""`BlockAllocator`: which free block the `BlockManager` hands out next, the seam for eviction policies.
+
+A free block may still hold a cached prefix (its hash stays findable until the block is reused), so
+choosing the block to reuse IS choosing which cached prefix to evict. The block manager keeps the
+mechanics — ref counts, hashes, block tables, the undo log — and asks its allocator five things:
+
+    reset(num_blocks)        every block 0 .. num_blocks-1 is free; block b was freed at time b
+    take() -> block          remove and return the free block to reuse now (its cached prefix is evicted)
+    give_back(block, stamp)  a block's last owner let go at time `stamp` (a clock that only goes up)
+    revive(block)            remove this free block: a prefix-cache hit took it, or a rollback undoes a free
+    len() / iter()           how many blocks are free; each of them once, the next to be taken first
+
+`LRUAllocator` is the default: the least recently freed block goes first (vLLM's order), so a prefix
+used a moment ago outlives one unused for long. Write your own by subclassing `BlockAllocator`
+(`LLM(model, block_allocator=MyAllocator())`); the engine wraps it in `CheckedAllocator`, which refuses
+(`AllocatorContractError`, naming the rule) a `take()` of a block that is not free and a count that
+disagrees with the blocks given and taken.
+
+Rollback. A failed step is undone by the block manager's undo log, which records each block's stamp.
+It calls `revive` for the blocks freed during the step, then `restore([(block, stamp), ...])` for the
+blocks that were free before it, oldest first. The default `restore` gives each back with its old
+stamp: exact for an allocator whose choice depends only on which blocks are free and their stamps
+(LRU, MRU, lowest id first, ...). One whose state has a history of its own (a random generator) must
+restore it too, or the rolled-back step will not replay the same choices.
+
+One instance serves one engine: `reset` is called when the engine's block manager is built.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from collections.abc import Iterator
+
+
+class BlockAllocator(abc.ABC):
+    name = "custom"
+
+    @abc.abstractmethod
+    def reset(self, num_blocks: int) -> None:
+        """Every block of the pool free; block b counts as freed at time b (stamps 0 .. num_blocks-1)."""
+
+    @abc.abstractmethod
+    def take(self) -> int:
+        """Remove and return one free block: the one to reuse now (raise if none is free: the block
+        manager only asks when `len(self)` says one is)."""
+
+    @abc.abstractmethod
+    def give_back(self, block: int, stamp: int) -> None:
+        """`block` is free again, freed at time `stamp` (later blocks get larger stamps)."""
+
+    @abc.abstractmethod
+    def revive(self, block: int) -> None:
+        """Remove `block`, which is free, from the free blocks (it is owned again)."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """How many blocks are free."""
+
+    @abc.abstractmethod
+    def __iter__(self) -> Iterator[int]:
+        """Every free block once, the next to be taken first (traces and tests read it; need not be fast)."""
+
+    def restore(self, blocks: list[tuple[int, int]]) -> None:
+        """A rollback: these (block, stamp) pairs, free before the failed step, are free again with the
+        stamps they had, oldest first."""
+        for block, stamp in blocks:
+            self.give_back(block, stamp)
+
+    def check_invariants(self) -> None:
+        """Your allocator's own invariants, asserted by `BlockManager.check_invariants` (none by default)."""
+
+
+class LRUAllocator(BlockAllocator):
+    """The least recently freed block is reused first: an `OrderedDict` of block -> stamp, oldest first,
+    always in stamp order, so taking is popping the head and freeing is appending at the tail."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self.queue: OrderedDict[int, int] = OrderedDict()
+
+    def reset(self, num_blocks: int) -> None:
+        self.queue = OrderedDict((b, b) for b in range(num_blocks))
+
+    def take(self) -> int:
+        return self.queue.popitem(last=False)[0]
+
+    def give_back(self, block: int, stamp: int) -> None:
+        self.queue[block] = stamp  # the newest stamp: the tail
+
+    def revive(self, block: int) -> None:
+        del self.queue[block]  # a hit may take a block from the middle of the queue
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.queue)
+
+    def restore(self, blocks: list[tuple[int, int]]) -> None:
+        """Blocks taken from the head go back to the head in O(len(blocks)); a block revived from the
+        middle (a prefix-cache hit) needs the queue rebuilt in stamp order, which only a failed step pays."""
+        if not blocks:
+            return
+        head = next(iter(self.queue.values()), None)
+        if head is None or blocks[-1][1] < head:
+            for block, stamp in reversed(blocks):
+                self.queue[block] = stamp
+                self.queue.move_to_end(block, last=False)
+            return
+        self.queue = OrderedDict(sorted([*self.queue.items(), *blocks], key=lambda item: item[1]))
+
+    def check_invariants(self) -> None:
+        stamps = list(self.queue.values())
+        assert stamps == sorted(stamps), "the free queue is not in LRU (stamp) order"
+
+
+class AllocatorContractError(AssertionError):
+    """An allocator did something the block manager cannot use (the rule is in the message)."""
+
+
+class CheckedAllocator(BlockAllocator):
+    """Wraps an allocator and enforces the seam's contract on every call, naming the allocator and the rule
+    it breaks: a block taken that is not free would be shared by two sequences (each overwriting the
+    other's K/V); a count that is wrong would admit a request the pool cannot hold. It keeps its own set of
+    the free blocks (O(1) a call). The engine wraps every allocator of your own in it (`get_allocator`)."""
+
+    def __init__(self, inner: BlockAllocator) -> None:
+        self.inner, self.name = inner, inner.name
+        self.free: set[int] = set()
+
+    def reset(self, num_blocks: int) -> None:
+        self.inner.reset(num_blocks)
+        self.free = set(range(num_blocks))
+        self._counts("reset")
+
+    def take(self) -> int:
+        block = self.inner.take()
+        if block not in self.free:
+            raise AllocatorContractError(
+                f"{type(self.inner).__name__} broke a RULE: take() must return a free block; got {block!r}, which "
+                "is owned by a sequence or not a block of the pool (its K/V would be overwritten)")
+        self.free.remove(block)
+        self._counts("take")
+        return block
+
+    def give_back(self, block: int, stamp: int) -> None:
+        self.inner.give_back(block, stamp)
+        self.free.add(block)
+        self._counts(f"give_back({block})")
+
+    def revive(self, block: int) -> None:
+        self.inner.revive(block)
+        self.free.discard(block)
+        self._counts(f"revive({block})")
+
+    def restore(self, blocks: list[tuple[int, int]]) -> None:
+        self.inner.restore(blocks)
+        self.free.update(b for b, _ in blocks)
+        self._counts("restore")
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.inner)
+
+    def check_invariants(self) -> None:
+        listed = list(self.inner)
+        assert len(listed) == len(self.free) and set(listed) == self.free, (
+            f"{type(self.inner).__name__} broke a RULE: iterating must give every free block once; "
+            f"got {sorted(listed)[:12]}, free are {sorted(self.free)[:12]}")
+        self.inner.check_invariants()
+
+    def _counts(self, call: str) -> None:
+        if len(self.inner) != len(self.free):
+            raise AllocatorContractError(
+                f"{type(self.inner).__name__} broke a RULE: len() must count the free blocks; after {call} it says "
+                f"{len(self.inner)}, but {len(self.free)} are free")
+
+
+def get_allocator(allocator: BlockAllocator | None) -> BlockAllocator:
+    """The engine's allocator: LRU by default; one of your own, wrapped in `CheckedAllocator`."""
+    if allocator is None:
+        return LRUAllocator()
+    if not isinstance(allocator, BlockAllocator):
+        raise ValueError(f"block_allocator={allocator!r} is not a BlockAllocator: subclass "
+                         "minivllm.engine.block_allocator.BlockAllocator, or pass None for LRU")
+    return allocator if isinstance(allocator, CheckedAllocator) else CheckedAllocator(allocator)
