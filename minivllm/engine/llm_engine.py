@@ -55,8 +55,8 @@ class LLMEngine:
             r.eos_token_ids
         self.tokenizer, self.executor, self.state_pool = parts.tokenizer, parts.executor, parts.state_pool
         self.block_manager, self.scheduler, self.speculator = parts.block_manager, parts.scheduler, parts.speculator
-        self.input_processor, self.output_processor = parts.input_processor, parts.output_processor
-        self.compilation = parts.compilation
+        self.input_processor, self.output_processor, self.compilation = (parts.input_processor, parts.output_processor,
+                                                                         parts.compilation)
         self.recovery = StepRecovery(self.scheduler, self.executor, self.config.block_size)
         self.requests: dict[str, RequestState] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step
@@ -64,7 +64,7 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.trace: list[StepTrace] = []  # filled when config.record_trace
         self._gc_frozen = False
-        if self.config.warmup:
+        if self.config.warmup:  # the CPU kernels chosen by timing, the first steps run (engine/warmup.py)
             self.executor.warmup()
             gc.collect()
             gc.freeze()  # long-lived objects (model, tokenizer) leave the GC's scans: shorter pauses
@@ -72,7 +72,7 @@ class LLMEngine:
             self._unfreeze = weakref.finalize(self, gc.unfreeze)  # also if the engine is dropped, or at exit
 
     @classmethod
-    def from_engine_args(cls, model: str, **kwargs: object) -> "LLMEngine":
+    def from_engine_args(cls, model: str, **kwargs: object) -> "LLMEngine":  # vLLM's name
         return cls(EngineConfig(model=model, **kwargs))
 
     @property
@@ -134,7 +134,9 @@ class LLMEngine:
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Plan, run and commit one step; returns one output per request that changed."""
+        """schedule() -> execute_model() -> update_from_output(); one output per request that changed. The
+        transaction begins before schedule(), rolls back (and bisects) if execute_model raises, and
+        commits when it returns, before update_from_output applies the results."""
         outputs, self._pending = self._pending, []
         if not self.scheduler.is_finished():
             with self._reported_later_if_it_raises(outputs):
@@ -224,9 +226,7 @@ class LLMEngine:
                 self.speculator.propose(self.scheduler.running, self.scheduler.draft_room)
 
     def _counted(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        for o in outputs:
-            if o.finished:
-                self.counters.count_finished(o.outputs[0].finish_reason)
+        self.counters.count_finished(o.outputs[0].finish_reason for o in outputs if o.finished)
         return outputs
 
     # --- introspection and shutdown ----------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,8 +83,9 @@ class EngineCounters:
         self.forward_time_s += forward_time_s
         self.step_time_s += step_time_s
 
-    def count_finished(self, reason: str) -> None:
-        self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1
+    def count_finished(self, reasons: Iterable[str]) -> None:
+        for reason in reasons:
+            self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1
 
 
 def engine_stats(c: EngineCounters, bm: BlockManager, scheduler: Scheduler, speculator: Speculator | None

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from minivllm.engine.scheduling_policy import SchedulingPolicy
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.sampling_params import SamplingParams
 from minivllm.teaching.hf_check import assert_hf_greedy
 from minivllm.teaching.scheduler_machine import CheckedPolicy, scheduler_machine
@@ -46,7 +46,7 @@ def check_policy_matches_hf(make_policy: Callable[[], SchedulingPolicy], model_d
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False,
                         priority=[rng.randint(-2, 2) for _ in prompts])
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].finish_reason == "length", f"a request did not finish normally: {o.outputs[0]}"
+        assert o.outputs[0].finish_reason == FinishReason.LENGTH, f"a request did not finish normally: {o.outputs[0]}"
         assert_hf_greedy(hf, p, o.outputs[0].token_ids)
     return llm.get_stats().num_preemptions
 
