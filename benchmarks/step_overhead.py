@@ -5,6 +5,11 @@
 A one-layer random model keeps the forward tiny, so what is left is the engine's own bookkeeping:
 scheduling, packing, sampling, committing, and the step's transaction. That bookkeeping must cost
 what the step touches, not what the pool holds: the ratio printed last should stay near 1.
+
+Each line also gives the whole step's time: what "the forward" counts has moved between versions
+(the attention backend's per-step plan is built inside `ModelRunner.forward` since the forward became
+the one path every rank runs), so two versions are compared on the whole step, which that move does
+not change. Compare two checkouts by running this script with each on PYTHONPATH, alternating.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.teaching.checkpoints import make_tiny_model
 
 
-def overhead_per_step_ms(model: str, num_blocks: int, requests: int, max_tokens: int) -> float:
+def overhead_per_step_ms(model: str, num_blocks: int, requests: int, max_tokens: int) -> tuple[float, float]:
+    """(ms a step outside the forward, ms a whole step)."""
     llm = LLM(model, num_kv_blocks=num_blocks, block_size=16)
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 300 for j in range(24 + i)]} for i in range(requests)]
     sp = SamplingParams(temperature=0.8, seed=1, max_tokens=max_tokens, ignore_eos=True)
@@ -27,8 +33,9 @@ def overhead_per_step_ms(model: str, num_blocks: int, requests: int, max_tokens:
     llm.generate(prompts, sp, use_tqdm=False)
     s1 = llm.get_stats()
     steps = s1.num_steps - s0.num_steps
-    outside = (s1.step_time_s - s0.step_time_s) - (s1.forward_time_s - s0.forward_time_s)
-    return 1e3 * outside / steps
+    whole = s1.step_time_s - s0.step_time_s
+    outside = whole - (s1.forward_time_s - s0.forward_time_s)
+    return 1e3 * outside / steps, 1e3 * whole / steps
 
 
 def main(argv: list[str]) -> int:
@@ -43,9 +50,10 @@ def main(argv: list[str]) -> int:
         results = {}
         for n in args.blocks:
             runs = [overhead_per_step_ms(model, n, args.requests, args.max_tokens) for _ in range(args.repeats)]
-            results[n] = statistics.median(runs)
-            print(f"{n:>8} blocks: {results[n]:.3f} ms per step outside the forward "
-                  f"(median of {args.repeats}: {', '.join(f'{r:.3f}' for r in runs)})")
+            results[n] = statistics.median(r[0] for r in runs)
+            print(f"{n:>8} blocks: {results[n]:.3f} ms per step outside the forward, "
+                  f"{statistics.median(r[1] for r in runs):.3f} ms a whole step "
+                  f"(median of {args.repeats}: {', '.join(f'{r[0]:.3f}/{r[1]:.3f}' for r in runs)})")
         small, large = results[min(results)], results[max(results)]
         print(f"ratio {max(results)} / {min(results)} blocks: {large / small:.2f}x")
     return 0
