@@ -55,6 +55,7 @@ SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp"
 LIBRARY = "minivllm_cpu"
 BUILD_WAIT_S = 900.0  # the longest wait for another process's build: ~1 min on 2 idle cores, several on a busy one
 PROGRESS_EVERY_S = 10.0
+CFLAGS = ["-march=native"]  # built for the CPU at hand
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,9 @@ def load_cpu_kernels() -> CpuKernelsBuild:
         return CpuKernelsBuild(False, f"built only on Linux x86-64 / arm64, not {sys.platform} {platform.machine()}")
     log = logging.getLogger("minivllm")
     try:
-        cflags = ["-march=native"]
-        name = f"minivllm_cpu_kernels_{_build_key(cflags)}"
+        name = f"minivllm_cpu_kernels_{build_key()}"
         log.info("loading minivllm's CPU kernels %s (compiled the first time on this machine)", name)
-        build_cpu_kernels(name, cflags)
+        build_cpu_kernels(name, CFLAGS)
     except Exception as error:  # no compiler, no ninja, a compile error: the engine runs without them
         text = str(error).strip() or type(error).__name__
         log.warning("minivllm's CPU kernels could not be built; running on torch's kernels instead:\n%s", text)
@@ -147,9 +147,11 @@ def _digest(files: tuple[str, ...]) -> str:
     return hashlib.sha256(b"".join((here / f).read_bytes() for f in files)).hexdigest()[:12]
 
 
-def _build_key(cflags: list[str]) -> str:
+def build_key(cflags: tuple[str, ...] = tuple(CFLAGS)) -> str:
     """A digest of what the binary depends on: this CPU's instruction-set flags (the build is -march=native),
-    torch's version, the machine, the sources and headers, and the flags."""
+    torch's version, the machine, the sources and headers, and the flags. The build folder is named after
+    it, and the tuning cache (minivllm/layers/tuning_cache.py) keys its timings with it: a timing of other
+    kernels, or on another CPU, says nothing about these."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

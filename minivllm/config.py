@@ -27,6 +27,7 @@ from minivllm.engine.block_allocator import BlockAllocator
 from minivllm.engine.scheduling_policy import SchedulingPolicy, get_policy
 from minivllm.layers.attention_interface import AttentionBackend
 from minivllm.layers.sampler import SamplingFilter
+from minivllm.layers.tuner import TUNING_MODES, Tuning
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
@@ -91,6 +92,10 @@ class EngineConfig:
     # (docs/guides/benchmarks.md).
     enforce_eager: bool | None = None
     compile_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    # The CPU kernels' choices (matmul forms, norm/RoPE, decode attention, greedy argmax; layers/tuner.py):
+    # "cached" measures once per machine, dtype and shapes and reuses the answer from
+    # $MINIVLLM_CACHE/tuning; "remeasure" times again and saves; "off" times nothing (the fixed rules).
+    tuning: Tuning = "cached"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -138,6 +143,8 @@ class EngineConfig:
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True, False or None (auto)")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
+        if self.tuning not in TUNING_MODES:
+            raise ValueError(f"tuning={self.tuning!r} is invalid: choose one of {TUNING_MODES}")
         get_policy(self.scheduling_policy)  # raises, naming the choices
         self._check_seams()
 

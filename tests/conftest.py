@@ -35,6 +35,14 @@ MODEL_VARIANTS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def own_tuning_cache(tmp_path_factory, monkeypatch):
+    """Each test its own tuning cache (layers/tuning_cache.py), inherited by the processes it starts: a
+    choice timed (or forced) by one test never decides another's kernels, whatever the order, and the
+    user's cache is never written by a test."""
+    monkeypatch.setenv("MINIVLLM_TUNING_CACHE", str(tmp_path_factory.mktemp("tuning")))
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     @functools.cache

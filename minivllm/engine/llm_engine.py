@@ -65,7 +65,7 @@ class LLMEngine:
         self.trace: list[StepTrace] = []  # filled when config.record_trace
         self._gc_frozen = False
         if self.config.warmup:  # the CPU kernels chosen by timing, the first steps run (engine/warmup.py)
-            self.executor.warmup()
+            self.executor.warmup(self.config.tuning)
             gc.collect()
             gc.freeze()  # long-lived objects (model, tokenizer) leave the GC's scans: shorter pauses
             self._gc_frozen = True

@@ -50,6 +50,7 @@ from minivllm.layers.logits_processors import apply_logits_processing
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
 from minivllm.models.compiled_forward import padded_num_tokens
 from minivllm.models.hf_config import ModelSpec
+from minivllm.layers.tuner import Tuning
 from minivllm.models.interface import CausalLM
 
 PROMPT_LOGPROBS_CHUNK = 256  # prompt rows whose logits and log-softmax exist at once (prompt_logprobs)
@@ -250,10 +251,10 @@ class ModelRunner:
             dst = torch.tensor([p[1] for p in pairs], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (L, 2, n, bs, Hkv, D)
 
-    def measure_cpu_kernels(self) -> list[str]:
-        """Time the CPU kernels' choices on this machine and say what was chosen (engine/warmup.py)."""
+    def measure_cpu_kernels(self, tuning: Tuning = "cached") -> list[str]:
+        """Choose the CPU kernels on this machine (tuning cache or timing) and say what was chosen (engine/warmup.py)."""
         return measure_cpu_kernels(self.model, self.backend, self.sampler, self.kv_cache.dtype, self.block_size,
-                                   self.spec.vocab_size, self.device)
+                                   self.spec.vocab_size, self.device, tuning)
 
     def warmup_plans(self, num_tokens: int = 8) -> list[SchedulerOutput]:
         """The steps warm-up runs: one small prefill through the whole stack (on free, uncached blocks), so

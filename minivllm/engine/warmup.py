@@ -1,8 +1,10 @@
 """Warm-up: the CPU kernels chosen by timing them on this machine, and the first steps run before any request.
 
-    measure_cpu_kernels   time the matmul forms (layers/matmul_plan.py), RMSNorm's and RoPE's two ways
+    measure_cpu_kernels   choose the matmul forms (layers/matmul_plan.py), RMSNorm's and RoPE's two ways
                           (layers/norm_rope_kernels.py), decode attention's (layers/torch_attention.py)
-                          and greedy sampling's (layers/sampler.py), keep the faster, say what was chosen
+                          and greedy sampling's (layers/sampler.py) through the one tuner
+                          (layers/tuner.py): read from the tuning cache, or timed, the faster kept and
+                          saved; say what was chosen and whether it was cached or measured
     warmup_batch          prompts on free, uncached blocks: one small prefill through the whole stack,
                           so that lazy initialisation (allocators, kernels' first calls, a compiled
                           model's graphs, one per size) happens before the first request is timed
@@ -20,24 +22,25 @@ from minivllm.engine.step_types import ScheduledSequence
 from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.sampler import Sampler, TritonSampler
 from minivllm.layers.torch_attention import TorchAttentionBackend
+from minivllm.layers.tuner import Tuning
 from minivllm.models.interface import CausalLM
 from minivllm.sampling_params import SamplingParams
 
 
 def measure_cpu_kernels(model: CausalLM, backend: AttentionBackend, sampler: Sampler | TritonSampler, kv_dtype: torch.dtype,
-                        block_size: int, vocab_size: int, device: torch.device) -> list[str]:
+                        block_size: int, vocab_size: int, device: torch.device, tuning: Tuning = "cached") -> list[str]:
     """Choose each kernel on this machine; one line each of what was chosen (logged at INFO, and
     printed by `minivllm bench`). Idempotent for the matmuls."""
-    said = [model.plan_matmuls().summary()]
+    said = [model.plan_matmuls(tuning).summary()]
     if device.type != "cpu":
         return said
-    norm_rope = model.choose_norm_rope_kernels()
+    norm_rope = model.choose_norm_rope_kernels(tuning)
     if norm_rope is not None:
         said.append(str(norm_rope))
     if isinstance(backend, TorchAttentionBackend):  # the Triton backend has no CPU kernel to choose
-        said.append(str(backend.choose_decode_kernel(kv_dtype, block_size)))
+        said.append(str(backend.choose_decode_kernel(kv_dtype, block_size, tuning)))
     if isinstance(sampler, Sampler):
-        said.append(str(sampler.choose_greedy_kernel(vocab_size, kv_dtype)))
+        said.append(str(sampler.choose_greedy_kernel(vocab_size, kv_dtype, tuning)))
     return said
 
 

@@ -5,6 +5,7 @@
     minivllm chat [--verbose]                         an interactive chat (/reset, /exit)
     minivllm serve [--port 8000]                      an OpenAI-compatible server on 127.0.0.1
     minivllm bench [--single-stream]                  the benchmarks against HF transformers
+    minivllm tune [--model PATH]                      measure the CPU kernels' choices now and cache them
 
 Every subcommand takes the engine's options, generated from `EngineConfig` (engine_args.py):
 `--max-model-len`, `--enable-prefix-caching/--no-enable-prefix-caching`, `--speculative-config JSON`, ...
@@ -82,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-hf-cb", action="store_true", help="skip HF continuous batching (the slowest run)")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, cores))")
     add_engine_args(bench)
+
+    tune = sub.add_parser("tune", help="measure the CPU kernels' choices ahead of time and cache them",
+                          description="Build the engine with --tuning remeasure: time the matmul forms, norm/RoPE, "
+                                      "decode attention and greedy argmax for this model on this machine, save "
+                                      "them in the tuning cache, and print them and the file. Later starts with "
+                                      "the same options (--tuning cached, the default) read them back.")
+    _model_arg(tune)
     return parser
 
 
@@ -194,13 +202,26 @@ def cmd_bench(args: argparse.Namespace) -> None:
         bench.throughput(args.model, args.num_requests, hf_cb=not args.no_hf_cb, hf=not args.no_hf, **engine)
 
 
+def cmd_tune(args: argparse.Namespace) -> None:
+    from minivllm.layers.tuning_cache import TuningCache
+    from minivllm.llm import LLM
+
+    if getattr(args, "tuning", "remeasure") != "remeasure":
+        raise ValueError(f"`minivllm tune` always re-measures; drop --tuning {args.tuning}")
+    llm = LLM(args.model, **{**engine_kwargs(args), "tuning": "remeasure"})
+    for line in llm.llm_engine.model_runner.measure_cpu_kernels("cached"):  # what was just saved, read back
+        print(line)
+    print(f"saved in {TuningCache().path}")
+    llm.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from minivllm.model_source import ModelUnavailableError
 
     try:
-        {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
+        {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench, "tune": cmd_tune}[args.command](args)
     except KeyboardInterrupt:
         print("\nminivllm: interrupted", file=sys.stderr)
         return 130

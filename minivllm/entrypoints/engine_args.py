@@ -56,6 +56,8 @@ HELP: dict[str, str] = {
                          "as in vLLM); a SchedulingPolicy of your own: from Python, LLM(...)",
     "sampling_filter": "a SamplingFilter object, so from Python only: LLM(model, sampling_filter=...); "
                        "None: top-k, top-p, min-p",
+    "tuning": "the CPU kernels' choices: cached (measure once per machine, dtype and shapes, then reuse; in "
+              "$MINIVLLM_CACHE/tuning), remeasure (time again and save) or off (fixed rules, nothing timed)",
     "block_allocator": "a BlockAllocator object, so from Python only: LLM(model, block_allocator=...); "
                        "None: least recently freed first",
 }
@@ -120,6 +122,8 @@ def _value_type(hint: Any) -> Any:
     first of a union); a class for `SamplingFilter | None` (an object: no parser, `_python_only`)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is typing.Literal:  # a few names (tuning): a string, checked by EngineConfig
+        return str
     return typing.get_origin(hint) or hint
 
 

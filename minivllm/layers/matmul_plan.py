@@ -11,11 +11,13 @@ an Intel Xeon Sapphire Rapids (AMX) WEIGHT_LEFT made single-stream decode 2x slo
 against 22.9 with F.linear). SKINNY streamed the weights of a bf16 model 1.85x faster than PACKED
 for one row and 1.15x for 16 (fp32: 1.4x and even), on 2 AMD EPYC cores. So nothing is assumed:
 `measure` times the forms on the machine at hand and keeps the fastest per `MatmulKey` (out_features,
-in_features, dtype, row bucket). `summary()` says what was chosen and why.
+in_features, dtype, row bucket), through the tuner (tuner.py), which caches the plan per machine and
+per set of weight shapes: later starts read it back and time nothing. `summary()` says what was
+chosen, why, and whether it was measured now or read from the cache.
 
 Invariants:
-  * Unmeasured means LINEAR. No warm-up, a GPU, or weights that fit in the last-level cache
-    (nothing to stream, only noise to time): `form_for` answers LINEAR.
+  * Unmeasured means LINEAR. No warm-up, tuning='off', a GPU, or weights that fit in the last-level
+    cache (nothing to stream, only noise to time): `form_for` answers LINEAR.
   * Prefill-sized products (more than 64 rows) are one bucket, timed at 65 and 512 rows and used for
     every larger count too: there the forms compete on compute, not on streaming, and PACKED was
     1.08-1.31x faster than F.linear in fp32 at those two ends, within 5 % in bf16 (2 AMD EPYC cores).
@@ -37,25 +39,25 @@ Invariants:
     weight that sits in cache looks several times faster than it runs in a model, and the
     comparison would be between two wrong numbers.
   * The plan belongs to one model (`LlamaForCausalLM.matmul_plan`, handed to each of its `Linear`
-    modules); there is no process-wide cache, so what a plan says is what its model does.
+    modules), so what a plan says is what its model does. The tuning cache holds its decisions by
+    the timed weights' shapes, so another model of the same shapes on this machine reads the same
+    plan: the timing depends on the shapes, not on the values.
 """
 
 from __future__ import annotations
 
 import math
-import platform
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.skinny_gemm import can_pack_skinny
+from minivllm.layers.cpu_info import CpuInfo  # also imported from here (quantization.py, engine/loading.py)
 from minivllm.layers.matmul_forms import MatmulForm, can_pack, matmul, pack, pack_skinny
-
-MARGIN = 0.05  # another form must be at least 5 % faster to replace the default
+from minivllm.layers.tuner import MARGIN, Tuning, choose_many
 
 
 class RowBucket(NamedTuple):
@@ -85,55 +87,6 @@ class MatmulKey(NamedTuple):
     bucket: RowBucket
 
 
-@dataclass(frozen=True)
-class CpuInfo:
-    model_name: str
-    amx: bool  # Intel Advanced Matrix Extensions (amx_tile): oneDNN's bf16/int8 tile kernels
-    avx512_bf16: bool
-    last_level_cache_bytes: int
-    vnni: bool = False  # int8 dot products summed in 32 bits (avx512_vnni / avx_vnni): fbgemm's int8 kernels
-
-    @property
-    def native_bf16(self) -> bool:
-        """Whether the CPU computes bf16 in hardware (AMX tiles or AVX-512 BF16 dot products); without
-        either, oneDNN converts bf16 to fp32 in software and bf16 gains nothing but half the bytes."""
-        return self.amx or self.avx512_bf16
-
-    @classmethod
-    def read(cls) -> "CpuInfo":
-        """From /proc/cpuinfo and /sys (Linux); elsewhere `platform.processor()` and a 32 MiB guess."""
-        name, flags = platform.processor() or "unknown CPU", set()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break  # the first processor is enough
-        except OSError:
-            pass
-        return cls(name, "amx_tile" in flags, "avx512_bf16" in flags, _last_level_cache_bytes(),
-                   vnni=bool(flags & {"avx512_vnni", "avx_vnni"}))
-
-    def __str__(self) -> str:
-        yes_no = {True: "yes", False: "no"}
-        return (f"CPU: {self.model_name} (AMX: {yes_no[self.amx]}, avx512_bf16: {yes_no[self.avx512_bf16]}, "
-                f"last-level cache {self.last_level_cache_bytes >> 20} MiB)")
-
-
-def _last_level_cache_bytes(default: int = 32 << 20) -> int:
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            size = (index / "size").read_text().strip()  # e.g. "32768K"
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-        sizes.append(int(size.rstrip("KM")) * scale)
-    return max(sizes, default=default)
-
-
 @dataclass
 class MatmulPlan:
     """The chosen form per `MatmulKey`, filled by `measure`; `form_for` is called by every `linear`."""
@@ -142,6 +95,7 @@ class MatmulPlan:
     speedups: dict[MatmulKey, float] = field(default_factory=dict)  # LINEAR time / fastest other form's
     measured_with_threads: int | None = None  # None: not measured (yet)
     weight_bytes: int = 0  # of the weights `measure` was given
+    source: str = "not measured"  # "measured", "cached" (by an earlier process), "tuning off" or "fits in cache"
 
     def form_for(self, weight: torch.Tensor, rows: int) -> MatmulForm:
         key = MatmulKey(weight.shape[0], weight.shape[1], weight.dtype, row_bucket(rows))
@@ -149,56 +103,42 @@ class MatmulPlan:
 
     @torch.inference_mode()
     def measure(self, weights: list[torch.Tensor], repeats: int = 5, cache_bytes: int | None = None,
-                decode_only: tuple[torch.Tensor, ...] = ()) -> None:
+                decode_only: tuple[torch.Tensor, ...] = (), tuning: Tuning = "cached") -> None:
         """Time the forms over `weights` (the model's, in forward order) for each bucket and keep the
-        fastest. CPU weights only: on a GPU the plan stays empty (LINEAR). Weights that fit in the
-        last-level cache (`cache_bytes`, default: this CPU's) are not timed and keep LINEAR: there
-        the decode buckets have nothing to stream faster, and timing microsecond matmuls on a shared
-        machine measures the other processes more than the forms (such a model is small enough that
-        its prefills are short too). Weights in `decode_only` (the LM head: it multiplies sampled rows,
-        a few per request) are not timed at prefill sizes."""
+        fastest, through the tuner (tuner.py: with tuning='cached' a plan measured before for these
+        weights' shapes on this machine is read back, nothing timed; 'off' keeps LINEAR). CPU weights
+        only: on a GPU the plan stays empty (LINEAR). Weights that fit in the last-level cache
+        (`cache_bytes`, default: this CPU's) are not timed and keep LINEAR: there the decode buckets have
+        nothing to stream faster, and timing microsecond matmuls on a shared machine measures the other
+        processes more than the forms (such a model is small enough that its prefills are short too).
+        Weights in `decode_only` (the LM head: it multiplies sampled rows, a few per request) are not
+        timed at prefill sizes."""
         weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
         if not weights:
             return
         cache_bytes = CpuInfo.read().last_level_cache_bytes if cache_bytes is None else cache_bytes
         self.weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-        # per key and form: LINEAR time / that form's time, the worse of the bucket's two ends
-        speedups: dict[MatmulKey, dict[MatmulForm, float]] = {}
+        self.forms, self.speedups, self.source = {}, {}, "tuning off" if tuning == "off" else "fits in cache"
         if self.weight_bytes >= cache_bytes:
             sample = _cache_flushing_sample(weights, 2 * cache_bytes)
             skinny_built = load_cpu_kernels().available
-            for w in sample:
-                if can_pack(w):
-                    pack(w)
-                if skinny_built and can_pack_skinny(w):
-                    pack_skinny(w)
-            # Prefill-sized products are compute-bound (65+ FLOPs per weight byte): whether the weight was
-            # in cache barely matters, so one weight per shape is timed there, not the cache-flushing pass.
-            skip = {id(w) for w in decode_only}
-            one_per_shape = list({(w.shape[0], w.shape[1], w.dtype): w for w in sample
-                                  if id(w) not in skip and getattr(w, "packed", None) is not None}.values())
-            for bucket in ROW_BUCKETS:
-                prefill = bucket is PREFILL_BUCKET
-                forms = (MatmulForm.LINEAR, MatmulForm.PACKED) if prefill else tuple(MatmulForm)
-                timed_weights = one_per_shape if prefill else sample
-                if not timed_weights:
-                    continue
-                for rows in sorted({bucket.lo, bucket.hi}):
-                    timed = _time_forms(timed_weights, rows, repeats, forms)
-                    for shape, times in timed.items():
-                        worst = speedups.setdefault(MatmulKey(*shape, bucket), {})
-                        for form, t in times.items():
-                            if form is not MatmulForm.LINEAR:
-                                worst[form] = min(worst.get(form, math.inf), times[MatmulForm.LINEAR] / t)
-        self.forms, self.speedups = {}, {}
-        for key, by_form in speedups.items():
-            best = max(by_form, key=by_form.get)
-            self.speedups[key] = by_form[best]
-            self.forms[key] = best if by_form[best] > 1 + MARGIN else MatmulForm.LINEAR
+            decode_shapes = {_shape(w) for w in decode_only}
+            shapes = list(dict.fromkeys(_shape(w) for w in sample))
+            names = {_name(MatmulKey(*shape, bucket)): MatmulKey(*shape, bucket)
+                     for shape in shapes for bucket in ROW_BUCKETS}
+            entry = (f"matmul {len(sample)} of {len(weights)} weights ({self.weight_bytes} bytes), shapes "
+                     f"{', '.join(map(_shape_text, shapes))}; decode-only {sorted(map(_shape_text, decode_shapes))}; "
+                     f"skinny {'built' if skinny_built else 'not built'}; repeats {repeats}")
+            measure = lambda: _measure_speedups(sample, decode_only, skinny_built, repeats, names)  # noqa: E731
+            for name, choice in choose_many(entry, MatmulForm.LINEAR.value, measure, tuning, MARGIN).items():
+                key = names[name]
+                self.forms[key] = MatmulForm(choice.chosen)
+                self.speedups[key] = max(choice.speedups.values())
+                self.source = choice.source
         for form, attr, make in ((MatmulForm.PACKED, "packed", pack), (MatmulForm.SKINNY, "skinny", pack_skinny)):
-            shapes = {(k.out_features, k.in_features, k.dtype) for k, f in self.forms.items() if f is form}
+            shapes_in_form = {(k.out_features, k.in_features, k.dtype) for k, f in self.forms.items() if f is form}
             for w in weights:  # every weight of a shape that runs in this form somewhere, and no other
-                if (w.shape[0], w.shape[1], w.dtype) in shapes:
+                if _shape(w) in shapes_in_form:
                     if getattr(w, attr, None) is None:
                         make(w)
                 elif getattr(w, attr, None) is not None:
@@ -211,10 +151,12 @@ class MatmulPlan:
         everywhere = f"matmul: {MatmulForm.LINEAR.value} (F.linear) everywhere"
         if self.measured_with_threads is None:
             return f"{cpu}\n{everywhere} (not measured: no CPU warm-up)"
+        if self.source == "tuning off":
+            return f"{cpu}\n{everywhere} (tuning off: the fixed rule, nothing timed)"
         if not self.forms:
             return (f"{cpu}\n{everywhere}: the weights ({self.weight_bytes / 2**20:.1f} MiB) fit in the "
                     "last-level cache, nothing to stream faster")
-        lines = [str(cpu), f"matmul form by measurement ({self.measured_with_threads} threads; above "
+        lines = [str(cpu), f"matmul form by measurement ({self.source}, {self.measured_with_threads} threads; above "
                  f"{ROW_BUCKETS[-1].hi} rows as at {ROW_BUCKETS[-1]}); speed-up = time of "
                  f"{MatmulForm.LINEAR.value} / time of the fastest other form ({MatmulForm.WEIGHT_LEFT.value}, "
                  f"{MatmulForm.PACKED.value}: oneDNN's prepacked weight, or {MatmulForm.SKINNY.value}: "
@@ -226,6 +168,49 @@ class MatmulPlan:
                              else "not timed").ljust(22) for k in keys)
             lines.append(f"  {out_f} x {in_f} {str(dtype).removeprefix('torch.')}".ljust(26) + cells)
         return "\n".join(lines)
+
+
+def _shape(w: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    return w.shape[0], w.shape[1], w.dtype
+
+
+def _shape_text(shape: tuple[int, int, torch.dtype]) -> str:
+    return f"{shape[0]} x {shape[1]} {str(shape[2]).removeprefix('torch.')}"
+
+
+def _name(key: MatmulKey) -> str:
+    """A key as the tuning cache names it, e.g. "576 x 1536 bfloat16 rows 2-4"."""
+    return f"{_shape_text((key.out_features, key.in_features, key.dtype))} rows {key.bucket}"
+
+
+def _measure_speedups(sample: list[torch.Tensor], decode_only: tuple[torch.Tensor, ...], skinny_built: bool,
+                      repeats: int, names: dict[str, MatmulKey]) -> dict[str, dict[str, float]]:
+    """Per key's name, per form but LINEAR: LINEAR time / that form's time, the worse of the bucket's two ends."""
+    for w in sample:
+        if can_pack(w):
+            pack(w)
+        if skinny_built and can_pack_skinny(w):
+            pack_skinny(w)
+    # Prefill-sized products are compute-bound (65+ FLOPs per weight byte): whether the weight was
+    # in cache barely matters, so one weight per shape is timed there, not the cache-flushing pass.
+    skip = {id(w) for w in decode_only}
+    one_per_shape = list({_shape(w): w for w in sample
+                          if id(w) not in skip and getattr(w, "packed", None) is not None}.values())
+    speedups: dict[str, dict[str, float]] = {}
+    for bucket in ROW_BUCKETS:
+        prefill = bucket is PREFILL_BUCKET
+        forms = (MatmulForm.LINEAR, MatmulForm.PACKED) if prefill else tuple(MatmulForm)
+        timed_weights = one_per_shape if prefill else sample
+        if not timed_weights:
+            continue
+        for rows in sorted({bucket.lo, bucket.hi}):
+            for shape, times in _time_forms(timed_weights, rows, repeats, forms).items():
+                worst = speedups.setdefault(_name(MatmulKey(*shape, bucket)), {})
+                for form, t in times.items():
+                    if form is not MatmulForm.LINEAR:
+                        worst[form.value] = min(worst.get(form.value, math.inf), times[MatmulForm.LINEAR] / t)
+    assert speedups.keys() <= names.keys(), "a timed key the plan cannot name"
+    return speedups
 
 
 def _cache_flushing_sample(weights: list[torch.Tensor], min_bytes: int) -> list[torch.Tensor]:

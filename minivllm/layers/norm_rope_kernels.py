@@ -7,10 +7,11 @@ dispatch and trips through memory than in arithmetic: ~1.3 ms of a ~7 ms bf16 de
 `minivllm bench` model on 2 cores. Two C++ kernels do the same work in one pass each:
 kernels/rms_norm.py (with vLLM's `fused_add_rms_norm`) and kernels/rotary_embedding.py.
 
-As for every CPU kernel, a speed-up measured on one CPU is not assumed on another: `choose` times a
-layer's worth of this work both ways on the machine at hand (PROBE_ROWS rows, this model's sizes) and
-keeps the kernels only if they win every probe by MARGIN. The model runner calls it at warm-up and
-logs what it chose; `minivllm bench` prints it.
+As for every CPU kernel, a speed-up measured on one CPU is not assumed on another: `choose` asks the
+tuner (tuner.py) to time a layer's worth of this work both ways on the machine at hand (PROBE_ROWS
+rows, this model's sizes) and keeps the kernels only if they win every probe by its margin; the
+answer is cached per machine, dtype and sizes. With tuning='off', torch's ops. The model runner calls
+it at warm-up and logs what it chose; `minivllm bench` prints it.
 
 Inside a compiled forward (models/compiled_forward.py) they never run: Inductor fuses these element-wise
 ops into its own generated loops, so `active` is False while Dynamo traces. Steps larger than the
@@ -19,7 +20,6 @@ compiled sizes run eagerly, and there they do.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +27,11 @@ import torch
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RopeSpec, RotaryEmbedding, rotate
+from minivllm.layers.tuner import Probe, Tuning, choose, untimed
 
-# A decode step of a batch, and a single stream. The kernels must win both by MARGIN, as a matmul form
-# must (layers/matmul_plan.py).
+# A decode step of a batch, and a single stream: the kernels must win both (layers/tuner.py).
 PROBE_ROWS = (32, 1)
-MARGIN = 0.05
+CANDIDATES = ("torch", "kernels")  # the first is the default (tuning off, no kernels built)
 
 
 @dataclass
@@ -53,27 +53,29 @@ class NormRopeKernels:
 
     @torch.inference_mode()
     def choose(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               repeats: int = 5) -> NormRopeKernels:
-        """Time a layer's norms and rotation both ways here and keep the kernels only if they win every
-        probe by MARGIN. CPU only."""
+               tuning: Tuning = "cached") -> NormRopeKernels:
+        """Ask the tuner whether the kernels beat torch's ops for a layer of these sizes here. CPU only."""
         build = load_cpu_kernels()
         if not build.available:
-            self.used, self.detail = False, f"CPU kernels {build.detail}"
+            choice = untimed(CANDIDATES[0], f"CPU kernels {build.detail}")
         elif dtype not in (torch.float32, torch.bfloat16):
-            self.used, self.detail = False, f"the kernels take float32 or bfloat16, not {dtype}"
+            choice = untimed(CANDIDATES[0], f"the kernels take float32 or bfloat16, not {dtype}")
         elif head_dim % 2:
-            self.used, self.detail = False, f"RoPE needs an even head dim, not {head_dim}"
+            choice = untimed(CANDIDATES[0], f"RoPE needs an even head dim, not {head_dim}")
         else:
-            speedups = [_time_layer(rows, hidden_size, num_heads + num_kv_heads, head_dim, dtype, repeats)
-                        for rows in PROBE_ROWS]
-            measured = ", ".join(f"{s:.2f}x at {r} rows" for s, r in zip(speedups, PROBE_ROWS))
-            self.used, self.detail = min(speedups) > 1 + MARGIN, f"kernels vs torch ops: {measured}, measured"
+            heads = num_heads + num_kv_heads
+            entry = (f"norm_rope {str(dtype).removeprefix('torch.')} hidden {hidden_size} heads {heads} "
+                     f"dim {head_dim} rows {'/'.join(map(str, PROBE_ROWS))}")
+            choice = choose(entry, CANDIDATES,
+                            lambda: [_layer_probe(rows, hidden_size, heads, head_dim, dtype) for rows in PROBE_ROWS],
+                            tuning)
+        self.used, self.detail = choice.used, choice.detail(", ".join(f"{rows} rows" for rows in PROBE_ROWS))
         return self
 
 
-def _time_layer(rows: int, hidden_size: int, heads: int, head_dim: int, dtype: torch.dtype, repeats: int) -> float:
-    """torch time / kernel time for one layer's element-wise work at `rows` rows: the input norm, RoPE over
-    q's and k's heads together, the residual add with the MLP's norm."""
+def _layer_probe(rows: int, hidden_size: int, heads: int, head_dim: int, dtype: torch.dtype) -> Probe:
+    """One layer's element-wise work at `rows` rows, either way: the input norm, RoPE over q's and k's heads
+    together, the residual add with the MLP's norm."""
     g = torch.Generator().manual_seed(0)
     probe = NormRopeKernels()
     norm = RMSNorm(hidden_size, 1e-6, probe).to(dtype)
@@ -81,14 +83,11 @@ def _time_layer(rows: int, hidden_size: int, heads: int, head_dim: int, dtype: t
     x, y = (torch.randn(rows, hidden_size, generator=g).to(dtype) for _ in range(2))
     qk = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
     positions = torch.randint(0, 1024, (rows,), generator=g)
-    times = {False: [], True: []}
-    for round_ in range(repeats + 1):  # round 0 warms up; interleaved, so drift hits both alike
-        for used in (False, True):
-            probe.used = used
-            t0 = time.perf_counter()
-            norm(x)
-            rotate(qk, rope.lookup(positions, dtype, kernel=probe.active(qk)))
-            norm(y, residual=x)
-            if round_:
-                times[used].append(time.perf_counter() - t0)
-    return min(times[False]) / min(times[True])
+
+    def run(candidate: str) -> None:
+        probe.used = candidate == "kernels"
+        norm(x)
+        rotate(qk, rope.lookup(positions, dtype, kernel=probe.active(qk)))
+        norm(y, residual=x)
+
+    return run

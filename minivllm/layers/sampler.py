@@ -23,14 +23,13 @@ maximum (a short argmax), then the first maximum inside that block (another) = t
 maximum, exactly `argmax`'s answer, ties and NaN included. 4-6x faster for 1-128 rows.
 
 A step whose rows are all greedy needs nothing but that argmax. On a CPU where warm-up measured it
-faster (`Sampler.choose_greedy_kernel`), minivllm's C++ kernel takes it straight from the model's bf16
+faster (`Sampler.choose_greedy_kernel`, through the cached tuner of tuner.py), minivllm's C++ kernel takes it straight from the model's bf16
 or fp32 logits (kernels/greedy_argmax.py): one pass, no float32 copy.
 """
 
 from __future__ import annotations
 
 import abc
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,11 +38,12 @@ import torch
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.greedy_argmax import greedy_argmax
 from minivllm.kernels.seeding import noise_seed  # also imported from here by the engine
+from minivllm.layers.tuner import Probe, Tuning, choose, untimed
 
 # Where warm-up times greedy sampling both ways: (rows, of the model's vocabulary). The kernel must win
-# both by MARGIN, as the other CPU kernels must (layers/matmul_plan.py, layers/torch_attention.py).
+# both, as every tuned choice must (layers/tuner.py).
 GREEDY_PROBES = (32, 1)
-MARGIN = 0.05
+GREEDY_CANDIDATES = ("argmax_rows", "kernel")  # the first is the default (tuning off, no kernels built)
 
 
 class SamplingRow(NamedTuple):
@@ -227,30 +227,20 @@ class Sampler:
         return torch.where(t.temperatures > 0, drawn, greedy)
 
     @torch.inference_mode()
-    def choose_greedy_kernel(self, vocab_size: int, dtype: torch.dtype, repeats: int = 5) -> GreedyKernelChoice:
-        """Time an all-greedy step's argmax both ways on this machine (GREEDY_PROBES rows of random logits)
-        and keep the kernel only if it wins every probe by MARGIN. CPU only."""
+    def choose_greedy_kernel(self, vocab_size: int, dtype: torch.dtype, tuning: Tuning = "cached") -> GreedyKernelChoice:
+        """Ask the tuner whether the kernel beats argmax_rows for an all-greedy step's argmax here
+        (GREEDY_PROBES rows of random logits). CPU only."""
         build = load_cpu_kernels()
         if not build.available:
-            self.greedy_kernel = GreedyKernelChoice(False, f"CPU kernels {build.detail}")
+            choice = untimed(GREEDY_CANDIDATES[0], f"CPU kernels {build.detail}")
         elif dtype not in (torch.float32, torch.bfloat16):
-            self.greedy_kernel = GreedyKernelChoice(False, f"the kernel takes float32 or bfloat16, not {dtype}")
+            choice = untimed(GREEDY_CANDIDATES[0], f"the kernel takes float32 or bfloat16, not {dtype}")
         else:
-            g = torch.Generator().manual_seed(0)
-            speedups = []
-            for rows in GREEDY_PROBES:
-                logits = torch.randn(rows, vocab_size, generator=g).to(dtype)
-                times = {False: [], True: []}
-                for round_ in range(repeats + 1):  # round 0 warms up; interleaved, so drift hits both alike
-                    for used in (False, True):
-                        t0 = time.perf_counter()
-                        greedy_argmax(logits) if used else argmax_rows(logits.float())
-                        if round_:
-                            times[used].append(time.perf_counter() - t0)
-                speedups.append(min(times[False]) / min(times[True]))
-            measured = ", ".join(f"{s:.2f}x at {r} rows x {vocab_size}" for s, r in zip(speedups, GREEDY_PROBES))
-            self.greedy_kernel = GreedyKernelChoice(min(speedups) > 1 + MARGIN,
-                                                    f"kernel vs argmax_rows: {measured}, measured")
+            entry = f"greedy_argmax {str(dtype).removeprefix('torch.')} vocab {vocab_size} rows {GREEDY_PROBES}"
+            choice = choose(entry, GREEDY_CANDIDATES,
+                            lambda: [_greedy_probe(rows, vocab_size, dtype) for rows in GREEDY_PROBES], tuning)
+        probes = ", ".join(f"{rows} rows x {vocab_size}" for rows in GREEDY_PROBES)
+        self.greedy_kernel = GreedyKernelChoice(choice.used, choice.detail(probes))
         return self.greedy_kernel
 
     @staticmethod
@@ -261,6 +251,11 @@ class Sampler:
             gen.manual_seed(noise_seed(seed, pos))
             noise[row].exponential_(generator=gen)
         return -noise.log()
+
+
+def _greedy_probe(rows: int, vocab_size: int, dtype: torch.dtype) -> Probe:
+    logits = torch.randn(rows, vocab_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return lambda candidate: greedy_argmax(logits) if candidate == "kernel" else argmax_rows(logits.float())
 
 
 class TritonSampler:

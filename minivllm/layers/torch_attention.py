@@ -4,7 +4,7 @@ Per layer:
   1. store the step's new k/v:  k_cache.view(-1, Hkv, D)[slot_mapping] = k
   2. decode rows (query_len == 1), all at once: gather each request's blocks into a padded
      (Bd, Hkv, K, D) tensor and run one SDPA with a key-length mask -- or, on a CPU where warm-up
-     measured it faster (`choose_decode_kernel`), minivllm's C++ kernel that reads the blocks in place
+     measured it faster (`choose_decode_kernel`, through the cached tuner of tuner.py), minivllm's C++ kernel that reads the blocks in place
      (kernels/paged_decode_attention.py): no copy, no mask. With it, step 1 is minivllm's C++ copy
      loop too (kernels/kv_cache_write_cpu.py), and the timing covers both;
   3. prefill chunks, one request at a time: gather its context from the cache (this is what makes
@@ -18,7 +18,6 @@ length, (T, Hq, D) -> (Hkv, G*T, D), so SDPA sees Hkv heads and K/V are never re
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
 import torch
@@ -28,11 +27,12 @@ from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.kv_cache_write_cpu import kv_cache_write_cpu
 from minivllm.kernels.paged_decode_attention import paged_decode_attention
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
+from minivllm.layers.tuner import Probe, Tuning, choose, untimed
 
 # Where warm-up times the decode kernel against gather + SDPA: (rows, context) pairs, a batch of short
-# contexts and a few long ones. The kernel must win both by MARGIN, as a matmul form must (matmul_plan.py).
+# contexts and a few long ones. The kernel must win both, as every tuned choice must (tuner.py).
 DECODE_PROBES = ((16, 128), (2, 1024))
-MARGIN = 0.05
+DECODE_CANDIDATES = ("sdpa", "kernel")  # the first is the default (tuning off, no kernels built)
 
 
 class DecodeKernelChoice(NamedTuple):
@@ -184,24 +184,29 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @torch.inference_mode()
-    def choose_decode_kernel(self, dtype: torch.dtype, block_size: int, repeats: int = 5) -> DecodeKernelChoice:
-        """Time decode attention both ways on this machine (DECODE_PROBES, this layer's heads, random
-        caches) and keep the kernel only if it wins every probe by MARGIN. CPU only."""
+    def choose_decode_kernel(self, dtype: torch.dtype, block_size: int, tuning: Tuning = "cached") -> DecodeKernelChoice:
+        """Ask the tuner whether the kernel beats gather + SDPA for this layer's heads here (DECODE_PROBES,
+        random caches). CPU only."""
         build = load_cpu_kernels()
         if not build.available:
-            self.decode_kernel = DecodeKernelChoice(False, f"CPU kernels {build.detail}")
+            choice = untimed(DECODE_CANDIDATES[0], f"CPU kernels {build.detail}")
         elif dtype not in (torch.float32, torch.bfloat16):
-            self.decode_kernel = DecodeKernelChoice(False, f"the kernel takes float32 or bfloat16, not {dtype}")
+            choice = untimed(DECODE_CANDIDATES[0], f"the kernel takes float32 or bfloat16, not {dtype}")
         else:
-            speedups = [self._time_decode(rows, context, dtype, block_size, repeats)
-                        for rows, context in DECODE_PROBES]
-            measured = ", ".join(f"{s:.2f}x at {r} rows x {c} keys" for s, (r, c) in zip(speedups, DECODE_PROBES))
-            self.decode_kernel = DecodeKernelChoice(min(speedups) > 1 + MARGIN,
-                                                    f"kernel vs gather + SDPA: {measured}, measured")
+            entry = (f"decode_attention {str(dtype).removeprefix('torch.')} heads {self.num_heads}/{self.num_kv_heads} "
+                     f"dim {self.head_dim} block {block_size} probes {DECODE_PROBES}")
+            chosen = self.decode_kernel
+            try:
+                choice = choose(entry, DECODE_CANDIDATES, lambda: [self._decode_probe(rows, context, dtype, block_size)
+                                                                   for rows, context in DECODE_PROBES], tuning)
+            finally:
+                self.decode_kernel = chosen  # the probes switch it while they run
+        probes = ", ".join(f"{rows} rows x {context} keys" for rows, context in DECODE_PROBES)
+        self.decode_kernel = DecodeKernelChoice(choice.used, choice.detail(probes))
         return self.decode_kernel
 
-    def _time_decode(self, rows: int, context: int, dtype: torch.dtype, block_size: int, repeats: int) -> float:
-        """gather + SDPA time / kernel time for one all-decode step of `rows` requests of ~`context` keys."""
+    def _decode_probe(self, rows: int, context: int, dtype: torch.dtype, block_size: int) -> Probe:
+        """One all-decode step of `rows` requests of ~`context` keys, through this backend either way."""
         Hkv, D = self.num_kv_heads, self.head_dim
         g = torch.Generator().manual_seed(0)
         lens = [max(1, context - 7 * i) for i in range(rows)]  # unequal, so the SDPA path needs its mask
@@ -214,16 +219,10 @@ class TorchAttentionBackend(AttentionBackend):
         k = torch.randn(rows, Hkv, D, generator=g).to(dtype)
         meta = AttentionMetadata(slots, torch.arange(rows + 1, dtype=torch.int32),
                                  torch.tensor(lens, dtype=torch.int32), tables, [1] * rows, lens, block_size)
-        chosen, times = self.decode_kernel, {False: [], True: []}
-        try:
-            for round_ in range(repeats + 1):  # round 0 sets up, and is not counted
-                for used in (False, True):  # interleaved: drift in the machine hits both alike
-                    self.decode_kernel = DecodeKernelChoice(used, "timing")
-                    t0 = time.perf_counter()
-                    self.prepare(meta)
-                    self.forward(q, k, k, kv_cache, meta)
-                    if round_:
-                        times[used].append(time.perf_counter() - t0)
-        finally:
-            self.decode_kernel = chosen
-        return min(times[False]) / min(times[True])
+
+        def run(candidate: str) -> None:
+            self.decode_kernel = DecodeKernelChoice(candidate == "kernel", "timing")
+            self.prepare(meta)
+            self.forward(q, k, k, kv_cache, meta)
+
+        return run

@@ -28,6 +28,7 @@ from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm_rope_kernels import NormRopeKernels
+from minivllm.layers.tuner import Tuning
 from minivllm.models.compiled_forward import CompiledForward
 from minivllm.models.hf_config import ModelSpec
 
@@ -58,10 +59,10 @@ class CausalLM(nn.Module):
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         raise NotImplementedError
 
-    def plan_matmuls(self) -> MatmulPlan:
+    def plan_matmuls(self, tuning: Tuning = "cached") -> MatmulPlan:
         raise NotImplementedError
 
-    def choose_norm_rope_kernels(self) -> NormRopeKernels | None:
+    def choose_norm_rope_kernels(self, tuning: Tuning = "cached") -> NormRopeKernels | None:
         return None  # no C++ norm/RoPE kernels to choose between
 
     def compile_forward(self, sizes: tuple[int, ...]) -> None:

@@ -33,6 +33,7 @@ from minivllm.layers.linear import Linear, linear
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.norm_rope_kernels import NormRopeKernels
+from minivllm.layers.tuner import Tuning
 from minivllm.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rotate
 from minivllm.models.compiled_forward import Attend, CompiledForward
@@ -166,18 +167,19 @@ class LlamaForCausalLM(CausalLM):
     def lm_head_weight(self) -> torch.Tensor:  # (V / N, hidden): this rank's rows
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
-    def plan_matmuls(self) -> MatmulPlan:
+    def plan_matmuls(self, tuning: Tuning = "cached") -> MatmulPlan:
         """Time the CPU matmul forms over this model's weights, in forward order, and keep the
         fastest per shape and row bucket (once; a GPU model keeps F.linear). Called at warm-up."""
         if self.matmul_plan.measured_with_threads is None:
             # In forward order; an int8 layer (layers/quantization.py) is no `Linear`: nothing to time.
             weights = [m.weight for m in self.model.layers.modules() if isinstance(m, Linear)]
-            self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,))
+            self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,),
+                                     tuning=tuning)
         return self.matmul_plan
 
-    def choose_norm_rope_kernels(self) -> NormRopeKernels:
+    def choose_norm_rope_kernels(self, tuning: Tuning = "cached") -> NormRopeKernels:
         """Time this model's norms and RoPE both ways on this CPU and keep the faster (layers/norm_rope_kernels.py).
         Called at warm-up."""
         s = self.shard_layout.rank_spec(self.spec)  # this rank's heads
         return self.norm_rope_kernels.choose(s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim,
-                                             self.model.norm.weight.dtype)
+                                             self.model.norm.weight.dtype, tuning)

@@ -32,6 +32,7 @@ from minivllm.layers.gated_deltanet import (causal_conv1d, causal_conv1d_update,
 from minivllm.layers.linear import Linear, linear
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata, LinearAttnState
 from minivllm.layers.matmul_plan import MatmulPlan
+from minivllm.layers.tuner import Tuning
 from minivllm.layers.norm_variants import GatedRMSNorm, ZeroCenteredRMSNorm
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from minivllm.models.hf_config import ModelSpec
@@ -198,9 +199,10 @@ class Qwen3_5ForCausalLM(CausalLM):
     def lm_head_weight(self) -> torch.Tensor:  # (V, hidden)
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
-    def plan_matmuls(self) -> MatmulPlan:
+    def plan_matmuls(self, tuning: Tuning = "cached") -> MatmulPlan:
         """As `LlamaForCausalLM.plan_matmuls`: time the CPU matmul forms over every Linear, once."""
         if self.matmul_plan.measured_with_threads is None:
             weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]  # in forward order
-            self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,))
+            self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,),
+                                     tuning=tuning)
         return self.matmul_plan

@@ -121,9 +121,9 @@ import minivllm.engine.model_runner as model_runner
 measure = model_runner.ModelRunner.measure_cpu_kernels
 
 
-def slowly(self):  # a worker's warm-up on a busy machine, or compiling the C++ kernels the first time
+def slowly(self, *args):  # a worker's warm-up on a busy machine, or compiling the C++ kernels the first time
     time.sleep(8)
-    return measure(self)
+    return measure(self, *args)
 
 
 model_runner.ModelRunner.measure_cpu_kernels = slowly

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from minivllm.kernels.cpu_build import _build_key, _cause, build_cpu_kernels, load_cpu_kernels
+from minivllm.kernels.cpu_build import _cause, build_cpu_kernels, build_key, load_cpu_kernels
 from minivllm.kernels.paged_decode_attention import naive_paged_decode_attention
 from minivllm.kernels.rms_norm import naive_rms_norm
 from minivllm.kernels.rotary_embedding import naive_rotary_embedding
@@ -86,10 +86,10 @@ def test_a_build_held_by_another_process_is_waited_for_a_bounded_time(monkeypatc
 def test_the_build_folder_is_keyed_by_the_sources_and_flags(monkeypatch):
     from minivllm.kernels import cpu_build
 
-    key = _build_key(["-march=native"])
-    assert key == _build_key(["-march=native"]) != _build_key(["-march=native", "-O0"])
+    key = build_key(("-march=native",))
+    assert key == build_key(("-march=native",)) != build_key(("-march=native", "-O0"))
     monkeypatch.setattr(cpu_build, "_digest", lambda files: "other sources")
-    assert _build_key(["-march=native"]) != key  # another checkout never loads this one's binary
+    assert build_key(("-march=native",)) != key  # another checkout never loads this one's binary
 
 
 RACE = textwrap.dedent("""

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
+from minivllm.layers.tuner import Tuning
 
 T = TypeVar("T")
 
@@ -38,10 +39,10 @@ class Executor(abc.ABC):
     def collective_rpc(self, method: Callable[[int, ModelRunner], T]) -> list[T]:
         """`method(rank, model_runner)` on every rank, the results in rank order."""
 
-    def warmup(self) -> None:
-        """Choose the CPU kernels by timing them (logged at INFO, printed by `minivllm bench`), then run
-        the warm-up steps through the whole stack (engine/warmup.py)."""
-        for line in self.runner.measure_cpu_kernels():
+    def warmup(self, tuning: Tuning = "cached") -> None:
+        """Choose the CPU kernels (cached, or by timing them; logged at INFO, printed by `minivllm bench`),
+        then run the warm-up steps through the whole stack (engine/warmup.py)."""
+        for line in self.runner.measure_cpu_kernels(tuning):
             logging.getLogger("minivllm").info("%s", line)
         for plan in self.runner.warmup_plans():
             self.execute_model(plan)

@@ -66,7 +66,7 @@ class Worker:
         self.runner = ModelRunner(rank.model, rank.spec, rank.backend, num_blocks=rank.num_blocks,
                                   block_size=config.block_size, dtype=dtype, device=tp.device, one_rank=False)
         if config.warmup:  # as rank 0's warm-up does: time the CPU kernels on this rank's shapes
-            self.runner.measure_cpu_kernels()
+            self.runner.measure_cpu_kernels(config.tuning)
 
     @torch.inference_mode()
     def serve(self, channel: CommandChannel) -> None:
