@@ -1,6 +1,6 @@
 """`ParallelContext`: which rank this process is, and the process groups its collectives go through.
 
-One process per rank; rank 0 is the engine, ranks 1..N-1 are workers (distributed/worker.py). Each
+One process per rank; rank 0 is the engine, ranks 1..N-1 are workers (engine/executor/worker.py). Each
 builds its context once (`init_parallel_context`) and hands it down to the model: every layer that
 communicates takes it as an argument, so there is no module-level "current group" to look up.
 

@@ -50,7 +50,8 @@ class StepInputs:
 
     def to(self, device: torch.device) -> "StepInputs":
         """On `device` (a worker receives CPU tensors: a pickled CUDA tensor would come back on rank 0's GPU)."""
-        if self.input_ids.device == device:
+        here = self.input_ids.device
+        if here.type == device.type and device.index in (None, here.index):  # "cuda" names cuda:0 too
             return self
         m = self.attn_metadata
         meta = AttentionMetadata(
