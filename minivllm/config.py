@@ -96,6 +96,10 @@ class EngineConfig:
     # "cached" measures once per machine, dtype and shapes and reuses the answer from
     # $MINIVLLM_CACHE/tuning; "remeasure" times again and saves; "off" times nothing (the fixed rules).
     tuning: Tuning = "cached"
+    # True: a request's tokens do not depend on the other requests in its steps, nor on how its prompt
+    # was chunked (vLLM's VLLM_BATCH_INVARIANT): matmuls in fixed 16-row tiles, attention one row at a
+    # time, fixed norm/RoPE/argmax paths, eager (docs/concepts/batch-invariance.md). CPU, one rank.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -147,6 +151,7 @@ class EngineConfig:
             raise ValueError(f"tuning={self.tuning!r} is invalid: choose one of {TUNING_MODES}")
         get_policy(self.scheduling_policy)  # raises, naming the choices
         self._check_seams()
+        self._check_batch_invariant()
 
     def _check_seams(self) -> None:
         """The instance-valued fields: the right type, and nothing they cannot be combined with."""
@@ -174,6 +179,36 @@ class EngineConfig:
             raise ValueError(f"attention_backend={type(backend).__name__}(...) with a draft model "
                              "(speculative_config 'model'): the draft builds a backend for its own heads from a "
                              f"name; pass one of {_BACKENDS}, or speculate with method 'ngram'")
+
+    def _check_batch_invariant(self) -> None:
+        """What batch_invariant=True cannot be combined with (yet), each refusal saying what to change."""
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
+        if not self.batch_invariant:
+            return
+        refusals = (
+            (self.device.startswith("cuda"),
+             f"device={self.device!r}: on CUDA the split-KV count and CUDA graphs vary with the batch, and the "
+             "mode is not yet verified on a GPU; use device='cpu'"),
+            (self.tensor_parallel_size > 1,
+             f"tensor_parallel_size={self.tensor_parallel_size}: the all-reduce's summation order is not "
+             "shown to be batch-independent; use tensor_parallel_size=1"),
+            (self.enforce_eager is False,
+             "enforce_eager=False: a compiled graph pads each step to a size and Inductor picks kernels per "
+             "size; leave enforce_eager as None (the mode runs eagerly) or pass True"),
+            (self.attention_backend not in ("auto", "torch"),
+             f"attention_backend={self.attention_backend!r}: the mode runs attention through its own per-row "
+             "backend (layers/per_row_attention.py); leave attention_backend='auto'"),
+            (self.quantization is not None,
+             f"quantization={self.quantization!r}: the int8 kernels' blocking is not shown to be "
+             "batch-independent; drop quantization"),
+            (self.speculative_config is not None,
+             "speculative_config: drafts and their verification are not covered by the mode yet; drop "
+             "speculative_config"),
+        )
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(f"batch_invariant=True with {why}, or pass batch_invariant=False")
 
     def replace(self, **changes: object) -> "EngineConfig":
         """A validated copy with some fields changed (the config itself is never mutated)."""

@@ -22,7 +22,9 @@ from minivllm.config import EngineConfig
 from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.engine.kv_cache import num_kv_blocks_for
 from minivllm.layers.attention import AttentionBackend, get_attention_backend
+from minivllm.layers.batch_invariance import BatchInvariance
 from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.layers.per_row_attention import PerRowAttentionBackend
 from minivllm.layers.quantization import quantize_model
 from minivllm.models import MODEL_REGISTRY
 from minivllm.models.hf_config import ModelSpec
@@ -58,13 +60,18 @@ def resolve_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device,
 
 
 def build_model(spec: ModelSpec, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-                max_position: int, tp: ParallelContext | None = None) -> CausalLM:
+                max_position: int, tp: ParallelContext | None = None,
+                batch_invariance: BatchInvariance | None = None) -> CausalLM:
     """Create the model without initialising weights (meta device), then fill it from disk; with `tp`
-    of several ranks, only this rank's shard (only the Llama decoder is sharded: models/sharding.py)."""
+    of several ranks, only this rank's shard (only the Llama decoder is sharded: models/sharding.py).
+    With `batch_invariance` its linear layers multiply in fixed tiles (layers/batch_invariance.py)."""
     sharded = tp is not None and tp.world_size > 1
     with torch.device("meta"):
         model_cls = MODEL_REGISTRY[spec.architecture]
-        model = model_cls(spec, tp) if sharded else model_cls(spec)
+        if batch_invariance is not None:  # one rank (EngineConfig refuses tensor parallelism with it)
+            model = model_cls(spec, batch_invariance=batch_invariance)
+        else:
+            model = model_cls(spec, tp) if sharded else model_cls(spec)
     model = model.to_empty(device=device).to(dtype)
     load_weights(model, spec, model_dir, ShardLayout.of(spec, tp.rank, tp.world_size) if sharded else None)
     model.init_rotary(max_position, device)
@@ -83,7 +90,8 @@ class RankModel(NamedTuple):
 def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
               tp: ParallelContext) -> RankModel:
     """This rank's model, KV pool size and attention backend (`config.max_model_len` resolved)."""
-    model = build_model(spec, config.model, device, dtype, config.max_model_len, tp)
+    invariance = BatchInvariance() if config.batch_invariant else None
+    model = build_model(spec, config.model, device, dtype, config.max_model_len, tp, invariance)
     if config.quantization is not None:  # after loading: the checkpoint's weights are quantized here
         quantize_model(model, config.quantization, device)
     if compile_decision(model, config, device)[0]:
@@ -91,8 +99,12 @@ def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype
     rank_spec = ShardLayout.of(spec, tp.rank, tp.world_size).rank_spec(spec)  # `spec` itself on one rank
     # Each rank sizes the pool from its own free memory; the smallest wins (a collective).
     num_blocks = tp.min_over_ranks(num_kv_blocks_for(config, rank_spec, device, dtype))
-    backend = get_attention_backend(config.attention_backend, device, rank_spec.num_attention_heads,
-                                    rank_spec.num_key_value_heads, rank_spec.head_dim, config.block_size)
+    if config.batch_invariant:  # every row a one-row query over its own context
+        backend: AttentionBackend = PerRowAttentionBackend(rank_spec.num_attention_heads,
+                                                           rank_spec.num_key_value_heads, rank_spec.head_dim, dtype)
+    else:
+        backend = get_attention_backend(config.attention_backend, device, rank_spec.num_attention_heads,
+                                        rank_spec.num_key_value_heads, rank_spec.head_dim, config.block_size)
     return RankModel(model, rank_spec, num_blocks, backend)
 
 
@@ -101,6 +113,8 @@ def compile_decision(model: CausalLM, config: EngineConfig, device: torch.device
     the engine logs at start-up and `minivllm bench` prints."""
     if config.enforce_eager:
         return False, "eager (enforce_eager=True)"
+    if config.batch_invariant:  # EngineConfig refuses enforce_eager=False with it
+        return False, "eager (batch_invariant=True: one kernel per row whatever the step's size)"
     if not model.supports_compile:
         return False, f"eager: {type(model).__name__} is not compiled (its linear-attention layers run eagerly)"
     if config.tensor_parallel_size > 1:

@@ -11,6 +11,8 @@ turns it into what this engine will do, with the checkpoint and the machine at h
     prefix caching      off for a hybrid model (a cached prefix would need its recurrent state)
     speculative_config  parsed and checked (`SpeculativeConfig`); refused for a hybrid model
     eos_token_ids       the checkpoint's and the tokenizer's
+    batch_invariant     refused where "auto" chose CUDA, and for a hybrid model (its chunked linear
+                        attention sums in an order set by the chunking)
 
 Nothing else in the engine re-derives an option: every component reads the resolved one.
 """
@@ -46,6 +48,7 @@ class ResolvedConfig:
 def resolve_config(config: EngineConfig, spec: ModelSpec, tokenizer_eos_token_id: int | None) -> ResolvedConfig:
     device = resolve_device(config)
     dtype = resolve_dtype(config, spec, device)
+    _check_batch_invariant(config, spec, device)
     _say_dtype(config, spec, device, dtype)
     eos = set(spec.eos_token_ids)
     if tokenizer_eos_token_id is not None:
@@ -64,6 +67,20 @@ def _say_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device, dtyp
         print(chosen, file=sys.stderr)
     else:
         logging.getLogger("minivllm").info(chosen)
+
+
+def _check_batch_invariant(config: EngineConfig, spec: ModelSpec, device: torch.device) -> None:
+    """What `EngineConfig` could not know: the device "auto" chose, and the checkpoint's layers."""
+    if not config.batch_invariant:
+        return
+    if device.type != "cpu":
+        raise ValueError(f"batch_invariant=True on {device} (device={config.device!r}): the mode is not yet verified "
+                         "on a GPU (split-KV counts and CUDA graphs vary with the batch); pass device='cpu', or "
+                         "batch_invariant=False")
+    if spec.linear_attn is not None:
+        raise ValueError(f"batch_invariant=True with {spec.architecture}: its linear-attention layers run the chunked "
+                         "gated delta rule, whose sums depend on how the prompt was chunked; use a Llama, Qwen2 or "
+                         "Qwen3 model, or batch_invariant=False")
 
 
 def _hybrid_limits(config: EngineConfig, spec: ModelSpec) -> EngineConfig:

@@ -10,7 +10,8 @@
                           model's graphs, one per size) happens before the first request is timed
 
 Every rank measures its own kernels on its own shapes (a tensor-parallel worker too). A GPU, or a
-model, backend or sampler without the choice, keeps its defaults.
+model, backend or sampler without the choice, keeps its defaults. In batch-invariant mode nothing is
+timed: every path is fixed in advance (layers/batch_invariance.py), so no choice can differ.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_types import ScheduledSequence
 from minivllm.layers.attention import AttentionBackend
+from minivllm.layers.batch_invariance import BatchInvariance
 from minivllm.layers.sampler import Sampler, TritonSampler
 from minivllm.layers.torch_attention import TorchAttentionBackend
 from minivllm.layers.tuner import Tuning
@@ -31,7 +33,11 @@ def measure_cpu_kernels(model: CausalLM, backend: AttentionBackend, sampler: Sam
                         block_size: int, vocab_size: int, device: torch.device, tuning: Tuning = "cached") -> list[str]:
     """Choose each kernel on this machine; one line each of what was chosen (logged at INFO, and
     printed by `minivllm bench`). Idempotent for the matmuls."""
-    said = [model.plan_matmuls(tuning).summary()]
+    plan = model.plan_matmuls(tuning)
+    said = [plan.summary()]
+    if isinstance(plan, BatchInvariance):  # the kernels stay on their defaults: torch's ops, float32 argmax
+        return said + [str(backend), "RMSNorm and RoPE: torch ops; greedy sampling: argmax in float32 "
+                       "(batch_invariant=True: nothing measured)"]
     if device.type != "cpu":
         return said
     norm_rope = model.choose_norm_rope_kernels(tuning)

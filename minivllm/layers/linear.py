@@ -5,7 +5,8 @@ bound by how fast the weights stream from memory, and on CPU that speed depends 
 is computed (x W^T, (W x^T)^T, x W^T with W prepacked for oneDNN, or minivllm's skinny kernel) in a way
 that differs from one CPU to the next. `matmul_plan.py` times the forms on the machine at hand during
 warm-up; this module only asks the plan. Without a plan, or before it is measured, or on a GPU, every
-product is plain `F.linear`.
+product is plain `F.linear`. In batch-invariant mode the model hands its layers a `BatchInvariance`
+instead of a plan, and every product runs in fixed 16-row tiles (layers/batch_invariance.py).
 """
 
 from __future__ import annotations
@@ -14,13 +15,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.layers.batch_invariance import BatchInvariance, tiled_linear
 from minivllm.layers.custom_op import direct_register_custom_op
 from minivllm.layers.matmul_forms import MatmulForm, matmul, packed_linear, skinny_linear
 from minivllm.layers.matmul_plan import MatmulPlan
 
+# What a model hands its linear layers: the measured plan, or the batch-invariant mode's fixed tiles.
+LinearPlan = MatmulPlan | BatchInvariance
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           plan: MatmulPlan | None = None) -> torch.Tensor:  # x (rows, in), weight (out, in) -> (rows, out)
+           plan: LinearPlan | None = None) -> torch.Tensor:  # x (rows, in), weight (out, in) -> (rows, out)
+    if isinstance(plan, BatchInvariance):  # before the device check: the tiles are the mode, not a speed-up
+        return tiled_linear(x, weight, bias, plan.tile_rows)
     if plan is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     form = plan.form_for(weight, x.shape[0])
@@ -59,7 +66,7 @@ class Linear(nn.Linear):
     model's shared `plan`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 plan: MatmulPlan | None = None) -> None:
+                 plan: LinearPlan | None = None) -> None:
         super().__init__(in_features, out_features, bias)
         self.plan = plan
 

@@ -22,15 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import ParallelContext
-from minivllm.layers.linear import Linear, linear
-from minivllm.layers.matmul_plan import MatmulPlan
+from minivllm.layers.linear import Linear, LinearPlan, linear
 
 
 class RowParallelLinear(Linear):
     """y = all_reduce(x_r W_r^T) + b. `in_features` is this rank's share; the bias is whole and
     added once, after the sum (adding it on every rank would count it N times)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, plan: MatmulPlan | None,
+    def __init__(self, in_features: int, out_features: int, bias: bool, plan: LinearPlan | None,
                  tp: ParallelContext) -> None:
         super().__init__(in_features, out_features, bias, plan)
         self.tp = tp

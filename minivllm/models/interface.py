@@ -26,7 +26,7 @@ from torch import nn
 
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
-from minivllm.layers.matmul_plan import MatmulPlan
+from minivllm.layers.linear import LinearPlan
 from minivllm.layers.norm_rope_kernels import NormRopeKernels
 from minivllm.layers.tuner import Tuning
 from minivllm.models.compiled_forward import CompiledForward
@@ -59,7 +59,7 @@ class CausalLM(nn.Module):
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         raise NotImplementedError
 
-    def plan_matmuls(self, tuning: Tuning = "cached") -> MatmulPlan:
+    def plan_matmuls(self, tuning: Tuning = "cached") -> LinearPlan:
         raise NotImplementedError
 
     def choose_norm_rope_kernels(self, tuning: Tuning = "cached") -> NormRopeKernels | None:

@@ -11,6 +11,8 @@ Weights are packed as vLLM packs them: q/k/v in one `qkv_proj`, gate/up in one `
 (one matmul instead of three or two); the loader slices the checkpoint's tensors into them.
 Every `Linear` shares the model's `matmul_plan`: on CPU, warm-up (`plan_matmuls`) times two forms of
 the same product on this machine and each projection uses the faster (see `layers/matmul_plan.py`).
+In batch-invariant mode the model is built with a `BatchInvariance` in the plan's place: nothing is
+timed, every product runs in fixed 16-row tiles (layers/batch_invariance.py).
 Likewise every RMSNorm and the RoPE step share `norm_rope_kernels`: warm-up times torch's ops against
 minivllm's C++ kernels for them (see `layers/norm_rope_kernels.py`).
 There is no batch dimension and no padding: tokens of all requests are rows of one matrix.
@@ -29,7 +31,8 @@ from torch import nn
 
 from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
-from minivllm.layers.linear import Linear, linear
+from minivllm.layers.batch_invariance import BatchInvariance
+from minivllm.layers.linear import Linear, LinearPlan, linear
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.norm_rope_kernels import NormRopeKernels
@@ -44,7 +47,7 @@ from minivllm.models.sharding import ShardLayout
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan, tp: ParallelContext, kernels: NormRopeKernels) -> None:
+    def __init__(self, spec: ModelSpec, plan: LinearPlan, tp: ParallelContext, kernels: NormRopeKernels) -> None:
         super().__init__()
         self.spec = spec  # this rank's view: its heads only
         self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias,
@@ -69,7 +72,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan, tp: ParallelContext = ParallelContext()) -> None:
+    def __init__(self, spec: ModelSpec, plan: LinearPlan, tp: ParallelContext = ParallelContext()) -> None:
         super().__init__()
         self.intermediate_size = spec.intermediate_size  # this rank's share
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias,
@@ -83,7 +86,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan, tp: ParallelContext, kernels: NormRopeKernels) -> None:
+    def __init__(self, spec: ModelSpec, plan: LinearPlan, tp: ParallelContext, kernels: NormRopeKernels) -> None:
         super().__init__()
         self.self_attn = Attention(spec, plan, tp, kernels)
         self.mlp = MLP(spec, plan, tp)
@@ -101,7 +104,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan, layout: ShardLayout, tp: ParallelContext,
+    def __init__(self, spec: ModelSpec, plan: LinearPlan, layout: ShardLayout, tp: ParallelContext,
                  kernels: NormRopeKernels) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout.vocab_size, spec.hidden_size, layout.vocab_start, tp)
@@ -114,11 +117,14 @@ class LlamaForCausalLM(CausalLM):
 
     supports_compile = True
 
-    def __init__(self, spec: ModelSpec, tp: ParallelContext | None = None) -> None:
+    def __init__(self, spec: ModelSpec, tp: ParallelContext | None = None,
+                 batch_invariance: BatchInvariance | None = None) -> None:
         super().__init__(spec)
         self.tp = tp = tp if tp is not None else ParallelContext()
         self.shard_layout = layout = ShardLayout.of(spec, tp.rank, tp.world_size)
-        self.matmul_plan = MatmulPlan()  # shared by every Linear; filled by `plan_matmuls` at warm-up
+        # shared by every Linear; a MatmulPlan is filled by `plan_matmuls` at warm-up, the batch-invariant
+        # mode's fixed tiles are never measured
+        self.matmul_plan: LinearPlan = batch_invariance if batch_invariance is not None else MatmulPlan()
         # shared by every RMSNorm and the RoPE step; set by `choose_norm_rope_kernels` at warm-up
         self.norm_rope_kernels = NormRopeKernels()
         self.model = DecoderModel(layout.rank_spec(spec), self.matmul_plan, layout, tp, self.norm_rope_kernels)
@@ -167,10 +173,11 @@ class LlamaForCausalLM(CausalLM):
     def lm_head_weight(self) -> torch.Tensor:  # (V / N, hidden): this rank's rows
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 
-    def plan_matmuls(self, tuning: Tuning = "cached") -> MatmulPlan:
+    def plan_matmuls(self, tuning: Tuning = "cached") -> LinearPlan:
         """Time the CPU matmul forms over this model's weights, in forward order, and keep the
-        fastest per shape and row bucket (once; a GPU model keeps F.linear). Called at warm-up."""
-        if self.matmul_plan.measured_with_threads is None:
+        fastest per shape and row bucket (once; a GPU model keeps F.linear; batch-invariant: nothing
+        to time). Called at warm-up."""
+        if isinstance(self.matmul_plan, MatmulPlan) and self.matmul_plan.measured_with_threads is None:
             # In forward order; an int8 layer (layers/quantization.py) is no `Linear`: nothing to time.
             weights = [m.weight for m in self.model.layers.modules() if isinstance(m, Linear)]
             self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,),

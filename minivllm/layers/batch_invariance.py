@@ -1,0 +1,79 @@
+"""`BatchInvariance`: the mode in which a request's numbers do not depend on the requests beside it.
+
+Floating-point addition is not associative: (a + b) + c and a + (b + c) may differ in the last bit.
+A matrix product's every output is a long sum, and the library that computes it (oneDNN or MKL on a
+CPU, cuBLAS on a GPU) picks its kernel, its blocking and so the order of that sum from the shape of
+the call, above all from M, the number of rows. In a batched engine M is "how many tokens of all
+requests share this step", so the same token of the same request can come out of `F.linear` one ulp
+apart depending on who else was scheduled; an ulp in a logit is enough, once in a while, to flip a
+greedy argmax, and from there the texts diverge. (On this CPU, fp32 `F.linear` gives a row other bits
+at M = 1, 2, 3, 5 and 8 than within 16 rows: docs/concepts/batch-invariance.md shows it.)
+
+The mode (`EngineConfig.batch_invariant`, vLLM's VLLM_BATCH_INVARIANT) removes every such dependence:
+
+  * matmuls: `tiled_linear` multiplies in fixed tiles of `tile_rows` (16) rows, the last tile padded
+    with zeros, each tile one `F.linear` call. Every call has the same shape, so the library runs the
+    same kernel with the same blocking on every tile, and a row's sum is computed in one order
+    wherever the row sits (its position in the tile does not matter: the reduction runs along the
+    inner dimension, per output, the same for every row; tests/test_batch_invariance.py checks it bit
+    for bit). No measured form (layers/matmul_plan.py) is used: a choice by timing could differ from
+    one process to the next.
+  * attention: every row, prefill rows too, is a one-row query over its own context
+    (layers/per_row_attention.py), so a prompt gives the same bits however it was chunked.
+  * RMSNorm, RoPE and greedy argmax run one fixed path (torch's ops; float32 argmax): they are per row
+    by nature, and nothing is timed, so nothing can choose differently.
+  * eager only: a compiled graph pads a step to a size and Inductor picks kernels per size.
+
+`BatchInvariance` is the model's matmul setting in this mode: the model is built with it in place of a
+`MatmulPlan` and hands it to every `Linear`, as it would hand its plan (no global switch). The engine
+refuses the mode where it is not shown to hold (config.py): CUDA, tensor parallelism, hybrid models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+TILE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class BatchInvariance:
+    """Handed to a model's `Linear` layers in place of its `MatmulPlan`: `linear` then multiplies in
+    fixed tiles of `tile_rows` rows."""
+
+    tile_rows: int = TILE_ROWS
+
+    def __post_init__(self) -> None:
+        if self.tile_rows < 1:
+            raise ValueError(f"tile_rows={self.tile_rows} must be a positive number of rows")
+
+    def summary(self) -> str:
+        return (f"matmul: F.linear over fixed tiles of {self.tile_rows} rows (batch_invariant=True: "
+                "nothing measured, one kernel for every row)")
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 tile_rows: int = TILE_ROWS) -> torch.Tensor:  # x (rows, in), weight (out, in) -> (rows, out)
+    """y = x W^T + b, computed `tile_rows` rows at a time, each tile one `F.linear` of the same shape.
+
+    The last tile is padded with zero rows (their outputs are dropped), so a step of 3 rows costs as
+    much as one of 16: that padding, and one call per tile for long prefills, is the mode's price for
+    matmuls."""
+    rows = x.shape[0]
+    padded = -(-rows // tile_rows) * tile_rows  # rows rounded up to whole tiles
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])  # (padded, in)
+    else:
+        x = x.contiguous()  # a strided view would make F.linear copy or take another path
+    out = x.new_empty(padded, weight.shape[0])  # (padded, out)
+    for start in range(0, padded, tile_rows):
+        out[start:start + tile_rows] = F.linear(x[start:start + tile_rows], weight, bias)  # (tile, out)
+    return out[:rows]
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain product `tiled_linear` must equal up to rounding (not bit for bit: its M differs)."""
+    return F.linear(x, weight, bias)
