@@ -20,8 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from minivllm.engine.sequence import FinishReason
-
 
 class Logprob(NamedTuple):
     """One candidate token at one position (vLLM's `Logprob`)."""
@@ -41,7 +39,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: FinishReason | None = None  # compares equal to vLLM's strings: "stop", "length", ...
+    finish_reason: str | None = None  # a FinishReason's value (engine/sequence.py): vLLM's plain strings
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None  # sum of the generated tokens' logprobs (if logprobs asked)
     logprobs: SampleLogprobs | None = None  # one entry per generated token (if logprobs asked)

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.step_types import SampledToken
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from minivllm.sampling_params import RequestOutputKind
 
@@ -100,7 +100,8 @@ class OutputProcessor:
             decode = seq.sampling_params.detokenize
             logprobs.extend(self._logprob_dict(t, decode) for t in seq.logprobs[len(logprobs):])
             logprobs, cumulative = list(logprobs), seq.cumulative_logprob
-        return CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason,
+        reason = FinishReason(seq.finish_reason).value if seq.finish_reason is not None else None  # vLLM: plain str
+        return CompletionOutput(seq.index, text, seq.output_token_ids, reason, seq.stop_reason,
                                 cumulative, logprobs)
 
     def _convert_prompt_logprobs(self, state: RequestState) -> None:
