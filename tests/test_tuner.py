@@ -153,3 +153,17 @@ def test_two_fresh_processes_give_the_same_greedy_tokens(qwen3_dir, tmp_path):
                            timeout=300) for _ in range(2)]
     assert all(o.returncode == 0 for o in outs), outs[0].stderr[-2000:]
     assert outs[0].stdout == outs[1].stdout and outs[0].stdout.strip().startswith("[")
+
+
+def test_minivllm_tune_measures_ahead_and_a_later_start_reads_it(qwen3_dir, tmp_path, capsys, monkeypatch):
+    from minivllm.entrypoints.cli import main
+    from minivllm.layers.tuning_cache import TuningCache
+
+    monkeypatch.setenv("MINIVLLM_TUNING_CACHE", str(tmp_path / "tune"))
+    assert main(["tune", "--model", qwen3_dir]) == 0
+    printed = capsys.readouterr().out
+    assert "matmul:" in printed and f"saved in {TuningCache().path}" in printed
+    saved = json.loads(TuningCache().path.read_text())
+    assert saved, "nothing was saved"
+    assert main(["tune", "--model", qwen3_dir, "--tuning", "off"]) == 1  # tune always re-measures: one clear error
+    assert "always re-measures" in capsys.readouterr().err

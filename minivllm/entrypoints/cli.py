@@ -209,7 +209,8 @@ def cmd_tune(args: argparse.Namespace) -> None:
     if getattr(args, "tuning", "remeasure") != "remeasure":
         raise ValueError(f"`minivllm tune` always re-measures; drop --tuning {args.tuning}")
     llm = LLM(args.model, **{**engine_kwargs(args), "tuning": "remeasure"})
-    for line in llm.llm_engine.model_runner.measure_cpu_kernels("cached"):  # what was just saved, read back
+    print("measured on this machine and saved; read back as a later start reads them:")
+    for line in llm.llm_engine.model_runner.measure_cpu_kernels("cached"):
         print(line)
     print(f"saved in {TuningCache().path}")
     llm.shutdown()
