@@ -91,6 +91,8 @@ SETUPS = [
     Setup("draft", spec="draft", engine=dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)),
     Setup("unchunked", engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=3,
                                    enable_chunked_prefill=False)),
+    Setup("batch-invariant", engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=12, max_num_seqs=4,
+                                         batch_invariant=True)),  # tiled matmuls, per-row attention
     Setup("hybrid", hybrid=True, engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=12, max_num_seqs=4)),
     Setup("hybrid-small", hybrid=True, engine=dict(block_size=2, num_kv_blocks=24, max_num_batched_tokens=8,
                                                    max_num_seqs=3)),
@@ -314,4 +316,5 @@ def test_engine_machine(models, which, examples):
     # nothing about them.
     wanted = ["forked", "preempted", "rolled back", "mixed steps", "a request failed on its own"]
     wanted += ["drafts accepted", "prefix hit"] if which == "attention" else []
+    wanted += [f"setup {s.name}" for s in setups]  # each setup's paths (e.g. batch-invariant's) were crossed
     assert all(reach[w] for w in wanted), dict(reach)
