@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers import tuner, tuning_cache
 from minivllm.layers.norm_rope_kernels import NormRopeKernels
