@@ -86,7 +86,7 @@ class BeamSearchSequence:
     cum_logprob: float = 0.0  # the generated tokens' logprobs, summed
     text: str | None = None  # set on the final beams: the decoded prompt + output, as vLLM's
     finish_reason: str | None = None  # "stop" (ended in EOS) or "length" (max_tokens), on the final beams
-    stop_reason: int | str | None = None  # the EOS id that ended it
+    stop_reason: int | str | None = None  # vLLM's field; None for EOS, the only stop beam search has
 
 
 @dataclass
@@ -157,7 +157,7 @@ class BeamSearch:
             for token, lp in top.items():  # the 2k most likely tokens (with the one drawn, among them)
                 new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top], beam.cum_logprob + lp.logprob)
                 if token in self.eos_token_ids and not self.params.ignore_eos:
-                    new.finish_reason, new.stop_reason = "stop", token
+                    new.finish_reason = "stop"  # stop_reason stays None: EOS (vLLM's rule)
                     self.completed.append(new)
                 else:
                     candidates.append(new)
