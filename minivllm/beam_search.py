@@ -8,10 +8,10 @@ shares what they have in common.
 
 At every step each beam proposes its 2k most likely next tokens (the request's top logprobs: the
 model's raw log-softmax). Every candidate's score is its beam's cumulative logprob plus the token's;
-the k best candidates are the next step's beams. 2k candidates per beam are enough: at most k of them
-can end in EOS, so at least k others always continue. A candidate ending in EOS is *complete* (set
-aside, unless `ignore_eos`); after `max_tokens` steps the k best of the complete and the live beams,
-by `beam_score`, are the answer.
+the k best candidates are the next step's beams. 2k candidates per beam are enough (HF's rule too):
+even if k of them were EOS ids (a model has one or a few), k others continue. A candidate ending in
+EOS is *complete* (set aside, unless `ignore_eos`); after `max_tokens` steps the k best of the
+complete and the live beams, by `beam_score`, are the answer.
 
 Why requests and not forks inside the scheduler (docs/concepts/sampling-outputs.md has the numbers):
 - The blocks are the same. A block's prefix-cache key is the hash of its whole prefix, so two beams

@@ -9,7 +9,7 @@ import random
 import httpx
 import pytest
 import torch
-from server_helpers import serving
+from server_helpers import events, serving
 
 from minivllm import LLM, BeamSearchParams, LLMEngine
 from minivllm.beam_search import BeamSearch, BeamSearchFailed, new_search, step_sampling_params
@@ -154,6 +154,11 @@ def test_server_use_beam_search(qwen3_dir, model_factory):
                                                   BeamSearchParams(3, 5, ignore_eos=True))[0]
             assert [c["token_ids"] for c in r.json()["choices"]] == [s.tokens[6:] for s in offline.sequences]
             assert r.json()["usage"]["completion_tokens"] == 15
+            texts = [c["text"] for c in r.json()["choices"]]
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as streamed:
+                chunks = [e["choices"][0] for e in events(streamed) if e != "[DONE]"]
+            assert sorted((c["index"], c["text"], c["finish_reason"]) for c in chunks) == \
+                [(i, t, "length") for i, t in enumerate(texts)]  # each choice once, when the search is done
             r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                                "n": 2, "max_tokens": 3, "use_beam_search": True})
             assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
