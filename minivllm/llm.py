@@ -5,7 +5,8 @@
     print(outs[0].outputs[0].text)
 
 `generate` adds every prompt to the engine, then steps until all are done and returns the outputs in
-input order. `beam_search` runs vLLM's beam search on top of it (minivllm/beam_search.py). `generate_stream` yields outputs as they grow instead (streaming without a server).
+input order. `generate_stream` yields outputs as they grow instead (streaming without a server).
+`beam_search` runs vLLM's beam search on top of `generate` (minivllm/beam_search.py).
 All prompts are validated before any is added, so a bad one leaves the engine as it was.
 
 `LLM(model, tensor_parallel_size=N)` splits the model over N processes (this one is rank 0; the

@@ -41,7 +41,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     [prompt], sp = await ctx.admit(req, lambda: [chat_prompt(ctx, req)])
     rid, created = new_id("chatcmpl", req.request_id), now()
     beams = req.beam_search_params(ctx.limits)  # use_beam_search: n beams (entrypoints/openai/beam_search.py)
-    gen = metrics.track(beam_search(ctx.engine, prompt, beams, new_id(rid), req.priority) if beams else
+    gen = metrics.track(beam_search(ctx.engine, prompt, beams, new_id(rid), req.priority) if beams is not None else
                         ctx.engine.generate(prompt, sp, new_id(rid), req.priority), sp)  # id unique even if reused
     text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
     tracker, echoed = ChoiceTracker(sp.n), req.echoed()

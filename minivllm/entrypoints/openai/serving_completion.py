@@ -38,7 +38,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     head = {"id": rid, "object": "text_completion", "created": now(), "model": ctx.model_name}
     # Engine ids stay unique even when clients reuse a request_id.
     beams = req.beam_search_params(ctx.limits)  # use_beam_search: n beams (entrypoints/openai/beam_search.py)
-    gens = [metrics.track(beam_search(ctx.engine, p, beams, new_id(f"{rid}-{i}"), req.priority) if beams else
+    gens = [metrics.track(beam_search(ctx.engine, p, beams, new_id(f"{rid}-{i}"), req.priority) if beams is not None else
                           ctx.engine.generate(p, sp, new_id(f"{rid}-{i}"), req.priority), sp)
             for i, p in enumerate(prompts)]
     choices, tracker = CompletionChoices(req, ctx.tokenizer), ChoiceTracker(sp.n)
