@@ -181,8 +181,8 @@ def new_search(engine: LLMEngine, prompt: PromptType, params: BeamSearchParams) 
     KV pool. Raises ValueError saying what to change; the engine is not touched."""
     sp = step_sampling_params(params)
     text, ids = engine.input_processor.tokenize(prompt)
-    engine.make_sequence("beam-search-check", {"prompt": text, "prompt_token_ids": ids}, sp)  # ids, logprobs
-    longest = engine.make_sequence("beam-search-check", {"prompt_token_ids": ids + ids[:1] * (params.max_tokens - 1)}, sp)
+    last_step = ids + ids[:1] * (params.max_tokens - 1)  # as long as the last step's beams (any tokens)
+    longest = engine.make_sequence("beam-search-check", {"prompt_token_ids": last_step}, sp)  # ids, logprobs
     limit = engine.config.max_model_len
     if len(ids) + params.max_tokens > limit:
         raise ValueError(f"beam search over a {len(ids)}-token prompt with max_tokens={params.max_tokens} needs "

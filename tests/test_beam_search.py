@@ -177,7 +177,8 @@ def test_a_cancelled_server_search_aborts_every_beam(qwen3_dir):
 
     async def cancel_mid_search() -> None:
         params = BeamSearchParams(4, 40, ignore_eos=True)
-        task = asyncio.ensure_future(beam_search(engine, {"prompt_token_ids": [5, 6, 7, 8, 9]}, params, "b").__anext__())
+        search = beam_search(engine, {"prompt_token_ids": [5, 6, 7, 8, 9]}, params, "b")
+        task = asyncio.ensure_future(search.__anext__())
         while engine.stats.num_steps < 6:  # several steps in: four beams at a time
             await asyncio.sleep(0.01)
         task.cancel()
