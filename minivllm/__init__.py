@@ -5,6 +5,7 @@
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
 
+from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import EngineStats
@@ -13,5 +14,5 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "EngineConfig", "EngineStats"]
+           "EngineConfig", "EngineStats", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

@@ -26,14 +26,12 @@ from typing import Any
 
 log = logging.getLogger("minivllm.server")
 
-_BEAM = "it applies to beam search, which is not implemented; use n > 1 with sampling"
+_BEAM = "vLLM's beam search stops at EOS or max_tokens, with no early stop (use_beam_search and length_penalty work)"
 _TOOLS = "tool calling is not implemented (there is no tool-call parser)"
 _STRUCTURED = "structured output (guided decoding, JSON mode or schema) is not implemented"
 _TEXT = "this server takes and produces text only"
 # field: (the values that mean "not asked for", why anything else is refused). None always means "not asked for".
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False,), _BEAM),
-    "length_penalty": ((1.0,), _BEAM),
     "early_stopping": ((False,), _BEAM),
     "tools": (([],), _TOOLS),
     "tool_choice": (("none", "auto"), _TOOLS),  # without tools, "auto" is "none"
