@@ -100,3 +100,31 @@ def test_single_stream_prints_a_consistent_ceiling(qwen3_dir, capsys, monkeypatc
     assert percent == pytest.approx(100 * result["ceiling_fraction"], abs=0.05)
     assert 0 < gb_s < 5000
 
+
+
+def _vs_vllm():
+    """benchmarks/vs_vllm.py, imported by path (benchmarks/ is a folder of scripts, not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "vs_vllm.py"
+    spec = importlib.util.spec_from_file_location("vs_vllm", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vs_vllm"] = module  # dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vs_vllm_table_gives_medians_beside_the_best_and_dashes_for_systems_not_run():
+    vs = _vs_vllm()
+    [fp32, _compiled, *single] = vs.plan("tiny", "smol", ["float32"], single_stream=True, requests=4)
+    assert len(single) == 4 and len({row.hf for row in single}) == 1  # one HF run shared by four rows
+    results = vs.Results()
+    for hf, mini in ((10.0, 30.0), (20.0, 20.0), (15.0, 60.0)):  # three rounds; a busy one for minivllm
+        results.add(fp32.hf, hf)
+        results.add(fp32.minivllm, mini)
+    line = vs.table([fp32], results).splitlines()[2]
+    assert "4 requests, 30M Qwen3, float32" in line
+    # medians 15 and 30 (2.00x), bests 20 and 60 (3.00x); vLLM was not run
+    assert line.endswith("| 15.0 tok/s (20.0) | — | 30.0 (60.0) | — (—) | 2.00× (3.00×) |")

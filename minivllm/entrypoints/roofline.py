@@ -55,14 +55,18 @@ class MatmulWeights(NamedTuple):
 
 def measure_peaks(dtype: torch.dtype, copy_bytes: int = 256 << 20, n: int = 2048,
                   read_bytes: int = 256 << 20) -> Peaks:
-    src = torch.ones(copy_bytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    copy_s = _best(lambda: dst.copy_(src), 5)
-    del src, dst  # not resident beside the read buffer
+    copy_gb_s = measure_copy_bandwidth(copy_bytes)
     read_gb_s = measure_read_bandwidth(read_bytes)
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     gemm_s = _best(lambda: a @ b, 3)
-    return Peaks(2 * copy_bytes / copy_s / 1e9, 2 * n ** 3 / gemm_s / 1e9, dtype, read_gb_s)
+    return Peaks(copy_gb_s, 2 * n ** 3 / gemm_s / 1e9, dtype, read_gb_s)
+
+
+def measure_copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """GB/s moved (bytes read + bytes written) copying a buffer of `nbytes`, best of `repeats`."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best(lambda: dst.copy_(src), repeats) / 1e9
 
 
 def measure_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
