@@ -1,7 +1,7 @@
 """Where a single stream's decode time goes on this CPU: matmul kernels, other ops, the Python between them.
 
     python benchmarks/single_stream_profile.py [--model M] [--dtype bfloat16] [--quantization int8]
-                                               [--compiled] [--steps 32] [--top 12]
+                                               [--compiled] [--steps 32] [--top 12] [--threads N]
 
 One request decodes `--steps` tokens (batch 1) on the default model (SmolLM2-135M) unless --model.
 Printed, with the CPU and the load average (a shared machine slows every figure down):
@@ -49,8 +49,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--compiled", action="store_true", help="enforce_eager=False, compiled for 1 row")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, cores), as the bench)")
     args = p.parse_args(argv)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))  # as `minivllm bench` runs
+    torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
 
     print(f"{CpuInfo.read()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads; "
           f"load average {os.getloadavg()[0]:.2f} at start")
