@@ -73,7 +73,7 @@ def test_bounded_wait_under_open_loop_arrivals(policy, bounded):
     if bounded:
         check_bounded_wait(policy())
     else:
-        with pytest.raises(PolicyBehaviourError, match=f"first ran at step {ARRIVAL_STEPS}"):
+        with pytest.raises(PolicyBehaviourError, match="after the arrivals stopped"):
             check_bounded_wait(policy())
 
 

@@ -19,6 +19,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 from minivllm.teaching.capstone import check_policy_matches_hf, grade_policy
 from minivllm.teaching.exercises import REFERENCES, RULES, check
+from minivllm.teaching.policy_behaviour import PolicyBehaviourError
 from minivllm.teaching.scheduler_machine import PolicyContractError
 
 CAPSTONE = Path(__file__).resolve().parent.parent / "exercises" / "capstone"
@@ -93,10 +94,22 @@ class StaleVictim(FCFSPolicy):
         return self.first[-1]
 
 
+def test_capstone_grader_passes_a_correct_aging_policy():
+    grade_policy(solutions.AgingPolicy, max_examples=25, hf=False)
+
+
 @pytest.mark.parametrize("policy", [FCFSPolicy, PriorityPolicy])
-def test_capstone_grader_passes_the_built_in_policies(policy, qwen3_dir):
-    grade_policy(policy, max_examples=25, hf=False)
+def test_capstone_hf_check_passes_the_built_in_policies(policy, qwen3_dir):
     assert check_policy_matches_hf(policy, qwen3_dir) > 0  # the check ran under memory pressure
+
+
+@pytest.mark.parametrize("policy,rule", [(FCFSPolicy, "a more urgent request (lower `priority`) is admitted"),
+                                         (PriorityPolicy, "a stream of urgent arrivals cannot keep it out")])
+def test_capstone_grader_fails_the_built_in_policies_on_behaviour(policy, rule):
+    """They keep the contract (part 1) but neither is an aging policy (part 2)."""
+    with pytest.raises(PolicyBehaviourError) as err:
+        grade_policy(policy, max_examples=25, hf=False, shrink=False)
+    assert rule in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("policy,rule", [(DropsNonUrgent, "admission_order must return every waiting request"),
@@ -107,12 +120,17 @@ def test_capstone_grader_fails_a_broken_policy(policy, rule):
 
 
 def test_capstone_grader_command(tmp_path):
-    """The student's command: the starter is "not written yet" (2); a correct policy passes (0)."""
+    """The student's command: the starter is "not written yet" (2); a correct policy passes (0); vLLM's
+    priority policy fails on behaviour, naming the rule (1)."""
     grade = [sys.executable, str(CAPSTONE / "grade.py")]
     r = subprocess.run(grade, capture_output=True, text=True, timeout=900)
     assert r.returncode == 2 and "not written yet" in r.stdout, r.stdout + r.stderr
     mine = tmp_path / "mine.py"
+    mine.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                    "from exercise_solutions import AgingPolicy\n\n\nclass Mine(AgingPolicy):\n    name = 'mine'\n")
+    r = subprocess.run([*grade, str(mine), "--examples", "10", "--no-hf"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "Mine passed" in r.stdout, r.stdout + r.stderr
     mine.write_text("from minivllm.engine.scheduling_policy import PriorityPolicy\n\n\n"
                     "class Mine(PriorityPolicy):\n    name = 'mine'\n")
     r = subprocess.run([*grade, str(mine), "--examples", "10", "--no-hf"], capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and "Mine passed" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 1 and "cannot keep it out" in r.stdout, r.stdout + r.stderr

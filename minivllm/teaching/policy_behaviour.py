@@ -159,7 +159,7 @@ def check_open_load(policy: SchedulingPolicy, seed: int = 0, steps: int = 200) -
     rng = random.Random(seed)
     run = _Run(policy, max_num_seqs=4, num_blocks=12, budget=16)
     for _ in range(steps):
-        run.add(prompt_len=rng.randint(1, 12), max_tokens=rng.randint(1, 4), priority=rng.randint(-2, 2))
+        run.add(prompt_len=rng.randint(1, 12), max_tokens=rng.randint(1, 6), priority=rng.randint(-2, 2))
         run.step()
     run.drain()
     worst = max(run.arrived, key=lambda r: run.started.get(r, 10**9) - run.arrived[r])
