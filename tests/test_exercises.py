@@ -113,6 +113,14 @@ def test_an_exception_in_the_answer_is_named_by_the_rule_it_breaks(answer, rule)
     assert "Rule broken: " in str(err.value) and rule in str(err.value), str(err.value)
 
 
+def test_an_exercise_not_written_yet_is_not_a_broken_rule():
+    def stub(*args):
+        raise NotImplementedError
+
+    with pytest.raises(NotImplementedError):  # exercises/test_student.py skips on it
+        check("sse_text", stub)
+
+
 def test_rule_texts_do_not_state_the_formula():
     texts = " ".join(r.text for rules in RULES.values() for r in rules)
     for formula in ("min_p ×", "1 - forward", "× num_kv_heads", "cumulative query lengths - 1", "final_len - 1"):
