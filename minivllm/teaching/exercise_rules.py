@@ -71,7 +71,8 @@ RULES: dict[str, list[Rule]] = {
         Rule("one token budget is shared by the whole step: the tokens of all requests add up to at most "
              "`budget`", lambda a, e, g: sum(g) > a[2]),
         Rule("running requests come first, then waiting ones with what is left: a running request holds "
-             "blocks and is mid-generation, a waiting one can wait", lambda a, e, g: list(g) == _plan(a[1] + a[0], a[2])),
+             "blocks and is mid-generation, a waiting one can wait",
+             lambda a, e, g: list(g) == _plan(a[1] + a[0], a[2])),
         Rule("requests are served in the order given (running oldest first, then waiting in line)",
              lambda a, e, g: sorted(g) == sorted(e)),
         Rule("with chunked prefill a request takes min(its tokens, what is left of the budget): the last "
