@@ -59,12 +59,12 @@ class _Run:
 
     def __init__(self, policy: SchedulingPolicy, *, max_num_seqs: int, num_blocks: int, block_size: int = 4,
                  budget: int = 64) -> None:
+        self.name = type(policy).__name__
         self.sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=budget, max_model_len=256, policy=CheckedPolicy(policy))
         self.step_no, self.count = 0, 0
         self.arrived: dict[str, int] = {}
         self.started: dict[str, int] = {}
-        self.finished: set[str] = set()
 
     def add(self, prompt_len: int, max_tokens: int, priority: int) -> Sequence:
         seq = Sequence(f"r{self.count}", [5 + (self.count + i) % 90 for i in range(prompt_len)],
@@ -82,7 +82,6 @@ class _Run:
             self.started.setdefault(s.seq.request_id, self.step_no)
         rows = [RowGroupOutput([SampledToken(7)]) if s.samples else RowGroupOutput() for s in out.scheduled]
         self.sched.update_from_output(out, ModelRunnerOutput(rows))
-        self.finished |= {s.seq.request_id for s in out.scheduled if s.seq.is_finished}
         self.step_no += 1
         return out.preempted
 
@@ -92,8 +91,8 @@ class _Run:
                 self.step()  # one more call on an empty queue: the policy may prune here too
                 return
             self.step()
-        raise PolicyBehaviourError("RULE: every request must finish: the scheduler did not drain "
-                                   f"({len(self.sched.live_sequences)} still live after {most} steps)")
+        raise _fail(self.name, "every request finishes once arrivals stop (the scheduler drains)",
+                    f"{len(self.sched.live_sequences)} still live after {most} steps")
 
 
 def _fail(name: str, rule: str, seen: str) -> PolicyBehaviourError:
@@ -101,31 +100,34 @@ def _fail(name: str, rule: str, seen: str) -> PolicyBehaviourError:
 
 
 def check_priority_order(make_policy: Callable[[], SchedulingPolicy]) -> None:
+    """Rule 1: one seat, a less urgent request that arrived first: the more urgent one is admitted."""
     run = _Run(make_policy(), max_num_seqs=1, num_blocks=32)
     low = run.add(prompt_len=2, max_tokens=2, priority=1)
     urgent = run.add(prompt_len=9, max_tokens=2, priority=-1)
     run.step()
     if urgent.request_id not in run.started:
-        raise _fail(type(run.sched.policy.inner).__name__,
+        raise _fail(run.name,
                     "a more urgent request (lower `priority`) is admitted before a less urgent one that waits with it",
                     f"one seat, {low.request_id} (priority 1, 2-token prompt, arrived first) and {urgent.request_id} "
                     f"(priority -1, 9-token prompt): your policy admitted {sorted(run.started)}")
 
 
 def check_victim(make_policy: Callable[[], SchedulingPolicy]) -> None:
+    """Rule 2: the pool runs out beside a more and a less urgent request: the less urgent is preempted."""
     run = _Run(make_policy(), max_num_seqs=2, num_blocks=2)  # two 4-token prompts fill the pool exactly
     urgent = run.add(prompt_len=4, max_tokens=3, priority=-1)
     low = run.add(prompt_len=4, max_tokens=3, priority=1)
     run.step()  # both admitted; each now needs a second block for its first decode
     preempted = [s.request_id for s in run.step()]
     if preempted != [low.request_id]:
-        raise _fail(type(run.sched.policy.inner).__name__,
+        raise _fail(run.name,
                     "under memory pressure the least urgent running request is preempted, not a more urgent one",
                     f"running {urgent.request_id} (priority -1) and {low.request_id} (priority 1), no free block: "
                     f"your policy preempted {preempted}")
 
 
 def check_bounded_wait(policy: SchedulingPolicy) -> None:
+    """Rule 3: the issue's scenario (module docstring); the request's first step must be within the bound."""
     run = _Run(policy, max_num_seqs=2, num_blocks=512)
     run.add(prompt_len=3, max_tokens=4, priority=0)
     run.add(prompt_len=3, max_tokens=4, priority=0)
@@ -144,6 +146,7 @@ def check_bounded_wait(policy: SchedulingPolicy) -> None:
 
 
 def check_state_pruned(policy: SchedulingPolicy, num_finished: int) -> None:
+    """Rule 4: no container attribute of the policy (one level deep) outgrows `MAX_STATE_ENTRIES`."""
     sizes = {k: len(v) for k, v in vars(policy).items() if isinstance(v, Sized) and not isinstance(v, (str, bytes))}
     big = {k: n for k, n in sizes.items() if n > MAX_STATE_ENTRIES}
     if big:
@@ -155,7 +158,7 @@ def check_state_pruned(policy: SchedulingPolicy, num_finished: int) -> None:
 
 
 def check_open_load(policy: SchedulingPolicy, seed: int = 0, steps: int = 200) -> int:
-    """Random arrivals every step under memory pressure; returns the requests run."""
+    """Rule 5: one random arrival per step under memory pressure; returns the requests run."""
     rng = random.Random(seed)
     run = _Run(policy, max_num_seqs=4, num_blocks=12, budget=16)
     for _ in range(steps):
@@ -169,7 +172,9 @@ def check_open_load(policy: SchedulingPolicy, seed: int = 0, steps: int = 200) -
                     f"{MAX_WAIT_STEPS} steps of arriving",
                     f"{worst} waited {wait} steps")
     bm = run.sched.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "RULE: every block comes back once every request has finished"
+    if bm.num_free_blocks != bm.num_blocks:
+        raise _fail(run.name, "every block comes back once every request has finished",
+                    f"{bm.num_blocks - bm.num_free_blocks} of {bm.num_blocks} are still held")
     return run.count
 
 
