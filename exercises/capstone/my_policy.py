@@ -37,7 +37,7 @@ What a `Sequence` (minivllm/engine/sequence.py) tells you: `request_id`, `priori
 engine, so it may keep state of its own (e.g. how many steps each request has waited).
 
 Grade it:   python exercises/capstone/grade.py exercises/capstone/my_policy.py [--fair-share]
-            (or: pytest exercises/capstone)
+            (or: pytest exercises/capstone, which grades the aging assignment)
 Use it:     LLM(scheduling_policy=MyPolicy()).generate(prompts, params, priority=[...])
 """
 
