@@ -173,8 +173,8 @@ def test_capstone_grader_passes_a_correct_aging_policy():
     grade_policy(solutions.AgingPolicy, max_examples=25, hf=False)
 
 
-@pytest.mark.parametrize("policy", [FCFSPolicy, PriorityPolicy])
-def test_capstone_hf_check_passes_the_built_in_policies(policy, qwen3_dir):
+@pytest.mark.parametrize("policy", [FCFSPolicy, PriorityPolicy, solutions.AgingPolicy])
+def test_capstone_hf_check_passes(policy, qwen3_dir):
     assert check_policy_matches_hf(policy, qwen3_dir) > 0  # the check ran under memory pressure
 
 
