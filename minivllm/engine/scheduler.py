@@ -16,7 +16,7 @@ done, are reserved a seat at admission). Prefill and decode share the batch ("mi
      prefill any admitted request may receive a partial chunk. Nothing is admitted in a step that
      preempted (the pool is under pressure).
 
-Starvation: a request passed over for lack of blocks counts `num_admission_skips`; past
+Starvation: a request passed over for lack of blocks or seats counts `num_admission_skips`; past
 `max_admission_skips`, admission stops at it until enough blocks are free. Requests that can never run
 are refused before they get here (`InputProcessor.unservable_reason`), so the loop cannot hang.
 
