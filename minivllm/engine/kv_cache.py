@@ -7,6 +7,9 @@ Layout, one tensor for the whole model:
                             |   +-- physical block id (what block tables hold)
                             +------ 0 = keys, 1 = values
 
+A model with sliding-window layers (Gemma 3) has a second tensor of the same layout for them, with
+its own block ids (`num_sliding_blocks`): one pool per KV-cache group (engine/kv_cache_groups.py).
+
 `kv_cache[layer]` is the (2, ...) view a layer reads and writes. A token's "slot" is
 `block_id * block_size + offset`, so `kv_cache[layer, 0].view(-1, num_kv_heads, head_dim)[slot]` is
 its key.
@@ -23,6 +26,8 @@ Sizing (when `num_kv_blocks` is not given):
   * CUDA: `gpu_memory_utilization` x free memory after the weights, less a 10 % activation reserve
     (so 0.9 x 0.9 = 81 % of the free memory by default).
   * CPU: `cpu_kv_cache_bytes` (1 GiB by default), committed lazily as above.
+  With sliding-window layers, their pool is sized first (`sliding_pool_blocks`: enough for every running
+  request's window) and the full-attention pool gets the rest of the budget.
 """
 
 from __future__ import annotations
@@ -31,14 +36,26 @@ import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
+from minivllm.engine.kv_cache_groups import sliding_pool_blocks
 from minivllm.models.hf_config import ModelSpec
 
 
-def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """Only full-attention layers have a KV cache (a hybrid model's linear-attention layers keep a
-    fixed-size state instead: engine/state_pool.py)."""
+def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """A block of the full-attention layers (or of `num_layers` layers). A hybrid model's linear-attention
+    layers keep a fixed-size state instead (engine/state_pool.py)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * len(spec.full_attention_layers) * block_size * spec.num_key_value_heads * spec.head_dim * itemsize
+    layers = len(spec.full_attention_layers) if num_layers is None else num_layers
+    return 2 * layers * block_size * spec.num_key_value_heads * spec.head_dim * itemsize
+
+
+def num_sliding_blocks_for(config: EngineConfig, spec: ModelSpec, num_blocks: int | None = None) -> int:
+    """The sliding-window group's pool: 0 without sliding layers; never more than the full pool's
+    `num_blocks` (a request never holds more sliding blocks than full ones)."""
+    if spec.sliding_window is None:
+        return 0
+    bound = sliding_pool_blocks(spec.sliding_window, config.block_size, config.max_num_seqs,
+                                config.max_num_batched_tokens)
+    return bound if num_blocks is None else min(bound, num_blocks)
 
 
 def num_kv_blocks_for(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> int:
@@ -50,6 +67,9 @@ def num_kv_blocks_for(config: EngineConfig, spec: ModelSpec, device: torch.devic
         budget = int(free * config.gpu_memory_utilization * 0.9)
     else:
         budget = config.cpu_kv_cache_bytes
+    if spec.sliding_window is not None:  # the sliding pool first: its need is bounded
+        budget -= num_sliding_blocks_for(config, spec) * kv_block_bytes(spec, config.block_size, dtype,
+                                                                        len(spec.sliding_attention_layers))
     blocks = budget // per_block
     if blocks < 1:
         raise ValueError(f"the KV-cache budget ({budget} bytes) holds no block of {per_block} bytes; "
@@ -58,8 +78,10 @@ def num_kv_blocks_for(config: EngineConfig, spec: ModelSpec, device: torch.devic
 
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
-    shape = (len(spec.full_attention_layers), 2, num_blocks, block_size, spec.num_key_value_heads, spec.head_dim)
+                      device: torch.device, num_layers: int | None = None) -> torch.Tensor:
+    """The full-attention layers' pool (or one of `num_layers` layers: the sliding-window group's)."""
+    layers = len(spec.full_attention_layers) if num_layers is None else num_layers
+    shape = (layers, 2, num_blocks, block_size, spec.num_key_value_heads, spec.head_dim)
     return zeros(shape, dtype, device)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.distributed.parallel_state import ParallelContext
-from minivllm.engine.kv_cache import num_kv_blocks_for
+from minivllm.engine.kv_cache import num_kv_blocks_for, num_sliding_blocks_for
 from minivllm.layers.attention import AttentionBackend, get_attention_backend
 from minivllm.layers.batch_invariance import BatchInvariance
 from minivllm.layers.matmul_plan import CpuInfo
@@ -85,6 +85,7 @@ class RankModel(NamedTuple):
     spec: ModelSpec  # the model as this rank sees it: its heads, its share of the MLP (models/sharding.py)
     num_blocks: int  # the KV pool's size, the same on every rank
     backend: AttentionBackend
+    num_sliding_blocks: int = 0  # the sliding-window layers' pool (engine/kv_cache_groups.py); 0: none
 
 
 def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
@@ -105,7 +106,10 @@ def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype
     else:
         backend = get_attention_backend(config.attention_backend, device, rank_spec.num_attention_heads,
                                         rank_spec.num_key_value_heads, rank_spec.head_dim, config.block_size)
-    return RankModel(model, rank_spec, num_blocks, backend)
+    if spec.sliding_window is not None and not backend.supports_sliding_window:
+        raise ValueError(f"the {backend.name} attention backend has no sliding window, which {spec.architecture}'s "
+                         "sliding_attention layers need; use attention_backend='torch' or 'triton'")
+    return RankModel(model, rank_spec, num_blocks, backend, num_sliding_blocks_for(config, spec, num_blocks))
 
 
 def compile_decision(model: CausalLM, config: EngineConfig, device: torch.device) -> tuple[bool, str]:
