@@ -10,7 +10,8 @@ logical block i still means tokens [i*B, (i+1)*B) and slots are computed as for 
     full group       [  7   ][  2   ][   9   ][   4    ][    11     ]     every block, for ever
     sliding group    [  -   ][  -   ][   3   ][   6    ][     1     ]     keys 11..18 are all it reads
 
-Invariant (tested mid-decode): after `append_slots` for a decode, a request holds at most
+Blocks are given back at each commit (`cache_full_blocks`) and before each step (`append_slots`).
+Invariant (tested mid-decode): between steps and after `append_slots` for a decode, a request holds at most
 ceil((W - 1) / B) + 1 <= ceil(W / B) + 1 blocks of this group, whatever its length. A prefill chunk of n
 tokens holds the blocks of its own tokens too (its first query still reads W - 1 keys before it).
 
@@ -88,6 +89,12 @@ class SlidingWindowBlockManager(BlockManager):
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         self.free_outside_window(seq)
         super().append_slots(seq, num_new_tokens)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """At the commit: publish what filled (so a block keeps its hash when it goes), then give back what
+        the next query will not read. The bound on held blocks therefore holds between steps too."""
+        super().cache_full_blocks(seq)
+        self.free_outside_window(seq)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> bool:
         held = [b for b in prefix.blocks if b != NULL_BLOCK]
