@@ -144,3 +144,14 @@ def test_the_cpu_decode_kernel_honours_the_window(gemma_dir, hf):
     backend = llm.llm_engine.model_runner.backend
     backend.decode_kernel = DecodeKernelChoice(True, "forced by the test")  # decode rows: the C++ kernel, window W
     greedy_ok(llm, hf, varied_prompts(8, 384, seed=6)[4:])
+
+
+@pytest.mark.slow  # ~15 s: the Triton interpreter
+def test_the_triton_kernels_honour_the_window(gemma_dir, hf):
+    """The Triton backend (the interpreter on CPU): paged attention over chunks, and split-KV decode (a context
+    of 8+ blocks with few rows), both with the window; blocks of 16 tokens, twice the window."""
+    llm = gemma(gemma_dir, attention_backend="triton", block_size=16, max_num_batched_tokens=48)
+    long_prompt = varied_prompts(9, 384, seed=12)[-1] * 2  # 140 tokens: chunks, then split-KV decodes
+    greedy_ok(llm, hf, [long_prompt, long_prompt[:20] + [5, 6]], SamplingParams(temperature=0, max_tokens=4,
+                                                                                 ignore_eos=True))
+    assert llm.get_stats().prefix_cache_hits == 16
