@@ -10,8 +10,11 @@ logical block i still means tokens [i*B, (i+1)*B) and slots are computed as for 
     full group       [  7   ][  2   ][   9   ][   4    ][    11     ]     every block, for ever
     sliding group    [  -   ][  -   ][   3   ][   6    ][     1     ]     keys 11..18 are all it reads
 
-Blocks are given back at each commit (`cache_full_blocks`) and before each step (`append_slots`).
-Invariant (tested mid-decode): between steps and after `append_slots` for a decode, a request holds at most
+Blocks are given back at each commit (`cache_full_blocks`), never while a step is planned: a block given
+back inside the step's transaction could be taken and overwritten by another request in the same step,
+and a rollback would then return it to its owner (and its hash to the prefix cache) with someone else's
+K/V. After the commit nothing is rolled back.
+Invariant (tested mid-decode): between steps, and so after `append_slots` for a decode, a request holds at most
 ceil((W - 1) / B) + 1 <= ceil(W / B) + 1 blocks of this group, whatever its length. A prefill chunk of n
 tokens holds the blocks of its own tokens too (its first query still reads W - 1 keys before it).
 
@@ -59,10 +62,14 @@ class SlidingWindowBlockManager(BlockManager):
 
     # --- leaving the window ----------------------------------------------------------------------
     def _outside(self, seq: Sequence) -> range:
-        """The logical blocks still held that the next query (at num_computed_tokens) will not read.
+        """The logical blocks still held that no query from the last block boundary on will read. The
+        boundary, not num_computed_tokens: a fork's child starts there (it recomputes the parent's partial
+        last block), so its window must still be held; the bound on held blocks is the same either way.
         Blocks leave in order, so the held ones start after the last NULL: walking back from the window's
         first block stops at the first NULL, and the walk costs what is freed now."""
-        table, end = self.table(seq), min(self.first_needed_block(seq.num_computed_tokens), len(self.table(seq)))
+        boundary = seq.num_computed_tokens // self.block_size * self.block_size
+        table = self.table(seq)
+        end = min(self.first_needed_block(boundary), len(table))
         start = end
         while start > 0 and table[start - 1] != NULL_BLOCK:
             start -= 1
@@ -80,16 +87,6 @@ class SlidingWindowBlockManager(BlockManager):
             table[i] = NULL_BLOCK
 
     # --- the BlockManager's calls, window-aware ------------------------------------------------------
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        table = self.table(seq)
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
-        freed = sum(1 for i in self._outside(seq) if self.ref_counts[table[i]] == 1)  # back to the pool first
-        return needed <= self.num_free_blocks + freed
-
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        self.free_outside_window(seq)
-        super().append_slots(seq, num_new_tokens)
-
     def cache_full_blocks(self, seq: Sequence) -> None:
         """At the commit: publish what filled (so a block keeps its hash when it goes), then give back what
         the next query will not read. The bound on held blocks therefore holds between steps too."""

@@ -16,8 +16,9 @@ from minivllm.sampling_params import SamplingParams
 B, W = 4, 8
 
 
-def coordinator(full: int = 32, sliding: int = 16, prefix_caching: bool = True) -> KVCacheCoordinator:
-    return KVCacheCoordinator(BlockManager(full, B, prefix_caching), SlidingWindowBlockManager(sliding, B, W, prefix_caching))
+def coordinator(full: int = 32, sliding: int = 16, prefix_caching: bool = True, window: int = W) -> KVCacheCoordinator:
+    return KVCacheCoordinator(BlockManager(full, B, prefix_caching),
+                              SlidingWindowBlockManager(sliding, B, window, prefix_caching))
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:
@@ -111,6 +112,22 @@ def test_a_fork_shares_both_groups_and_recomputes_the_partial_block():
     assert kv.fork(parent, child) is None
     assert child.num_computed_tokens == 20 and child.block_table == parent.block_table[:5]
     assert child.sliding_block_table == parent.sliding_block_table[:5]
+    kv.check_invariants([parent, child])
+
+
+def test_a_forked_child_finds_its_whole_window_after_a_chunk_that_ended_mid_block():
+    """The child starts at the parent's last block boundary (8 here), whose window (keys 3..8 for W = 6) reaches
+    block 0; a chunk that ended at 10 must not have given block 0 back (its own window starts at 5)."""
+    kv = coordinator(window=6)
+    parent = seq("p", list(range(11)))
+    kv.allocate(parent, 10, kv.get_computed_blocks(parent))
+    parent.num_computed_tokens = 10
+    kv.cache_full_blocks(parent)
+    step(kv, parent, 1)
+    child = parent.fork(1, 1)
+    kv.fork(parent, child)
+    first = kv.sliding.first_needed_block(child.num_computed_tokens)
+    assert child.num_computed_tokens == 8 and NULL_BLOCK not in child.sliding_block_table[first:]
     kv.check_invariants([parent, child])
 
 
