@@ -312,7 +312,7 @@ def models(tmp_path_factory, model_factory, hf_factory):
     return paths, hf
 
 
-@pytest.mark.parametrize("which,examples", [("attention", 150), ("hybrid", 80), ("sliding", 60)])
+@pytest.mark.parametrize("which,examples", [("attention", 150), ("hybrid", 80), ("sliding", 40)])
 def test_engine_machine(models, which, examples):
     from hypothesis.stateful import run_state_machine_as_test
 
