@@ -155,3 +155,16 @@ def test_the_triton_kernels_honour_the_window(gemma_dir, hf):
     greedy_ok(llm, hf, [long_prompt, long_prompt[:20] + [5, 6]], SamplingParams(temperature=0, max_tokens=4,
                                                                                  ignore_eos=True))
     assert llm.get_stats().prefix_cache_hits == 16
+
+
+def test_a_trace_and_a_llama_draft_model_work_beside_the_groups(gemma_dir, hf, model_factory):
+    """A Gemma target with a Qwen3 draft (same tokenizer and vocabulary): the draft keeps its own pool, indexed by
+    the full group's tables; a Gemma draft is refused by name. The trace draws the full group's pool."""
+    llm = gemma(gemma_dir, record_trace=True, speculative_config={"model": model_factory("qwen3"),
+                                                                  "num_speculative_tokens": 2})
+    greedy_ok(llm, hf, varied_prompts(8, 384, seed=8)[5:])
+    trace = llm.get_trace()
+    assert trace and trace[0].num_total_blocks == llm.llm_engine.block_manager.full.num_blocks
+    assert llm.get_stats().num_draft_tokens > 0
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        gemma(gemma_dir, speculative_config={"model": gemma_dir, "num_speculative_tokens": 2})
