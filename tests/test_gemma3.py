@@ -168,3 +168,10 @@ def test_a_trace_and_a_llama_draft_model_work_beside_the_groups(gemma_dir, hf, m
     assert llm.get_stats().num_draft_tokens > 0
     with pytest.raises(ValueError, match="sliding-window layers"):
         gemma(gemma_dir, speculative_config={"model": gemma_dir, "num_speculative_tokens": 2})
+
+
+def test_a_mistral_checkpoint_with_a_window_is_refused_by_name(model_factory):
+    cfg = json.loads(open(f"{model_factory('mistral')}/config.json").read())
+    assert cfg["architectures"] == ["MistralForCausalLM"] and parse_model_spec(cfg).sliding_window is None
+    with pytest.raises(ValueError, match="sliding_window=4096"):
+        parse_model_spec({**cfg, "sliding_window": 4096})

@@ -18,6 +18,7 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,  # + q/k/v bias
     "Qwen3ForCausalLM": LlamaForCausalLM,  # + per-head q/k RMSNorm
+    "MistralForCausalLM": LlamaForCausalLM,  # the Llama decoder (a checkpoint without a sliding window)
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # hybrid: needs the engine's state pool
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its model.language_model part
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # sliding-window + full layers: two KV-cache groups

@@ -13,6 +13,7 @@ sliding-window layers ("sliding_attention", window `sliding_window`) with full o
   transformers 4:  "rope_theta" (full layers, with "rope_scaling"), "rope_local_base_freq" (sliding)
   transformers 5:  "rope_parameters": {"full_attention": {...}, "sliding_attention": {...}}
 Soft-capping (Gemma 2's `attn_logit_softcapping`, `final_logit_softcapping`) is refused by name.
+`MistralForCausalLM` is the Llama decoder; one with a `sliding_window` (every layer sliding) is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from minivllm.layers.rotary import RopeSpec
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Gated-DeltaNet (linear attention) layers interleaved with full attention: models/qwen3_5.py, run with
 # the engine's per-request state pool (engine/state_pool.py).
@@ -171,6 +172,10 @@ def parse_model_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None 
         cfg = {**cfg, **cfg["text_config"], "tie_word_embeddings": tie}
     if cfg.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    if arch == "MistralForCausalLM" and cfg.get("sliding_window") is not None:
+        # every layer would slide: the KV-cache groups need a full-attention group (engine/kv_cache_groups.py)
+        raise ValueError(f"MistralForCausalLM with sliding_window={cfg['sliding_window']} is not supported (every "
+                         "layer slides); Mistral checkpoints with sliding_window null run as the Llama decoder")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
     if act != ("gelu_pytorch_tanh" if arch in SLIDING_ARCHITECTURES else "silu"):
         raise ValueError(f"hidden_act={act!r} is not supported for {arch} (only "

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3Config)
 
 CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",
@@ -39,6 +40,7 @@ FAMILIES = {
     "qwen3": (Qwen3Config, dict(head_dim=16)),
     "qwen2": (Qwen2Config, dict()),
     "llama": (LlamaConfig, dict()),
+    "mistral": (MistralConfig, dict(sliding_window=None)),  # Llama's decoder; a window would slide every layer
 }
 ARCHITECTURES = {"qwen3_5": "Qwen3_5ForCausalLM"}  # where the config class's name does not give it
 try:  # Qwen3.5 is in transformers 5 only (Feb 2026); older versions simply have no "qwen3_5" family
