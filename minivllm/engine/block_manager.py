@@ -24,7 +24,7 @@ a block from it evicts its hash, and a hit on a free cached block revives it (ta
 At least one prompt token is always computed (at most `(num_tokens - 1) // B` blocks can hit), so
 the last prompt position produces the logits to sample from.
 
-Transactions. While a step is planned and run, every change goes through the step's `UndoLog`
+Transactions (engine/block_transactions.py). While a step is planned and run, every change goes through the step's `UndoLog`
 (`begin` / `commit` / `rollback`): the first time a block, a hash entry or a sequence is touched, its
 old value is recorded. A rollback therefore costs what the step touched, not the size of the pool.
 Each block's `free_stamp` (when it was last freed, from `_clock`) is recorded with it, so a rollback can
@@ -38,7 +38,8 @@ from typing import NamedTuple
 
 from minivllm.engine.block_allocator import BlockAllocator, get_allocator
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.undo_log import BlockUndo, UndoLog
+from minivllm.engine.block_transactions import BlockTransactions
+from minivllm.engine.undo_log import UndoLog
 
 
 def hash_block(parent: bytes | None, token_bytes: bytes) -> bytes:
@@ -65,7 +66,7 @@ class PoolShortfall(NamedTuple):
     available: int
 
 
-class BlockManager:
+class BlockManager(BlockTransactions):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  allocator: BlockAllocator | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
@@ -261,56 +262,6 @@ class BlockManager:
                 self._record_hash(h)
                 del self.hash_to_block[h]
             self.block_hash[b] = None
-
-    # --- transactions --------------------------------------------------------------------------
-    def begin(self, undo: UndoLog) -> None:
-        """Open a transaction: from now on every change is recorded in `undo`."""
-        assert self.undo is None, "a transaction is already open"
-        self.undo = undo
-
-    def commit(self) -> None:
-        self.undo = None
-
-    def rollback(self, written_blocks: set[int] = frozenset()) -> None:
-        """Undo the open transaction (the sequences' fields are restored by the `UndoLog`). Blocks in
-        `written_blocks` may hold partial K/V of the failed step; if one of them was a free cached
-        block, its hash is dropped so it can never be served."""
-        undo, self.undo = self.undo, None
-        assert undo is not None, "no transaction is open"
-        for b, r in undo.blocks.items():
-            if self.ref_counts[b] == 0:  # free now: out, and back below only if it was free before the step
-                self.free_blocks.revive(b)
-            self.ref_counts[b], self.block_hash[b], self.free_stamp[b] = r.ref_count, r.block_hash, r.free_stamp
-        for h, b in undo.hashes.items():
-            if b is None:
-                self.hash_to_block.pop(h, None)
-            else:
-                self.hash_to_block[h] = b
-        undo.undo_seqs_and_attrs()  # includes _clock and the hit counters
-        was_free = [(b, r.free_stamp) for b, r in undo.blocks.items() if r.was_free]
-        self.free_blocks.restore(sorted(was_free, key=lambda pair: pair[1]))  # oldest first
-        for b in written_blocks:
-            if self.block_hash[b] is not None and self.ref_counts[b] == 0:
-                self._forget_hash(b)
-
-    def _record_block(self, b: int) -> None:
-        if self.undo is not None and not self.undo.has_block(b):
-            # free exactly when no table holds it (the first invariant)
-            self.undo.record_block(b, BlockUndo(self.ref_counts[b], self.block_hash[b], self.free_stamp[b],
-                                                self.ref_counts[b] == 0))
-
-    def _record_hash(self, h: bytes) -> None:
-        if self.undo is not None:
-            self.undo.record_hash(h, self.hash_to_block.get(h))
-
-    def _record_seq(self, seq: Sequence) -> None:
-        if self.undo is not None:
-            self.undo.record_seq(seq)
-
-    def _record_attrs(self, *names: str) -> None:
-        if self.undo is not None:
-            for name in names:
-                self.undo.record_attr(self, name)
 
     # --- proof ---------------------------------------------------------------------------------
     def check_invariants(self, live_seqs: list[Sequence]) -> None:
