@@ -175,3 +175,16 @@ def test_a_mistral_checkpoint_with_a_window_is_refused_by_name(model_factory):
     assert cfg["architectures"] == ["MistralForCausalLM"] and parse_model_spec(cfg).sliding_window is None
     with pytest.raises(ValueError, match="sliding_window=4096"):
         parse_model_spec({**cfg, "sliding_window": 4096})
+
+
+def test_a_gemma_whose_layers_are_all_full_has_one_group(gemma_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "all_full"
+    shutil.copytree(gemma_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "layer_types": ["full_attention"] * 4}))
+    llm = gemma(str(folder))
+    assert llm.get_stats().kv_blocks_in_use == {"full_attention": 0}  # a plain BlockManager
+    greedy_ok(llm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
+              varied_prompts(8, 384, seed=2)[6:])

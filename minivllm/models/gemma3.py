@@ -101,8 +101,8 @@ class Gemma3ForCausalLM(CausalLM):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(spec)
-        if spec.sliding_window is None or spec.local_rope is None or spec.query_pre_attn_scalar is None:
-            raise ValueError(f"{spec.architecture} is not a Gemma 3 checkpoint: no sliding_window / layer_types")
+        if spec.local_rope is None or spec.query_pre_attn_scalar is None:
+            raise ValueError(f"{spec.architecture} is not a Gemma 3 checkpoint: no local RoPE / query_pre_attn_scalar")
         self.matmul_plan = MatmulPlan()
         self.model = Gemma3Model(spec, self.matmul_plan)
         if not spec.tie_word_embeddings:
@@ -123,7 +123,8 @@ class Gemma3ForCausalLM(CausalLM):
         backend: AttentionBackend,
         linear_attn: LinearAttnMetadata | None = None,  # no linear-attention layers: always None
     ) -> torch.Tensor:  # (T, hidden)
-        assert meta.sliding is not None, "sliding-window layers need the sliding group's metadata (meta.sliding)"
+        # sliding layers read their group's metadata (none when `layer_types` makes every layer full)
+        assert meta.sliding is not None or self.spec.sliding_window is None, "sliding layers need meta.sliding"
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
         h = h * torch.tensor(self.spec.hidden_size ** 0.5, dtype=h.dtype)  # HF rounds the factor to the dtype
         global_rope = self.rotary.lookup(positions, h.dtype)  # once per step, shared by the layers of a kind

@@ -239,6 +239,8 @@ def _with_sliding_fields(spec: ModelSpec, cfg: dict[str, Any]) -> ModelSpec:
     if local.rope_type != "default":
         raise ValueError(f"RoPE type {local.rope_type!r} on the sliding layers is not supported (Gemma 3 scales "
                          "only its full-attention layers)")
+    if "sliding_attention" not in layer_types:  # no layer slides: one KV-cache group, the window unused
+        window = None
     return replace(spec, qk_norm=True, layer_types=layer_types, sliding_window=window, rope=rope, local_rope=local,
                    query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
                    head_dim=int(cfg.get("head_dim") or 256))
