@@ -188,3 +188,20 @@ def test_a_gemma_whose_layers_are_all_full_has_one_group(gemma_dir, tmp_path):
     assert llm.get_stats().kv_blocks_in_use == {"full_attention": 0}  # a plain BlockManager
     greedy_ok(llm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
               varied_prompts(8, 384, seed=2)[6:])
+
+
+def test_the_memory_budget_gives_the_sliding_pool_its_windows_but_at_most_half(gemma_dir):
+    from minivllm.config import EngineConfig
+    from minivllm.engine.kv_cache import kv_block_bytes, num_kv_blocks_for
+
+    spec = parse_model_spec(json.loads(open(f"{gemma_dir}/config.json").read()))
+    full = kv_block_bytes(spec, BLOCK, torch.float32)
+    sliding = kv_block_bytes(spec, BLOCK, torch.float32, len(spec.sliding_attention_layers))
+    for budget in (2**16, 2**20, 2**26):  # the half binds; then the windows' bound does
+        config = EngineConfig(model=gemma_dir, block_size=BLOCK, cpu_kv_cache_bytes=budget)
+        pools = num_kv_blocks_for(config, spec, torch.device("cpu"), torch.float32)
+        used = pools.num_blocks * full + pools.num_sliding_blocks * sliding
+        assert pools.num_sliding_blocks * sliding <= budget // 2 and pools.num_sliding_blocks <= pools.num_blocks
+        assert budget - full < used <= budget  # nothing idle but less than a block
+    assert pools.num_sliding_blocks == config.max_num_seqs * (WINDOW // BLOCK + 3) + -(
+        -config.max_num_batched_tokens // BLOCK)

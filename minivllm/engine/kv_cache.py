@@ -27,10 +27,13 @@ Sizing (when `num_kv_blocks` is not given):
     (so 0.9 x 0.9 = 81 % of the free memory by default).
   * CPU: `cpu_kv_cache_bytes` (1 GiB by default), committed lazily as above.
   With sliding-window layers, their pool is sized first (`sliding_pool_blocks`: enough for every running
-  request's window) and the full-attention pool gets the rest of the budget.
+  request's window, but at most half the budget and never more blocks than the full pool) and the
+  full-attention pool gets the rest.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,33 +51,35 @@ def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype, num_lay
     return 2 * layers * block_size * spec.num_key_value_heads * spec.head_dim * itemsize
 
 
-def num_sliding_blocks_for(config: EngineConfig, spec: ModelSpec, num_blocks: int | None = None) -> int:
-    """The sliding-window group's pool: 0 without sliding layers; never more than the full pool's
-    `num_blocks` (a request never holds more sliding blocks than full ones)."""
-    if spec.sliding_window is None:
-        return 0
-    bound = sliding_pool_blocks(spec.sliding_window, config.block_size, config.max_num_seqs,
-                                config.max_num_batched_tokens)
-    return bound if num_blocks is None else min(bound, num_blocks)
+class KVPoolSizes(NamedTuple):
+    num_blocks: int  # the full-attention pool
+    num_sliding_blocks: int = 0  # the sliding-window layers' pool (0: no such layers)
 
 
-def num_kv_blocks_for(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> int:
+def num_kv_blocks_for(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> KVPoolSizes:
+    """Both pools' blocks. The sliding pool: windows for max_num_seqs requests (`sliding_pool_blocks`), but
+    never more blocks than the full pool (a request never holds more sliding blocks than full ones) nor more
+    memory (past that the full pool stops admission first, and the extra windows would idle)."""
+    bound = 0 if spec.sliding_window is None else sliding_pool_blocks(
+        spec.sliding_window, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
     if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
+        return KVPoolSizes(config.num_kv_blocks, min(bound, config.num_kv_blocks))
     per_block = kv_block_bytes(spec, config.block_size, dtype)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * config.gpu_memory_utilization * 0.9)
     else:
         budget = config.cpu_kv_cache_bytes
-    if spec.sliding_window is not None:  # the sliding pool first: its need is bounded
-        budget -= num_sliding_blocks_for(config, spec) * kv_block_bytes(spec, config.block_size, dtype,
-                                                                        len(spec.sliding_attention_layers))
+    sliding = 0
+    if bound:  # the sliding pool first: its need is bounded
+        per_sliding = kv_block_bytes(spec, config.block_size, dtype, len(spec.sliding_attention_layers))
+        sliding = min(bound, budget // (2 * per_sliding), budget // (per_sliding + per_block))
+        budget -= sliding * per_sliding
     blocks = budget // per_block
     if blocks < 1:
         raise ValueError(f"the KV-cache budget ({budget} bytes) holds no block of {per_block} bytes; "
                          "raise cpu_kv_cache_bytes / gpu_memory_utilization or set num_kv_blocks")
-    return blocks
+    return KVPoolSizes(blocks, min(sliding, blocks))
 
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -20,7 +20,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.distributed.parallel_state import ParallelContext
-from minivllm.engine.kv_cache import num_kv_blocks_for, num_sliding_blocks_for
+from minivllm.engine.kv_cache import num_kv_blocks_for
 from minivllm.layers.attention import AttentionBackend, get_attention_backend
 from minivllm.layers.batch_invariance import BatchInvariance
 from minivllm.layers.matmul_plan import CpuInfo
@@ -99,7 +99,8 @@ def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype
         model.compile_forward(config.compile_sizes)  # compiled lazily, size by size (at warm-up)
     rank_spec = ShardLayout.of(spec, tp.rank, tp.world_size).rank_spec(spec)  # `spec` itself on one rank
     # Each rank sizes the pool from its own free memory; the smallest wins (a collective).
-    num_blocks = tp.min_over_ranks(num_kv_blocks_for(config, rank_spec, device, dtype))
+    pools = num_kv_blocks_for(config, rank_spec, device, dtype)  # a sliding pool: one rank only (sharding.py)
+    num_blocks = tp.min_over_ranks(pools.num_blocks)
     if config.batch_invariant:  # every row a one-row query over its own context
         backend: AttentionBackend = PerRowAttentionBackend(rank_spec.num_attention_heads,
                                                            rank_spec.num_key_value_heads, rank_spec.head_dim, dtype)
@@ -109,7 +110,7 @@ def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype
     if spec.sliding_window is not None and not backend.supports_sliding_window:
         raise ValueError(f"the {backend.name} attention backend has no sliding window, which {spec.architecture}'s "
                          "sliding_attention layers need; use attention_backend='torch' or 'triton'")
-    return RankModel(model, rank_spec, num_blocks, backend, num_sliding_blocks_for(config, spec, num_blocks))
+    return RankModel(model, rank_spec, num_blocks, backend, pools.num_sliding_blocks)
 
 
 def compile_decision(model: CausalLM, config: EngineConfig, device: torch.device) -> tuple[bool, str]:
