@@ -205,3 +205,4 @@ def test_the_memory_budget_gives_the_sliding_pool_its_windows_but_at_most_half(g
         assert budget - full < used <= budget  # nothing idle but less than a block
     assert pools.num_sliding_blocks == config.max_num_seqs * (WINDOW // BLOCK + 3) + -(
         -config.max_num_batched_tokens // BLOCK)
+

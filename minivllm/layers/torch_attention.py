@@ -14,8 +14,9 @@ Per layer:
 
 A sliding window W (`meta.sliding_window`) narrows both masks to keys p - W + 1 .. p; a prefill
 chunk gathers only the blocks from its first query's window on, and the decode kernel gets W (it
-then reads only the window's blocks). The gather + SDPA decode path keeps the padded table and zeroes
-the keys before each window as it zeroes those past each context (a given-back block may hold anything).
+then reads only the window's blocks). The gather + SDPA decode path gathers each row's window, from
+the block holding its first key, and zeroes the keys before the window in that block as it zeroes those
+past each context (masked, but a stale NaN times a weight of 0 is still NaN).
 
 GQA without copying K/V: the G = Hq / Hkv query heads sharing a KV head are folded into the query
 length, (T, Hq, D) -> (Hkv, G*T, D), so SDPA sees Hkv heads and K/V are never repeated.
@@ -96,16 +97,23 @@ class TorchAttentionBackend(AttentionBackend):
                 decode_tables = tables.int().contiguous()  # (Bd, nb)
                 decode_lens = torch.tensor(lens_host, dtype=torch.int64)
             else:
-                decode_tables = tables.long()  # (Bd, nb)
                 windowed = W is not None and max(lens_host) > W  # some row does not see all its keys
+                keys = torch.arange(max_blocks * bs, device=device)[None, :]  # (1, K): key positions
+                if windowed:  # gather each row's window only, from the block holding its first key
+                    first = [max(0, n - W) // bs for n in lens_host]
+                    width = max(-(-n // bs) - f for n, f in zip(lens_host, first))
+                    first_t = torch.tensor(first, device=device)[:, None]  # (Bd, 1)
+                    cols = (first_t + torch.arange(width, device=device)).clamp(max=tables.shape[1] - 1)
+                    tables = tables.gather(1, cols)  # (Bd, width): past a context, repeats (masked, zeroed)
+                    keys = first_t * bs + torch.arange(width * bs, device=device)  # (Bd, K)
+                decode_tables = tables.long()  # (Bd, nb)
                 if min(lens_host) == max(lens_host) and not windowed:  # e.g. a single stream: slice, no mask
                     decode_mask = lens_host[0]
                 else:
                     lens = meta.context_lens if all_decode else meta.context_lens[dec_t]  # (Bd,)
-                    keys = torch.arange(max_blocks * bs, device=device)
-                    inside = keys[None, :] < lens[:, None]  # (Bd, K)
+                    inside = keys < lens[:, None]  # (Bd, K)
                     if windowed:
-                        inside &= keys[None, :] >= lens[:, None] - W
+                        inside &= keys >= lens[:, None] - W
                     decode_mask = inside[:, None, None, :]  # (Bd, 1, 1, K)
                     decode_outside = (~inside).view(-1).nonzero()[:, 0]  # (P,): the rows `forward` zeroes
             if not all_decode:  # where the decode rows sit among the step's rows (all decode: 0 .. Bd-1)
