@@ -16,7 +16,8 @@ together, so each key and value row is read once, in place:
     o[g]    = sum_t p[g][t] V[t]
 
 No copy, no mask, no padding. A sliding-window layer passes `window`: the loops start at key
-max(0, context - window), so the blocks before the window are never read (they may be given back). It is built with the other CPU kernels (kernels/cpu_build.py) and
+max(0, context - window), so the blocks before the window are never read (they may be given back).
+It is built with the other CPU kernels (kernels/cpu_build.py) and
 used by the PyTorch backend where warm-up measured it faster than gather + SDPA.
 
 `naive_paged_decode_attention` is the plain-PyTorch reference; tests/kernels compare them.

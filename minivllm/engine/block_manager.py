@@ -24,9 +24,10 @@ a block from it evicts its hash, and a hit on a free cached block revives it (ta
 At least one prompt token is always computed (at most `(num_tokens - 1) // B` blocks can hit), so
 the last prompt position produces the logits to sample from.
 
-Transactions (engine/block_transactions.py). While a step is planned and run, every change goes through the step's `UndoLog`
-(`begin` / `commit` / `rollback`): the first time a block, a hash entry or a sequence is touched, its
-old value is recorded. A rollback therefore costs what the step touched, not the size of the pool.
+Transactions (engine/block_transactions.py). While a step is planned and run, every change goes
+through the step's `UndoLog` (`begin` / `commit` / `rollback`): the first time a block, a hash entry or
+a sequence is touched, its old value is recorded. A rollback therefore costs what the step touched,
+not the size of the pool.
 Each block's `free_stamp` (when it was last freed, from `_clock`) is recorded with it, so a rollback can
 hand the allocator back the blocks that were free with the stamps they had (`BlockAllocator.restore`).
 """

@@ -5,7 +5,8 @@ real `LLMEngine` on a tiny model, where the bugs of the last reviews lived: fork
 chunk boundaries, a pool under pressure (preemption, a fork with no block to copy into), failed steps
 (a request to blame, or none), failed commits, a proposer that fails, aborts, a hybrid model's
 state pool, and a sliding-window model's second KV-cache group (Gemma 3, window 8: blocks given back
-as they leave the window, prefix hits that need the window's blocks). hypothesis picks an engine configuration and a sequence of actions:
+as they leave the window, prefix hits that need the window's blocks). hypothesis picks an engine
+configuration and a sequence of actions:
 
     add        a request: shared prefixes (prefix hits), n in 1..3, greedy or seeded sampling, or
                "poisoned" (its first chunk fails the forward: bisection must blame it alone)
@@ -103,7 +104,8 @@ SETUPS = [
     Setup("hybrid", hybrid=True, engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=12, max_num_seqs=4)),
     Setup("hybrid-small", hybrid=True, engine=dict(block_size=2, num_kv_blocks=24, max_num_batched_tokens=8,
                                                    max_num_seqs=3)),
-    Setup("sliding", sliding=True, engine=dict(block_size=2, num_kv_blocks=24, max_num_batched_tokens=8, max_num_seqs=4)),
+    Setup("sliding", sliding=True, engine=dict(block_size=2, num_kv_blocks=24, max_num_batched_tokens=8,
+                                               max_num_seqs=4)),
     Setup("sliding-ngram", sliding=True, spec="ngram", engine=dict(block_size=4, num_kv_blocks=16,
                                                                    max_num_batched_tokens=12, max_num_seqs=3)),
 ]
