@@ -110,6 +110,7 @@ class RankModel(NamedTuple):
     spec: ModelSpec  # the model as this rank sees it: its heads, its share of the MLP (models/sharding.py)
     num_blocks: int  # the KV pool's size, the same on every rank
     backend: AttentionBackend
+    num_sliding_blocks: int = 0  # the sliding-window layers' pool (engine/kv_cache_groups.py); 0: none
 
 
 def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
@@ -123,14 +124,18 @@ def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype
         model.compile_forward(config.compile_sizes)  # compiled lazily, size by size (at warm-up)
     rank_spec = ShardLayout.of(spec, tp.rank, tp.world_size).rank_spec(spec)  # `spec` itself on one rank
     # Each rank sizes the pool from its own free memory; the smallest wins (a collective).
-    num_blocks = tp.min_over_ranks(num_kv_blocks_for(config, rank_spec, device, dtype))
+    pools = num_kv_blocks_for(config, rank_spec, device, dtype)  # a sliding pool: one rank only (sharding.py)
+    num_blocks = tp.min_over_ranks(pools.num_blocks)
     if config.batch_invariant:  # every row a one-row query over its own context
         backend: AttentionBackend = PerRowAttentionBackend(rank_spec.num_attention_heads,
                                                            rank_spec.num_key_value_heads, rank_spec.head_dim, dtype)
     else:
         backend = get_attention_backend(config.attention_backend, device, rank_spec.num_attention_heads,
                                         rank_spec.num_key_value_heads, rank_spec.head_dim, config.block_size)
-    return RankModel(model, rank_spec, num_blocks, backend)
+    if spec.sliding_window is not None and not backend.supports_sliding_window:
+        raise ValueError(f"the {backend.name} attention backend has no sliding window, which {spec.architecture}'s "
+                         "sliding_attention layers need; use attention_backend='torch' or 'triton'")
+    return RankModel(model, rank_spec, num_blocks, backend, pools.num_sliding_blocks)
 
 
 def compile_decision(model: CausalLM, config: EngineConfig, device: torch.device) -> tuple[bool, str]:
