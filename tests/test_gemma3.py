@@ -136,13 +136,14 @@ def test_unsupported_gemma_settings_are_refused_by_name(gemma_dir):
 
 def test_the_cpu_decode_kernel_honours_the_window(gemma_dir, hf):
     from minivllm.kernels.cpu_build import load_cpu_kernels
-    from minivllm.layers.torch_attention import DecodeKernelChoice
+    from minivllm.layers.torch_attention import DECODE_CANDIDATES
+    from minivllm.layers.tuner import forced
 
     if not load_cpu_kernels().available:
         pytest.skip("the C++ CPU kernels cannot be built here")
     llm = gemma(gemma_dir)
     backend = llm.llm_engine.model_runner.backend
-    backend.decode_kernel = DecodeKernelChoice(True, "forced by the test")  # decode rows: the C++ kernel, window W
+    backend.decode_kernel = forced(DECODE_CANDIDATES, "kernel", "forced by the test")  # decode rows: the C++ kernel, window W
     greedy_ok(llm, hf, varied_prompts(8, 384, seed=6)[4:])
 
 

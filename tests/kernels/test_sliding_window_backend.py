@@ -10,7 +10,8 @@ from kernel_helpers import give_back_before_windows, make_batch
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.paged_attention import naive_paged_attention
 from minivllm.layers.attention_interface import AttentionMetadata
-from minivllm.layers.torch_attention import DecodeKernelChoice, TorchAttentionBackend
+from minivllm.layers.torch_attention import DECODE_CANDIDATES, TorchAttentionBackend
+from minivllm.layers.tuner import forced
 
 
 @pytest.mark.parametrize("kernel", [False, True])
@@ -29,7 +30,7 @@ def test_the_torch_backend_windows_every_row_and_never_reads_given_back_blocks(k
     ref = naive_paged_attention(q, kc, vc, bt, cu, cl, 0.25, window)
     kc, vc = give_back_before_windows(kc, vc, bt, cu, cl, window)
     backend = TorchAttentionBackend(4, 2, 16)
-    backend.decode_kernel = DecodeKernelChoice(kernel, "test")
+    backend.decode_kernel = forced(DECODE_CANDIDATES, DECODE_CANDIDATES[kernel], "test")
     meta = AttentionMetadata(slots, cu, cl, bt, query_lens, context_lens, 4, sliding_window=window)
     backend.prepare(meta)
     out = backend.forward(q, k_new, k_new, torch.stack([kc, vc]), meta).view_as(q)
