@@ -203,14 +203,16 @@ class Scheduler:
 
     # --- the commit ------------------------------------------------------------------------------
     def update_from_output(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> CommitResult:
-        """Commit a successful step's results, request by request. The caller then copies
-        `blocks_to_copy` (copy-on-write of forked children's last blocks) before the next forward."""
+        """Commit a step's results, request by request; the caller then copies `blocks_to_copy` (forks)."""
         result = CommitResult()
         for sched, out in zip(plan.scheduled, runner_output.outputs, strict=True):
             seq = sched.seq
             if seq.is_finished:
                 continue
             self._advance(sched, out)
+            if out.error is not None:  # e.g. a grammar that allows no token the request's other rules permit
+                self.fail(seq, out.error)
+                continue
             if not out.tokens:
                 continue
             result.changed.setdefault(seq.group_id, [])
