@@ -365,8 +365,7 @@ def test_token_ids_and_request_id(client, url):
 
 @pytest.mark.parametrize("field,value", [
     ("suffix", "and so on"), ("use_beam_search", True), ("best_of", 3), ("tools", [{"type": "function"}]),
-    ("tool_choice", "required"), ("response_format", {"type": "json_object"}), ("guided_json", {}),
-    ("structured_outputs", {"regex": "a+"}), ("chat_template", "{{ messages }}"), ("priority", 1),
+    ("guided_json", {}), ("guided_regex", "a+"), ("chat_template", "{{ messages }}"), ("priority", 1),
     ("truncation_side", "right"), ("prompt_embeds", "AAAA"), ("length_penalty", 0.5), ("cache_salt", "x"),
 ])
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])

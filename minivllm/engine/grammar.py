@@ -65,13 +65,14 @@ class GrammarMatcher:
         masks = torch.zeros(1 + len(drafts), bitmask_width(self.vocab_size), dtype=torch.int32)
         valid = self._m.validate_tokens(list(drafts)) if drafts else 0  # how many drafts the grammar takes
         self.fill_bitmask(masks[0])
-        if valid:
-            assert self._m.consume_tokens(list(drafts[:valid])), self._m.get_error()
-            try:
-                for j in range(1, valid + 1):
-                    self.fill_bitmask(masks[j])
-            finally:
-                self._m.rollback(valid)  # the step leaves the matcher as it found it
+        consumed = 0
+        try:
+            for j in range(1, valid + 1):
+                assert self._m.consume_token(drafts[j - 1]), self._m.get_error()
+                consumed += 1
+                self.fill_bitmask(masks[j])
+        finally:
+            self._m.rollback(consumed)  # the step leaves the matcher as it found it
         masks[valid + 1:] = masks[valid]
         return masks
 

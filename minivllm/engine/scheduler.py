@@ -210,12 +210,12 @@ class Scheduler:
             if seq.is_finished:
                 continue
             self._advance(sched, out)
-            if out.error is not None:  # e.g. a grammar that allows no token the request's other rules permit
-                self.fail(seq, out.error)
-                continue
-            if not out.tokens:
+            if not out.tokens and out.error is None:
                 continue
             result.changed.setdefault(seq.group_id, [])
+            if out.error is not None:  # no token it may draw (e.g. its grammar against its allowed_token_ids)
+                self.fail(seq, out.error)
+                continue
             try:
                 children = self._fork(seq, out.fork_tokens, result)
             except Exception as error:  # the children made so far ran for nobody: they fail with their parent

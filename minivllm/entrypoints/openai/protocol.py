@@ -23,7 +23,9 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.entrypoints.openai.field_policy import RequestError, check_undeclared
+from minivllm.entrypoints.openai.structured import structured_outputs_params
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_outputs import StructuredOutputsParams
 
 # chat_template_kwargs may not set what the server decides itself.
 _TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
@@ -81,6 +83,9 @@ class _Common(BaseModel):
     return_tokens_as_token_ids: bool = False  # write logprobs' tokens as "token_id:<id>"
     request_id: str | None = None  # becomes the answer's id
     priority: int = 0  # lower = sooner, with --scheduling-policy priority
+    # structured outputs (structured.py): OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def check_fields(self, limits: Limits) -> None:
         """The checks at the door: undeclared fields (field_policy.py), then combinations and limits."""
@@ -111,7 +116,11 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens, logprobs=self.num_logprobs(limits),
-            prompt_logprobs=_count("prompt_logprobs", self.num_prompt_logprobs(), limits))
+            prompt_logprobs=_count("prompt_logprobs", self.num_prompt_logprobs(), limits),
+            structured_outputs=self.structured_outputs_params())
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        return structured_outputs_params(self.response_format, self.structured_outputs)
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
