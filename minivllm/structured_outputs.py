@@ -15,7 +15,7 @@ This module only checks the shape of the request (one kind, the right types). Wh
 the regex or the grammar is valid is found when it is compiled, at the engine's boundary
 (engine/grammar.py), where an invalid one raises `ValueError` before the request is queued.
 
-`spec` is the kind's value as one string (a schema as canonical JSON), which keys the compiled-grammar
+`spec` is the kind's value as one string (a schema as compact JSON, its keys in order), which keys the compiled-grammar
 cache: two requests with the same schema compile it once.
 """
 
@@ -90,7 +90,7 @@ class StructuredOutputsParams:
         value = getattr(self, kind.value)
         if kind is StructuredOutputKind.JSON:
             parsed = json.loads(value) if isinstance(value, str) else value
-            return json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+            return json.dumps(parsed, separators=(",", ":"))  # key order kept: properties come in schema order
         if kind is StructuredOutputKind.CHOICE:
             return json.dumps(value)
         if kind is StructuredOutputKind.JSON_OBJECT:

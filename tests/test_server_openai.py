@@ -364,7 +364,7 @@ def test_token_ids_and_request_id(client, url):
 # --- what is refused, and what is ignored ------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
-    ("suffix", "and so on"), ("use_beam_search", True), ("best_of", 3), ("tools", [{"type": "function"}]),
+    ("suffix", "and so on"), ("use_beam_search", True), ("best_of", 3), ("functions", [{"name": "f"}]),
     ("guided_json", {}), ("guided_regex", "a+"), ("chat_template", "{{ messages }}"), ("priority", 1),
     ("truncation_side", "right"), ("prompt_embeds", "AAAA"), ("length_penalty", 0.5), ("cache_salt", "x"),
 ])

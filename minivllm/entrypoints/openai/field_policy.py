@@ -27,7 +27,7 @@ from typing import Any
 log = logging.getLogger("minivllm.server")
 
 _BEAM = "it applies to beam search, which is not implemented; use n > 1 with sampling"
-_TOOLS = "tool calling is not implemented (there is no tool-call parser)"
+_TOOLS = "the deprecated functions API is not implemented; use tools and tool_choice"
 _GUIDED = ("vLLM removed the guided_* fields; send structured_outputs: {\"json\" | \"regex\" | \"choice\" | "
            "\"grammar\" | \"json_object\": ...} (or response_format) instead")
 _TEXT = "this server takes and produces text only"
@@ -36,9 +36,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), _BEAM),
     "length_penalty": ((1.0,), _BEAM),
     "early_stopping": ((False,), _BEAM),
-    "tools": (([],), _TOOLS),
-    "tool_choice": (("none", "auto"), _TOOLS),  # without tools, "auto" is "none"
-    "parallel_tool_calls": ((True,), _TOOLS),
     "functions": (([],), _TOOLS),
     "function_call": (("none", "auto"), _TOOLS),
     "guided_json": ((), _GUIDED),

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.entrypoints.openai.field_policy import RequestError, check_undeclared
 from minivllm.entrypoints.openai.structured import structured_outputs_params
+from minivllm.entrypoints.openai.tool_calls import ToolPlan, tool_plan
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_outputs import StructuredOutputsParams
 
@@ -225,6 +226,10 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False  # leave the last (assistant) message open and continue it
     add_special_tokens: bool = False  # the template already wrote them
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    # tool calling (tool_calls.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
 
     def check_fields(self, limits: Limits) -> None:
         super().check_fields(limits)
@@ -235,6 +240,7 @@ class ChatCompletionRequest(_Common):
                                                          "(which is true unless set to false)")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs", "needs logprobs: true")
+        self.tool_plan()  # checks tools and tool_choice
         taken = _TEMPLATE_ARGS & set(self.chat_template_kwargs or {})
         if taken:
             raise RequestError("chat_template_kwargs", f"{sorted(taken)} are set by the server; use the "
@@ -242,6 +248,17 @@ class ChatCompletionRequest(_Common):
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def tool_plan(self) -> ToolPlan:
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """"required" and a named tool_choice constrain decoding themselves: not with another constraint."""
+        constraint, asked = self.tool_plan().constraint(), super().structured_outputs_params()
+        if constraint is not None and asked is not None:
+            raise RequestError("tool_choice", "a required or named tool_choice constrains the output already; "
+                                              "leave out response_format / structured_outputs, or use auto")
+        return constraint or asked
 
     def num_logprobs(self, limits: Limits) -> int | None:
         return _count("top_logprobs", self.top_logprobs or 0, limits) if self.logprobs else None
