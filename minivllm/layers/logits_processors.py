@@ -146,8 +146,12 @@ def apply_logits_processing(logits: torch.Tensor, rows: list[RowProcessing]) -> 
     constrained = [i for i in active if rows[i].grammar_bitmask is not None]
     if constrained:  # last: the grammar's verdict stands whatever came before
         masks = torch.stack([rows[i].grammar_bitmask for i in constrained]).to(logits.device)  # (G, W)
-        idx = torch.tensor(constrained, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~unpack_bitmask(masks, V), float("-inf"))
+        forbidden = ~unpack_bitmask(masks, V)  # (G, V)
+        if len(constrained) == S:  # every row: in place, no gather and scatter of the whole batch
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            idx = torch.tensor(constrained, device=logits.device)
+            logits[idx] = logits[idx].masked_fill(forbidden, float("-inf"))
     return logits
 
 
