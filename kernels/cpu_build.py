@@ -9,7 +9,7 @@
 
 They share the float32 / bfloat16 helpers of cpu_simd.h and register their ops under one library,
 `torch.ops.minivllm_cpu`. `load_cpu_kernels()` compiles them with torch.utils.cpp_extension (ninja and the
-system's C++ compiler; ~20-70 s on 2 cores the first time, then a second to load) with -march=native,
+system's C++ compiler; ~20-70 s on 2 cores the first time; later the library is loaded as it is) with -march=native,
 i.e. for the machine that runs them: AVX-512 paths where the CPU has them, plain loops the compiler
 vectorises elsewhere. The build folder is named after a digest of everything the binary depends on:
 this CPU's instruction-set flags, torch's version, the sources and headers, and the flags. So a home
@@ -95,8 +95,12 @@ def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY, wait
     root.mkdir(parents=True, exist_ok=True)
     build_dir = root / name
     with _exclusive(root / f"{name}.lock", wait_s):
-        if (build_dir / f"{name}.so").exists():
-            _load(name, cflags, library, build_dir)  # built: torch checks it is up to date and loads it
+        built = build_dir / f"{name}.so"
+        if built.exists():
+            # Its name is the digest of everything it was built from (build_key), so it is up to date by
+            # construction: load it as it is. torch's `load` would run ninja first, and ninja rebuilds, silently,
+            # a folder last built from another checkout's source paths (same sources, other paths).
+            torch.ops.load_library(str(built))
             return
         # Compile in a folder of this process's own, then move it into place: a build killed half-way leaves
         # its folder (and the compilers it started, which outlive it a little) to itself, never the final one.

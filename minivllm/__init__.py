@@ -5,6 +5,7 @@
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
 
+from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import EngineStats
@@ -14,5 +15,6 @@ from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "EngineConfig", "EngineStats", "StructuredOutputsParams"]
+           "EngineConfig", "EngineStats", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"

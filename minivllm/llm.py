@@ -6,6 +6,7 @@
 
 `generate` adds every prompt to the engine, then steps until all are done and returns the outputs in
 input order. `generate_stream` yields outputs as they grow instead (streaming without a server).
+`beam_search` runs vLLM's beam search on top of `generate` (minivllm/beam_search.py).
 All prompts are validated before any is added, so a bad one leaves the engine as it was.
 
 `LLM(model, tensor_parallel_size=N)` splits the model over N processes (this one is rank 0; the
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
+from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, new_search, step_sampling_params
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.stats import EngineStats
@@ -109,6 +111,25 @@ class LLM:
         for seq in seqs:
             engine.enqueue(seq)
         return {seq.request_id: i for i, seq in enumerate(seqs)}
+
+    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: each prompt's `params.beam_width` best beams, best first, in input order.
+        Every prompt is checked first. Each step runs the live beams of every prompt as one batch of
+        one-token requests, whose common prefixes hit the prefix cache (minivllm/beam_search.py)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        searches = [new_search(self.llm_engine, p, params) for p in prompts]
+        sp = step_sampling_params(params)
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm, dynamic_ncols=True):
+            live = [s for s in searches if not s.done]
+            if not live:
+                break
+            outputs = self.generate([p for s in live for p in s.step_prompts()], sp, use_tqdm=False)
+            for s in live:  # each search takes its beams' outputs, in order
+                mine, outputs = outputs[:len(s.beams)], outputs[len(s.beams):]
+                s.advance(mine)
+        return [s.output(self.get_tokenizer()) for s in searches]
 
     def chat(
         self,

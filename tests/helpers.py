@@ -33,14 +33,16 @@ def prompt_logits(llm, ids: list[int]) -> torch.Tensor:  # (len(ids), V) fp32: t
 def force_cpu_kernels(llm, used: bool) -> None:
     """Every CPU kernel chosen at warm-up on or off, whatever this machine would measure: RMSNorm and RoPE,
     decode attention with the K/V write, and the greedy argmax (another CPU may choose either way)."""
-    from minivllm.layers.sampler import GreedyKernelChoice
-    from minivllm.layers.torch_attention import DecodeKernelChoice
+    from minivllm.layers.sampler import GREEDY_CANDIDATES, GREEDY_SUBJECT
+    from minivllm.layers.torch_attention import DECODE_CANDIDATES, DECODE_SUBJECT
+    from minivllm.layers.tuner import forced
 
     runner = llm.llm_engine.model_runner
     kernels = llm.llm_engine.model.norm_rope_kernels
     kernels.used, kernels.detail = used, "forced by the test"
-    runner.backend.decode_kernel = DecodeKernelChoice(used, "forced by the test")
-    runner.sampler.greedy_kernel = GreedyKernelChoice(used, "forced by the test")
+    why = "forced by the test"
+    runner.backend.decode_kernel = forced(DECODE_CANDIDATES, DECODE_CANDIDATES[used], why).about(DECODE_SUBJECT)
+    runner.sampler.greedy_kernel = forced(GREEDY_CANDIDATES, GREEDY_CANDIDATES[used], why).about(GREEDY_SUBJECT)
 
 
 def hf_next_token_logits(hf_model, ids: list[int]) -> torch.Tensor:

@@ -52,6 +52,27 @@ def _fake_trace():
             step(3, [ScheduledTrace("a", 9, 5, False, True, 4, 4), ScheduledTrace("b", 0, 4, True, True)])]
 
 
+class _FakeTokenizer:
+    def decode(self, ids, **kwargs):
+        return " ".join(f"t{i}" for i in ids)
+
+
+def _fake_beam_search():
+    """Three steps of a width-2 search on made-up logprobs: a beam pruned, one completed by EOS (id 0)."""
+    from minivllm.beam_search import BeamSearch, BeamSearchParams
+    from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+    def out(top):
+        lps = {t: Logprob(lp, r) for r, (t, lp) in enumerate(top.items(), start=1)}
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "", [next(iter(top))], "length", None, 0.0, [lps])], True)
+
+    search = BeamSearch([1, 2], BeamSearchParams(2, 3), frozenset({0}))
+    search.advance([out({5: -0.5, 6: -0.9, 7: -2.0, 8: -3.0})])
+    search.advance([out({0: -0.2, 9: -0.4, 10: -2.0, 11: -3.0}), out({12: -0.1, 13: -2.0, 14: -3.0, 15: -4.0})])
+    search.advance([out({16: -0.3, 17: -0.6, 18: -2.0, 19: -3.0}), out({20: -0.2, 21: -2.5, 22: -3.0, 23: -4.0})])
+    return search
+
+
 def test_figures_are_readable_at_the_site_width():
     """Every picture of teaching.viz and cost_viz: text of 8 pt or more, steps on integer ticks, 8 inches wide."""
     import matplotlib
@@ -61,7 +82,7 @@ def test_figures_are_readable_at_the_site_width():
     from matplotlib.text import Text
 
     from minivllm.models.sharding import WeightSlice
-    from minivllm.teaching import cost_viz, viz
+    from minivllm.teaching import beam_viz, cost_viz, viz
     from minivllm.teaching.step_cost import DecodeRun, OpProfile, OpTime
 
     class Seq:
@@ -83,6 +104,7 @@ def test_figures_are_readable_at_the_site_width():
             {"q": [WeightSlice(0, 0, 4), WeightSlice(0, 4, 8)], "k": [WeightSlice(0, 0, 2)] * 2,
              "o": [WeightSlice(1, 0, 4), WeightSlice(1, 4, 8)]}),
     }
+    drawings["beam_tree"] = lambda: beam_viz.plot_beam_tree(_fake_beam_search(), _FakeTokenizer())
     run = DecodeRun(batch=1, steps=16, wall_s=0.4, step_s=0.39, forward_s=0.37)
     profile = OpProfile(steps=4, wall_s=0.2, ops=[OpTime("mkldnn::_linear_pointwise", 480, 0.08),
                                                   OpTime("aten::mul", 900, 0.02), OpTime("aten::add", 300, 0.01)])

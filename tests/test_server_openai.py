@@ -364,9 +364,9 @@ def test_token_ids_and_request_id(client, url):
 # --- what is refused, and what is ignored ------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
-    ("suffix", "and so on"), ("use_beam_search", True), ("best_of", 3), ("functions", [{"name": "f"}]),
+    ("suffix", "and so on"), ("early_stopping", True), ("best_of", 3), ("functions", [{"name": "f"}]),
     ("guided_json", {}), ("guided_regex", "a+"), ("chat_template", "{{ messages }}"), ("priority", 1),
-    ("truncation_side", "right"), ("prompt_embeds", "AAAA"), ("length_penalty", 0.5), ("cache_salt", "x"),
+    ("truncation_side", "right"), ("prompt_embeds", "AAAA"), ("cache_salt", "x"),
 ])
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])
 def test_unimplemented_fields_are_400s_naming_them(url, field, value, path):

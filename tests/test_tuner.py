@@ -167,3 +167,13 @@ def test_minivllm_tune_measures_ahead_and_a_later_start_reads_it(qwen3_dir, tmp_
     assert saved, "nothing was saved"
     assert main(["tune", "--model", qwen3_dir, "--tuning", "off"]) == 1  # tune always re-measures: one clear error
     assert "always re-measures" in capsys.readouterr().err
+
+
+def test_a_choice_says_what_it_chose_and_a_forced_one_must_be_a_candidate():
+    choice = tuner.forced(("sdpa", "kernel"), "kernel", "forced by hand").about("decode attention", "2 rows x 8 keys")
+    assert choice.used and choice.default == "sdpa"
+    assert str(choice) == "decode attention: kernel (forced by hand)"
+    timed = tuner.Choice("kernel", "sdpa", {"kernel": 1.5}, "measured").about("decode attention", "2 rows x 8 keys")
+    assert str(timed) == "decode attention: kernel (vs sdpa: kernel 1.50x at worst of 2 rows x 8 keys, measured)"
+    with pytest.raises(ValueError, match="'other' is not one of the candidates"):
+        tuner.forced(("sdpa", "kernel"), "other", "forced by hand")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
@@ -35,6 +35,7 @@ from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.scheduling_policy import get_policy
 from minivllm.engine.spec_decode.speculator import Speculator, build_proposer
 from minivllm.engine.state_pool import StatePool
+from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.models.hf_config import load_model_spec
 from minivllm.models.sharding import check_shardable
 
@@ -60,7 +61,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                 "checkpoint folder (config.json + *.safetensors + tokenizer files)")
     spec = load_model_spec(model_dir)
     check_shardable(spec, config.tensor_parallel_size)  # before any process is started
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    tokenizer = get_tokenizer(config.tokenizer or config.model)
     resolved = resolve_config(config, spec, tokenizer.eos_token_id)
     c = resolved.engine
     input_processor = InputProcessor(tokenizer, spec, c, resolved.device, resolved.eos_token_ids)

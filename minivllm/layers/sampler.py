@@ -38,12 +38,14 @@ import torch
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.greedy_argmax import greedy_argmax
 from minivllm.kernels.seeding import noise_seed  # also imported from here by the engine
-from minivllm.layers.tuner import Probe, Tuning, choose, untimed
+from minivllm.layers.tuner import Choice, Probe, Tuning, choose, untimed
 
 # Where warm-up times greedy sampling both ways: (rows, of the model's vocabulary). The kernel must win
 # both, as every tuned choice must (layers/tuner.py).
 GREEDY_PROBES = (32, 1)
 GREEDY_CANDIDATES = ("argmax_rows", "kernel")  # the first is the default (tuning off, no kernels built)
+# "kernel": all-greedy steps take their argmax from minivllm's CPU kernel (else argmax_rows, float32)
+GREEDY_SUBJECT = "greedy sampling"
 
 
 class SamplingRow(NamedTuple):
@@ -188,20 +190,11 @@ class CheckedFilter(SamplingFilter):
         return out
 
 
-class GreedyKernelChoice(NamedTuple):
-    used: bool  # all-greedy steps take their argmax from minivllm's CPU kernel (else argmax_rows, float32)
-    detail: str  # what was measured, or why it was not
-
-    def __str__(self) -> str:
-        way = "minivllm CPU kernel" if self.used else "argmax_rows over float32"
-        return f"greedy sampling: {way} ({self.detail})"
-
-
 class Sampler:
     """The PyTorch sampler (torch.Generator noise per row)."""
 
     def __init__(self) -> None:
-        self.greedy_kernel = GreedyKernelChoice(False, "not measured: no CPU warm-up")
+        self.greedy_kernel = untimed(GREEDY_CANDIDATES[0], "not measured: no CPU warm-up").about(GREEDY_SUBJECT)
         self.filter: SamplingFilter = TopKTopPMinP()
 
     def set_filter(self, sampling_filter: SamplingFilter) -> None:
@@ -227,7 +220,7 @@ class Sampler:
         return torch.where(t.temperatures > 0, drawn, greedy)
 
     @torch.inference_mode()
-    def choose_greedy_kernel(self, vocab_size: int, dtype: torch.dtype, tuning: Tuning = "cached") -> GreedyKernelChoice:
+    def choose_greedy_kernel(self, vocab_size: int, dtype: torch.dtype, tuning: Tuning = "cached") -> Choice:
         """Ask the tuner whether the kernel beats argmax_rows for an all-greedy step's argmax here
         (GREEDY_PROBES rows of random logits). CPU only."""
         build = load_cpu_kernels()
@@ -240,7 +233,7 @@ class Sampler:
             choice = choose(entry, GREEDY_CANDIDATES,
                             lambda: [_greedy_probe(rows, vocab_size, dtype) for rows in GREEDY_PROBES], tuning)
         probes = ", ".join(f"{rows} rows x {vocab_size}" for rows in GREEDY_PROBES)
-        self.greedy_kernel = GreedyKernelChoice(choice.used, choice.detail(probes))
+        self.greedy_kernel = choice.about(GREEDY_SUBJECT, probes)
         return self.greedy_kernel
 
     @staticmethod

@@ -27,21 +27,14 @@ from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.kv_cache_write_cpu import kv_cache_write_cpu
 from minivllm.kernels.paged_decode_attention import paged_decode_attention
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
-from minivllm.layers.tuner import Probe, Tuning, choose, untimed
+from minivllm.layers.tuner import Choice, Probe, Tuning, choose, forced, untimed
 
 # Where warm-up times the decode kernel against gather + SDPA: (rows, context) pairs, a batch of short
 # contexts and a few long ones. The kernel must win both, as every tuned choice must (tuner.py).
 DECODE_PROBES = ((16, 128), (2, 1024))
 DECODE_CANDIDATES = ("sdpa", "kernel")  # the first is the default (tuning off, no kernels built)
-
-
-class DecodeKernelChoice(NamedTuple):
-    used: bool  # decode rows run minivllm's CPU kernel, K/V writes its memcpy loop (else gather + SDPA, index_copy_)
-    detail: str  # what was measured, or why it was not
-
-    def __str__(self) -> str:
-        way = "minivllm CPU kernels" if self.used else "gather + SDPA"
-        return f"decode attention and K/V writes: {way} ({self.detail})"
+# "kernel": decode rows run minivllm's CPU kernel and K/V writes its memcpy loop (else gather + SDPA, index_copy_)
+DECODE_SUBJECT = "decode attention and K/V writes"
 
 
 class _Prefill(NamedTuple):
@@ -67,7 +60,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
-        self.decode_kernel = DecodeKernelChoice(False, "not measured: no CPU warm-up")
+        self.decode_kernel = untimed(DECODE_CANDIDATES[0], "not measured: no CPU warm-up").about(DECODE_SUBJECT)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
@@ -184,7 +177,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @torch.inference_mode()
-    def choose_decode_kernel(self, dtype: torch.dtype, block_size: int, tuning: Tuning = "cached") -> DecodeKernelChoice:
+    def choose_decode_kernel(self, dtype: torch.dtype, block_size: int, tuning: Tuning = "cached") -> Choice:
         """Ask the tuner whether the kernel beats gather + SDPA for this layer's heads here (DECODE_PROBES,
         random caches). CPU only."""
         build = load_cpu_kernels()
@@ -202,7 +195,7 @@ class TorchAttentionBackend(AttentionBackend):
             finally:
                 self.decode_kernel = chosen  # the probes switch it while they run
         probes = ", ".join(f"{rows} rows x {context} keys" for rows, context in DECODE_PROBES)
-        self.decode_kernel = DecodeKernelChoice(choice.used, choice.detail(probes))
+        self.decode_kernel = choice.about(DECODE_SUBJECT, probes)
         return self.decode_kernel
 
     def _decode_probe(self, rows: int, context: int, dtype: torch.dtype, block_size: int) -> Probe:
@@ -221,7 +214,7 @@ class TorchAttentionBackend(AttentionBackend):
                                  torch.tensor(lens, dtype=torch.int32), tables, [1] * rows, lens, block_size)
 
         def run(candidate: str) -> None:
-            self.decode_kernel = DecodeKernelChoice(candidate == "kernel", "timing")
+            self.decode_kernel = forced(DECODE_CANDIDATES, candidate, "timing")
             self.prepare(meta)
             self.forward(q, k, k, kv_cache, meta)
 

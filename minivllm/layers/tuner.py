@@ -31,7 +31,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from minivllm.layers.tuning_cache import Entry, StoredChoice, TuningCache
@@ -51,6 +51,17 @@ class Choice:
     default: str  # the fixed rule: what runs untimed
     speedups: dict[str, float]  # per timed candidate but the default: the default's time / its time ({}: untimed)
     source: str  # "measured", "cached" (timed by an earlier or concurrent process), or why nothing was timed
+    subject: str = ""  # what was chosen, in words: "decode attention and K/V writes"
+    probes: str = ""  # the inputs it was timed on, in words: "16 rows x 128 keys, 2 rows x 1024 keys"
+
+    def __str__(self) -> str:
+        """The line warm-up logs and `minivllm bench` prints, e.g. "greedy sampling: kernel (vs argmax_rows:
+        kernel 1.80x at worst of 32 rows x 49152, 1 rows x 49152, cached)"."""
+        return f"{self.subject}: {self.chosen} ({self.detail(self.probes)})"
+
+    def about(self, subject: str, probes: str = "") -> Choice:
+        """This choice, saying what it chose and on which inputs."""
+        return replace(self, subject=subject, probes=probes)
 
     @property
     def used(self) -> bool:
@@ -68,6 +79,13 @@ class Choice:
 def untimed(default: str, why: str) -> Choice:
     """The default, and why nothing was timed (no kernels built, a dtype the kernel lacks, tuning off)."""
     return Choice(default, default, {}, why)
+
+
+def forced(candidates: Sequence[str], chosen: str, why: str) -> Choice:
+    """A choice made by hand, not by timing (tests that run one path whatever this machine would measure)."""
+    if chosen not in candidates:
+        raise ValueError(f"{chosen!r} is not one of the candidates {tuple(candidates)}")
+    return Choice(chosen, candidates[0], {}, why)
 
 
 def time_candidates(candidates: Sequence[str], probes: Sequence[Probe], repeats: int = 5) -> dict[str, float]:

@@ -13,13 +13,17 @@ state pool. hypothesis picks an engine configuration and a sequence of actions:
     arm_*      the next step fails: a batch of two rows (no single culprit: rolled back, re-raised),
                a sequence's commit (that sequence fails, its siblings go on), the proposer
     abort      a live request
+    beam       a beam search (minivllm/beam_search.py): each step's beams join the load as one-token
+               requests; a step whose beam failed or was aborted ends the search and aborts its siblings
 
 After every action: every sequence the scheduler holds belongs to a live request that knows it, blocks
 and state pairs are conserved, no more than max_num_seqs sequences run (forks included), no step's
 transaction is left open, and a draft model keeps nothing for a sequence that left. At the end
 every request has exactly one final output, every block and state pair is free, and every completion
 of a greedy request is what a lone run gives: each token HF's argmax, teacher-forced (within 1e-3, so
-that a near-tie may go either way).
+that a near-tie may go either way). A beam search that finished has beam_width beams of max_tokens
+tokens, best first, each one's cum_logprob HF's (teacher-forced), the best as good as HF's `generate`
+beam search's best (within 1e-3).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minivllm import LLM, SamplingParams, StructuredOutputsParams
+from minivllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
+from minivllm.beam_search import BeamSearch, new_search, step_sampling_params
 from minivllm.layers.logits_processors import unpack_bitmask
 from minivllm.engine.spec_decode.proposer import Draft, Proposer
 from minivllm.teaching.checkpoints import make_tiny_model
@@ -105,6 +110,13 @@ SETUPS = [
 
 
 @dataclass
+class BeamRun:
+    search: BeamSearch
+    ids: list[str]  # the request ids of its current step's beams
+    failed: bool = False
+
+
+@dataclass
 class Request:
     prompt: list[int]
     params: SamplingParams
@@ -128,6 +140,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                            seed=seed, **setup.engine)
             self.engine = engine = self.llm.llm_engine
             self.requests: dict[str, Request] = {}
+            self.beam_runs: list[BeamRun] = []
             self.fail_batch = False  # the next forward of two rows or more raises (once)
             self.fail_commit: str | None = None  # this sequence's next commit raises (once)
             forward = engine.model_runner.model.forward
@@ -172,6 +185,40 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             self.requests[rid] = Request(prompt, params, poisoned)
             self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
 
+        @rule(prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(5, 40), min_size=1, max_size=6),
+              width=st.sampled_from([2, 3]), max_tokens=st.sampled_from([2, 4]))
+        def add_beam_search(self, prefix: list[int], extra: list[int], width: int, max_tokens: int) -> None:
+            params = BeamSearchParams(width, max_tokens, ignore_eos=True)
+            run = BeamRun(new_search(self.engine, {"prompt_token_ids": prefix + extra}, params), [])
+            self.beam_runs.append(run)
+            self._send_beams(run)
+
+        def _send_beams(self, run: BeamRun) -> None:
+            """The search's next step: its live beams, as requests among the others."""
+            sp, j = step_sampling_params(run.search.params), self.beam_runs.index(run)
+            run.ids = [f"beam{j}-s{run.search.num_steps}-b{i}" for i in range(len(run.search.beams))]
+            for rid, prompt in zip(run.ids, run.search.step_prompts()):
+                self.requests[rid] = Request(prompt["prompt_token_ids"], sp, False)
+                self.engine.add_request(rid, prompt, sp)
+
+        def _drive_beams(self) -> None:
+            """After a step: a search whose beams are all done goes on; one whose beam failed or was aborted
+            ends, and aborts the beams still running (as the server does)."""
+            for run in self.beam_runs:
+                if run.failed or run.search.done:
+                    continue
+                finals = [self.requests[rid].finals for rid in run.ids]
+                if any(f and f[0].outputs[0].finish_reason != "length" for f in finals):
+                    run.failed = True
+                    for rid in run.ids:
+                        if rid in self.engine.requests:
+                            self.requests[rid].aborted = True
+                            self.engine.abort_request(rid)
+                elif all(finals):
+                    run.search.advance([f[0] for f in finals])
+                    if not run.search.done:
+                        self._send_beams(run)
+
         @rule()
         def step(self) -> None:
             if not self.engine.has_unfinished_requests():
@@ -191,6 +238,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             for out in outs:
                 if out.finished:
                     self.requests[out.request_id].finals.append(out)
+            self._drive_beams()
 
         @rule()
         def arm_batch_failure(self) -> None:
@@ -261,6 +309,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             if self.engine.state_pool is not None:
                 assert self.engine.state_pool.num_free == self.engine.state_pool.num_pairs
             hf = hf_models["hybrid" if self.setup.hybrid else "qwen3"]
+            self._check_beams(hf, reach)
             for rid, r in self.requests.items():
                 assert len(r.finals) == 1, f"{rid}: {len(r.finals)} final outputs"
                 out = r.finals[0]
@@ -297,6 +346,27 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                 assert masks[-1][tok] and matcher.accept(tok), (c.token_ids, tok)
             assert matcher.is_complete == (c.finish_reason == "stop"), (c, matcher.is_complete)
             return masks
+
+        @torch.no_grad()
+        def _check_beams(self, hf: object, reach: collections.Counter[str]) -> None:
+            for run in self.beam_runs:
+                search, params = run.search, run.search.params
+                assert run.failed or search.done, "a beam search stopped half-way"
+                if run.failed:
+                    continue
+                reach["beam search"] += 1
+                beams = search.output(self.llm.get_tokenizer()).sequences
+                assert len(beams) == params.beam_width and beams == sorted(beams, key=search.score, reverse=True)
+                n = len(search.prompt_token_ids)
+                for b in beams:  # the logprobs came through prefix-cache hits, under all of the above
+                    assert len(b.tokens) == n + params.max_tokens
+                    lp = hf(torch.tensor([b.tokens])).logits[0, n - 1:-1].float().log_softmax(-1)  # (T, V)
+                    assert abs(float(lp.gather(1, torch.tensor(b.tokens[n:])[:, None]).sum()) - b.cum_logprob) < 1e-3
+                if not self.setup.hybrid:  # the best beam: as good as HF's beam search finds
+                    ref = hf.generate(torch.tensor([search.prompt_token_ids]), num_beams=params.beam_width,
+                                      do_sample=False, early_stopping=True, max_new_tokens=params.max_tokens,
+                                      eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+                    assert beams[0].cum_logprob >= float(ref.sequences_scores[0]) * params.max_tokens - 1e-3
 
         def _snapshot(self) -> tuple:
             engine, bm = self.engine, self.engine.block_manager
@@ -337,7 +407,8 @@ def test_engine_machine(models, which, examples):
         torch.set_num_threads(threads)
     # The search must cross the paths it exists for (in every run: these counts are tens or more), or it proves
     # nothing about them.
-    wanted = ["forked", "preempted", "rolled back", "mixed steps", "a request failed on its own", "structured"]
+    wanted = ["forked", "preempted", "rolled back", "mixed steps", "a request failed on its own", "beam search",
+              "structured"]
     wanted += ["drafts accepted", "prefix hit"] if which == "attention" else []
     wanted += [f"setup {s.name}" for s in setups]  # each setup's paths (e.g. batch-invariant's) were crossed
     assert all(reach[w] for w in wanted), dict(reach)

@@ -66,6 +66,7 @@ def test_a_build_held_by_another_process_is_waited_for_a_bounded_time(monkeypatc
         (Path(build_directory) / f"{name}.so").touch()
 
     monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: loads.append(f"loaded {Path(path).parent.name}"))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     root = tmp_path / "minivllm"
     root.mkdir()
@@ -80,7 +81,9 @@ def test_a_build_held_by_another_process_is_waited_for_a_bounded_time(monkeypatc
     assert loads == [f"held.building-{os.getpid()}"]  # compiled in a folder of its own, then moved into place
     assert sorted(p.name for p in root.iterdir()) == ["held", "held.lock"] and (root / "held" / "held.so").exists()
     build_cpu_kernels("held", [], library="held", wait_s=0.5)
-    assert loads[-1] == "held"  # built: loaded where it is
+    # built: the library is loaded where it is, and torch's builder (whose ninja run could rebuild the folder,
+    # silently, when it was last built from another checkout's paths) is not called again
+    assert loads[-1] == "loaded held" and len(loads) == 2
 
 
 def test_the_build_folder_is_keyed_by_the_sources_and_flags(monkeypatch):

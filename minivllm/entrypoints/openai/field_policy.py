@@ -26,15 +26,13 @@ from typing import Any
 
 log = logging.getLogger("minivllm.server")
 
-_BEAM = "it applies to beam search, which is not implemented; use n > 1 with sampling"
+_BEAM = "vLLM's beam search stops at EOS or max_tokens, with no early stop (use_beam_search and length_penalty work)"
 _TOOLS = "the deprecated functions API is not implemented; use tools and tool_choice"
 _GUIDED = ("vLLM removed the guided_* fields; send structured_outputs: {\"json\" | \"regex\" | \"choice\" | "
            "\"grammar\" | \"json_object\": ...} (or response_format) instead")
 _TEXT = "this server takes and produces text only"
 # field: (the values that mean "not asked for", why anything else is refused). None always means "not asked for".
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False,), _BEAM),
-    "length_penalty": ((1.0,), _BEAM),
     "early_stopping": ((False,), _BEAM),
     "functions": (([],), _TOOLS),
     "function_call": (("none", "auto"), _TOOLS),

@@ -22,9 +22,10 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minivllm.beam_search import BeamSearchParams
 from minivllm.entrypoints.openai.field_policy import RequestError, check_undeclared
 from minivllm.entrypoints.openai.structured import structured_outputs_params
-from minivllm.entrypoints.openai.tool_calls import ToolPlan, tool_plan
+from minivllm.entrypoints.openai.tool_calls import ToolCallingFields
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_outputs import StructuredOutputsParams
 
@@ -32,6 +33,16 @@ from minivllm.structured_outputs import StructuredOutputsParams
 _TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                   "chat_template", "tools", "documents", "return_dict"}
 _INT64 = 2**63
+# use_beam_search ranks beams by the model's own logprobs: these sampling fields would do nothing.
+# field -> the values that mean "not asked for"
+_NOT_WITH_BEAMS = {"temperature": (None, 0), "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0),
+                   "seed": (None,), "stop": (None, [], ""), "stop_token_ids": (None, []), "presence_penalty": (0,),
+                   "frequency_penalty": (0,), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
+                   "allowed_token_ids": (None,), "bad_words": (None, []), "min_tokens": (0,), "logprobs": (None, False),
+                   "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (False,),
+                   "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (False,),
+                   "skip_special_tokens": (True,), "response_format": (None, {"type": "text"}),
+                   "structured_outputs": (None,), "tools": (None, []), "tool_choice": (None, "none")}
 
 
 class Limits(NamedTuple):
@@ -84,9 +95,10 @@ class _Common(BaseModel):
     return_tokens_as_token_ids: bool = False  # write logprobs' tokens as "token_id:<id>"
     request_id: str | None = None  # becomes the answer's id
     priority: int = 0  # lower = sooner, with --scheduling-policy priority
-    # structured outputs (structured.py): OpenAI's response_format, vLLM's structured_outputs
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    use_beam_search: bool = False  # vLLM's: the n best beams instead of n samples (minivllm/beam_search.py)
+    length_penalty: float = 1.0  # with use_beam_search: beams rank by cum logprob / length ** length_penalty
+    response_format: dict[str, Any] | None = None  # OpenAI's JSON modes (structured.py)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
 
     def check_fields(self, limits: Limits) -> None:
         """The checks at the door: undeclared fields (field_policy.py), then combinations and limits."""
@@ -98,6 +110,7 @@ class _Common(BaseModel):
             raise RequestError("stream_options", "only allowed when stream is true")
         if self.stream and self.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs", "not available when stream is true (as in vLLM)")
+        self.beam_search_params(limits)  # its fields, checked now
         if self.priority != 0 and not limits.priority_scheduling:
             raise RequestError("priority", "not supported by this server's scheduling policy (fcfs: first come, "
                                            "first served); start it with --scheduling-policy priority")
@@ -125,6 +138,26 @@ class _Common(BaseModel):
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    def beam_search_params(self, limits: Limits) -> BeamSearchParams | None:
+        """With use_beam_search: n beams of max_tokens tokens (None without it). Sampling's own fields
+        are refused with it, and length_penalty without it."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1:
+                raise RequestError("length_penalty", "only applies with use_beam_search: true; leave it out")
+            return None
+        for name, defaults in _NOT_WITH_BEAMS.items():
+            value = getattr(self, name, None)
+            if not any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in defaults):
+                raise RequestError(name, "not supported with use_beam_search: beam search ranks beams by the model's "
+                                         "own logprobs and stops at EOS or max_tokens; leave it out")
+        if 2 * self.n > limits.max_logprobs:
+            raise RequestError("n", f"beam search asks each beam for its 2n = {2 * self.n} most likely tokens, more "
+                                    f"than this server's max_logprobs={limits.max_logprobs}; lower n or raise "
+                                    "--max-logprobs")
+        if self.max_new_tokens() is None:
+            raise RequestError("max_tokens", "use_beam_search needs max_tokens")
+        return BeamSearchParams(self.n, self.max_new_tokens(), self.ignore_eos, 0.0, self.length_penalty)
 
     def num_logprobs(self, limits: Limits) -> int | None:
         raise NotImplementedError
@@ -216,7 +249,7 @@ def _encodable(text: str, where: str) -> str:
     return text
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(ToolCallingFields, _Common):  # tools: tool_calls.py
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -226,10 +259,6 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False  # leave the last (assistant) message open and continue it
     add_special_tokens: bool = False  # the template already wrote them
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
-    # tool calling (tool_calls.py)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, "none" without
-    parallel_tool_calls: bool = True
 
     def check_fields(self, limits: Limits) -> None:
         super().check_fields(limits)
@@ -248,17 +277,6 @@ class ChatCompletionRequest(_Common):
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def tool_plan(self) -> ToolPlan:
-        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
-
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """"required" and a named tool_choice constrain decoding themselves: not with another constraint."""
-        constraint, asked = self.tool_plan().constraint(), super().structured_outputs_params()
-        if constraint is not None and asked is not None:
-            raise RequestError("tool_choice", "a required or named tool_choice constrains the output already; "
-                                              "leave out response_format / structured_outputs, or use auto")
-        return constraint or asked
 
     def num_logprobs(self, limits: Limits) -> int | None:
         return _count("top_logprobs", self.top_logprobs or 0, limits) if self.logprobs else None

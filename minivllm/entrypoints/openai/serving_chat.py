@@ -28,6 +28,7 @@ from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
 from minivllm.entrypoints.openai import streams
+from minivllm.entrypoints.openai.beam_search import beam_search
 from minivllm.entrypoints.openai.errors import ApiError
 from minivllm.entrypoints.openai.logprobs import TokenText, chat_logprobs, prompt_logprobs
 from minivllm.entrypoints.openai.metrics import ServerMetrics
@@ -44,7 +45,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
     [prompt], sp = await ctx.admit(req, lambda: [chat_prompt(ctx, req)])
     rid, created = new_id("chatcmpl", req.request_id), now()
-    gen = metrics.track(ctx.engine.generate(prompt, sp, new_id(rid), req.priority), sp)  # id unique even if reused
+    beams = req.beam_search_params(ctx.limits)  # use_beam_search: n beams (entrypoints/openai/beam_search.py)
+    gen = metrics.track(beam_search(ctx.engine, prompt, beams, new_id(rid), req.priority) if beams is not None else
+                        ctx.engine.generate(prompt, sp, new_id(rid), req.priority), sp)  # id unique even if reused
     text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
     tracker, echoed = ChoiceTracker(sp.n), req.echoed()
 

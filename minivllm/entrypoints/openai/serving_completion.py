@@ -24,6 +24,7 @@ from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
 from minivllm.entrypoints.openai import streams
+from minivllm.entrypoints.openai.beam_search import beam_search
 from minivllm.entrypoints.openai.logprobs import TokenText, completion_logprobs, prompt_logprobs
 from minivllm.entrypoints.openai.metrics import ServerMetrics
 from minivllm.entrypoints.openai.preprocess import ServingContext, completion_prompts
@@ -36,7 +37,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     rid = new_id("cmpl", req.request_id)
     head = {"id": rid, "object": "text_completion", "created": now(), "model": ctx.model_name}
     # Engine ids stay unique even when clients reuse a request_id.
-    gens = [metrics.track(ctx.engine.generate(p, sp, new_id(f"{rid}-{i}"), req.priority), sp)
+    beams = req.beam_search_params(ctx.limits)  # use_beam_search: n beams (entrypoints/openai/beam_search.py)
+    gens = [metrics.track(beam_search(ctx.engine, p, beams, new_id(f"{rid}-{i}"), req.priority) if beams is not None else
+                          ctx.engine.generate(p, sp, new_id(f"{rid}-{i}"), req.priority), sp)
             for i, p in enumerate(prompts)]
     choices, tracker = CompletionChoices(req, ctx.tokenizer), ChoiceTracker(sp.n)
     generated = not req.echo_only  # echo with max_tokens=0 shows nothing generated

@@ -25,9 +25,16 @@ from minivllm.structured_outputs import StructuredOutputsParams
 _SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
 
-def structured_outputs_params(response_format: dict[str, Any] | None,
-                              structured_outputs: dict[str, Any] | None) -> StructuredOutputsParams | None:
-    """Raises RequestError naming the field at fault."""
+def structured_outputs_params(response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None,
+                              tool_constraint: StructuredOutputsParams | None = None
+                              ) -> StructuredOutputsParams | None:
+    """Raises RequestError naming the field at fault. `tool_constraint`: what a "required" or named
+    tool_choice constrains the output to (tool_calls.py), which excludes the other two."""
+    if tool_constraint is not None:
+        if response_format not in (None, {"type": "text"}) or structured_outputs is not None:
+            raise RequestError("tool_choice", "a required or named tool_choice constrains the output already; "
+                                              "leave out response_format / structured_outputs, or use auto")
+        return tool_constraint
     from_format = _from_response_format(response_format) if response_format is not None else None
     if structured_outputs is not None:
         if from_format is not None:

@@ -41,7 +41,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from minivllm.entrypoints.openai.field_policy import RequestError
+from minivllm.entrypoints.openai.structured import structured_outputs_params
 from minivllm.structured_outputs import StructuredOutputsParams
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -93,6 +96,23 @@ class ToolPlan:
 
     def _function(self, name: str) -> dict[str, Any]:
         return next(t["function"] for t in self.tools if t["function"]["name"] == name)
+
+
+class ToolCallingFields(BaseModel):
+    """The chat request's tool-calling fields and what they make of its output (protocol.py's
+    ChatCompletionRequest takes them from here)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)  # as the request's own
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
+
+    def tool_plan(self) -> ToolPlan:
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """A "required" or named tool_choice constrains the output (then nothing else may)."""
+        return structured_outputs_params(self.response_format, self.structured_outputs, self.tool_plan().constraint())
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
