@@ -156,3 +156,11 @@ def test_verification_masks_follow_the_drafts_and_leave_the_matcher_as_it_was(ll
             assert step.accept(drafts[j])
     assert torch.equal(masks[4], masks[3]) and torch.equal(masks[5], masks[3])
     assert not unpack_bitmask(masks[3:4], llm.llm_engine.spec.vocab_size)[0, drafts[3]]
+
+
+def test_no_verification_row_is_empty_after_a_draft_that_completes_the_grammar(llm):
+    compiler = llm.llm_engine.input_processor.grammars
+    (y,) = llm.get_tokenizer().encode("y", add_special_tokens=False)
+    m = compiler.matcher(StructuredOutputsParams(choice=["y"]))
+    masks = m.bitmasks([y, y, y])  # "y" completes the grammar: what follows it is never kept
+    assert all(unpack_bitmask(masks, llm.llm_engine.spec.vocab_size).any(-1)) and not m.is_complete

@@ -61,19 +61,24 @@ class GrammarMatcher:
 
     def bitmasks(self, drafts: list[int] = ()) -> torch.Tensor:
         """(1 + d, W) int32: the allowed set after the output so far and after each prefix of `drafts`.
-        Rows after a draft the grammar forbids repeat the row that forbids it (verification stops there)."""
+        Rows after a draft the grammar forbids repeat the row that forbids it (verification stops there);
+        rows after a draft that completes the grammar repeat the last row too (the commit stops there)."""
         masks = torch.zeros(1 + len(drafts), bitmask_width(self.vocab_size), dtype=torch.int32)
         valid = self._m.validate_tokens(list(drafts)) if drafts else 0  # how many drafts the grammar takes
         self.fill_bitmask(masks[0])
-        consumed = 0
+        consumed = last = 0
         try:
             for j in range(1, valid + 1):
-                assert self._m.consume_token(drafts[j - 1]), self._m.get_error()
+                if not self._m.consume_token(drafts[j - 1]):
+                    raise RuntimeError(f"llguidance refused a draft it had validated: {self._m.get_error()}")
                 consumed += 1
+                if self._m.is_stopped():
+                    break
                 self.fill_bitmask(masks[j])
+                last = j
         finally:
             self._m.rollback(consumed)  # the step leaves the matcher as it found it
-        masks[valid + 1:] = masks[valid]
+        masks[last + 1:] = masks[last]
         return masks
 
     def accept(self, token_id: int) -> bool:
