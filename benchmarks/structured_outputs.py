@@ -18,6 +18,7 @@ regex/plain is the per-step price of the masks (llguidance's mask, its unpacking
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
@@ -59,7 +60,7 @@ def main() -> None:
             print(f"round {r}: {name} {tokens} tokens in {elapsed:.2f} s", flush=True)
             if name not in best or tokens / elapsed > best[name][1] / best[name][0]:
                 best[name] = (elapsed, tokens)
-    print(CpuInfo.read())
+    print(CpuInfo.read(), f"load average {os.getloadavg()[0]:.1f}")
     print(f"{args.model or 'default model (SmolLM2-135M-Instruct)'}, {args.num_requests} requests, up to "
           f"{args.max_tokens} tokens each, temperature 0.8, best of {args.rounds}:")
     plain = best["plain"][1] / best["plain"][0]
