@@ -85,7 +85,7 @@ def main() -> None:
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=eos)
     setup = time.perf_counter() - t0
     t0 = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, {"whitespace_flexible": False})  # compact
     llguidance.LLMatcher(lltok, grammar)  # the first matcher compiles the grammar's lexer
     compile_s = time.perf_counter() - t0
     best, chosen = min((walk(lambda: llguidance.LLMatcher(lltok, grammar),
@@ -115,8 +115,7 @@ def main() -> None:
         print(f"  {name:22s} tokenizer set-up {setup * 1e3:7.0f} ms, schema compile {compile_s * 1e3:6.1f} ms, "
               f"mask + advance {step_s / tokens * 1e3:.3f} ms a token ({tokens} tokens)")
     same = sum(a == b for a, b in zip(walks["llguidance"], walks["xgrammar"]))
-    print(f"  walks identical in both libraries: {same} of {R} (they differ only where the grammars' "
-          "whitespace rules differ)")
+    print(f"  walks identical in both libraries: {same} of {R} (each compiles its own grammar of the schema)")
 
 
 if __name__ == "__main__":
