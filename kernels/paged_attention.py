@@ -28,6 +28,11 @@ reading the KV head `head // (Hq // Hkv)` (GQA/MQA by grouping).
             l = l * exp(m - m_new) + rowsum(P);  acc = acc * exp(m - m_new) + P @ V;  m = m_new
         O[rows, h] = acc / l
 
+A sliding window W (WINDOW > 0, a Gemma 3 local layer): row p sees keys p - W + 1 .. p only. The loop
+then starts at the block holding the tile's first row's first key, and the mask adds key > q_pos - W.
+Blocks before that are never read: the sliding KV-cache group has given them back (their table
+entries are 0, a block that may belong to anyone).
+
 Head dims that are not a power of two are padded to one (masked); block_size must be a power of
 two >= 16 (tl.dot needs >= 16 on every side).
 """
@@ -41,23 +46,27 @@ import triton.language as tl
 
 def naive_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-    """Reference: per request, gather its whole context from the cache and do causal softmax attention.
-    q: (T, Hq, D); caches: (num_blocks, B, Hkv, D); returns (T, Hq, D)."""
+                          scale: float, window: int = 0) -> torch.Tensor:
+    """Reference: per request, gather its whole context from the cache and do causal softmax attention
+    (window > 0: each row sees its last `window` keys only). q: (T, Hq, D); caches: (num_blocks, B, Hkv, D);
+    returns (T, Hq, D)."""
     Hq, Hkv = q.shape[1], k_cache.shape[2]
     B = k_cache.shape[1]
     out = torch.empty_like(q)
     for i in range(len(context_lens)):
         s, e, ctx = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(context_lens[i])
         n = e - s
-        blocks = block_tables[i, : -(-ctx // B)].long()
-        k = k_cache[blocks].reshape(-1, Hkv, k_cache.shape[-1])[:ctx].float()  # (ctx, Hkv, D)
-        v = v_cache[blocks].reshape(-1, Hkv, v_cache.shape[-1])[:ctx].float()
-        k = k.repeat_interleave(Hq // Hkv, dim=1)  # (ctx, Hq, D)
+        first = max(0, ctx - n - window + 1) // B if window > 0 else 0  # blocks before it are not read
+        blocks = block_tables[i, first: -(-ctx // B)].long()
+        k = k_cache[blocks].reshape(-1, Hkv, k_cache.shape[-1])[:ctx - first * B].float()  # (keys, Hkv, D)
+        v = v_cache[blocks].reshape(-1, Hkv, v_cache.shape[-1])[:ctx - first * B].float()
+        k = k.repeat_interleave(Hq // Hkv, dim=1)  # (keys, Hq, D)
         v = v.repeat_interleave(Hq // Hkv, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale  # (Hq, n, ctx)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale  # (Hq, n, keys)
         q_pos = torch.arange(ctx - n, ctx)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx)[None, :] > q_pos, float("-inf"))
+        k_pos = torch.arange(first * B, ctx)[None, :]
+        hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window > 0 else False)
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
 
@@ -68,6 +77,7 @@ def _paged_attention_kernel(
     scale, stride_bt,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,  # > 0: a row sees its last WINDOW keys only (a sliding-window layer)
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -92,8 +102,11 @@ def _paged_attention_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_P), tl.float32)
     kv_end = tl.minimum(ctx, ctx - q_len + m_start + BLOCK_M)  # causal: the last row's position + 1
+    j_lo = 0
+    if WINDOW > 0:  # the first row's first key: earlier blocks are seen by no row of this tile
+        j_lo = tl.maximum(ctx - q_len + m_start - WINDOW + 1, 0) // BLOCK_SIZE
     slots = tl.arange(0, BLOCK_SIZE)
-    for j in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
+    for j in range(j_lo, tl.cdiv(kv_end, BLOCK_SIZE)):
         # --- block table -> physical block -> (BLOCK_SIZE, D) keys and values ---
         phys = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
         kv_offs = ((phys * BLOCK_SIZE + slots)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
@@ -105,6 +118,8 @@ def _paged_attention_kernel(
         # --- scores, causal + length mask ---
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BLOCK_M, BLOCK_SIZE)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx)
+        if WINDOW > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         # --- online softmax update (rows that see nothing yet keep m = -inf safely) ---
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -139,8 +154,9 @@ def check_shapes(head_dim: int, block_size: int) -> None:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                    tiles: tuple[torch.Tensor, torch.Tensor], block_m: int) -> torch.Tensor:
-    """q: (T, Hq, D) -> (T, Hq, D). `tiles` from `plan_tiles` (as tensors on q's device)."""
+                    tiles: tuple[torch.Tensor, torch.Tensor], block_m: int, window: int = 0) -> torch.Tensor:
+    """q: (T, Hq, D) -> (T, Hq, D). `tiles` from `plan_tiles` (as tensors on q's device); window > 0:
+    a sliding-window layer's."""
     T, Hq, D = q.shape
     B, Hkv = k_cache.shape[1], k_cache.shape[2]
     check_shapes(D, B)
@@ -153,5 +169,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale, block_tables.stride(0),
         NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_DIM_P=max(16, triton.next_power_of_2(D)),
         BLOCK_SIZE=B, BLOCK_M=block_m, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WINDOW=window,
     )
     return out

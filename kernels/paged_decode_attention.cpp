@@ -5,6 +5,9 @@
 //   k/v cache    (num_blocks, block_size, Hkv, D)
 //   block_tables (B, max_blocks) int32        the request's blocks, in order
 //   context_lens (B,) int64                   keys to attend to (the query's own included)
+//   window       int                          > 0: only the last `window` of those keys (a sliding-window
+//                                             layer); their blocks are the only ones read, so the table's
+//                                             entries before them may be anything in the cache
 //   out          (B, Hq, D)
 //
 // One task per (request b, KV head h): the G = Hq / Hkv query heads that share KV head h are done
@@ -156,7 +159,7 @@ void fp32_rows(const T* cache, const int32_t* table, int64_t bs, int64_t token_s
 
 template <typename T, int NC>
 void run_avx512(const T* qp, const T* kc, const T* vc, const int32_t* tables, const int64_t* lens, T* op,
-                int64_t B, int64_t Hq, int64_t Hkv, int64_t bs, int64_t max_blocks, float scale) {
+                int64_t B, int64_t Hq, int64_t Hkv, int64_t bs, int64_t max_blocks, float scale, int64_t window) {
   constexpr int64_t D = 16 * NC, CHUNK = CHUNK_VALUES / D / 16 * 16;  // whole groups of 16 keys
   const int64_t G = Hq / Hkv, token_stride = Hkv * D;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
@@ -164,7 +167,9 @@ void run_avx512(const T* qp, const T* kc, const T* vc, const int32_t* tables, co
     std::vector<float> scratch(std::is_same<T, float>::value ? 0 : CHUNK * D);  // fp32 rows are read in place
     std::vector<const float*> rows(CHUNK);
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, L = lens[b];
+      // keys first .. lens[b] - 1: L of them (the window's, or all)
+      const int64_t b = task / Hkv, h = task % Hkv, first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t L = lens[b] - first;
       const int32_t* table = tables + b * max_blocks;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[(b * Hq + h * G + g) * D + d]) * scale;
@@ -172,7 +177,7 @@ void run_avx512(const T* qp, const T* kc, const T* vc, const int32_t* tables, co
       // pass 1: scores, 16 keys at a time per query head
       for (int64_t c0 = 0; c0 < L; c0 += CHUNK) {
         const int64_t n = std::min(CHUNK, L - c0);
-        fp32_rows<T, NC>(kc, table, bs, token_stride, h, c0, n, scratch.data(), rows.data());
+        fp32_rows<T, NC>(kc, table, bs, token_stride, h, first + c0, n, scratch.data(), rows.data());
         for (int64_t g = 0; g < G; ++g) {
           __m512 qv[NC];
           for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(qf.data() + g * D + 16 * c);
@@ -197,7 +202,7 @@ void run_avx512(const T* qp, const T* kc, const T* vc, const int32_t* tables, co
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t c0 = 0; c0 < L; c0 += CHUNK) {
         const int64_t n = std::min(CHUNK, L - c0);
-        fp32_rows<T, NC>(vc, table, bs, token_stride, h, c0, n, scratch.data(), rows.data());
+        fp32_rows<T, NC>(vc, table, bs, token_stride, h, first + c0, n, scratch.data(), rows.data());
         for (int64_t g = 0; g < G; ++g) {
           // Two sets of sums, even and odd keys: an FMA waits ~4 cycles for the one before it in its
           // chain, so twice the chains keep the FMA units busy.
@@ -233,7 +238,8 @@ void run_avx512(const T* qp, const T* kc, const T* vc, const int32_t* tables, co
 
 template <typename T>
 void run_generic(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
+                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window,
+                 at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv;
   const int64_t max_blocks = block_tables.size(1);
@@ -247,15 +253,17 @@ void run_generic(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf(G * D), acc(G * D), scores;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, L = lens[b];
+      const int64_t b = task / Hkv, h = task % Hkv, first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t L = lens[b] - first;  // keys first .. lens[b] - 1
       const int32_t* table = tables + b * max_blocks;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[(b * Hq + h * G + g) * D + d]) * float(scale);
       scores.resize(G * L);
       // pass 1: scores, one key row at a time
-      for (int64_t t = 0; t < L; ++t) {
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t t = first + i;
         const T* k = kc + (int64_t(table[t / bs]) * bs + t % bs) * token_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qf.data() + g * D, k, D);
+        for (int64_t g = 0; g < G; ++g) scores[g * L + i] = dot(qf.data() + g * D, k, D);
       }
       // softmax numerators per query head; the denominators divide at the end
       std::vector<float> denom(G);
@@ -265,9 +273,10 @@ void run_generic(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       }
       // pass 2: weighted sum of the value rows
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t t = first + i;
         const T* v = vc + (int64_t(table[t / bs]) * bs + t % bs) * token_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, scores[g * L + t], v, D);
+        for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, scores[g * L + i], v, D);
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) op[(b * Hq + h * G + g) * D + d] = T(acc[g * D + d] / denom[g]);
@@ -277,7 +286,7 @@ void run_generic(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-         const at::Tensor& context_lens, double scale, at::Tensor& out) {
+         const at::Tensor& context_lens, double scale, int64_t window, at::Tensor& out) {
 #if defined(__AVX512F__)
   const int64_t D = q.size(2);
   if (D % 16 == 0 && D <= 128) {
@@ -290,22 +299,23 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const int64_t B = q.size(0), Hq = q.size(1), Hkv = k_cache.size(2), bs = k_cache.size(1);
     const int64_t mb = block_tables.size(1);
     switch (D / 16) {
-      case 1: return run_avx512<T, 1>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale));
-      case 2: return run_avx512<T, 2>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale));
-      case 3: return run_avx512<T, 3>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale));
-      case 4: return run_avx512<T, 4>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale));
-      case 5: return run_avx512<T, 5>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale));
-      case 6: return run_avx512<T, 6>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale));
-      case 7: return run_avx512<T, 7>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale));
-      case 8: return run_avx512<T, 8>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale));
+      case 1: return run_avx512<T, 1>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale), window);
+      case 2: return run_avx512<T, 2>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale), window);
+      case 3: return run_avx512<T, 3>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale), window);
+      case 4: return run_avx512<T, 4>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale), window);
+      case 5: return run_avx512<T, 5>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale), window);
+      case 6: return run_avx512<T, 6>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale), window);
+      case 7: return run_avx512<T, 7>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale), window);
+      case 8: return run_avx512<T, 8>(qp, kc, vc, tables, lens, op, B, Hq, Hkv, bs, mb, float(scale), window);
     }
   }
 #endif
-  run_generic<T>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+  run_generic<T>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode_attention: q (B, Hq, D), caches (num_blocks, block_size, Hkv, D)");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -324,15 +334,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   for (int64_t b = 0; b < cl.size(0); ++b) {  // nothing is read outside the cache
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= cap, "paged_decode_attention: context length ", lens[b],
                 " outside 1..", cap, " (block table width x block size)");
-    for (int64_t i = 0; i < (lens[b] + k_cache.size(1) - 1) / k_cache.size(1); ++i) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;  // blocks before it: unread
+    for (int64_t i = first / k_cache.size(1); i < (lens[b] + k_cache.size(1) - 1) / k_cache.size(1); ++i) {
       const int32_t block = tables[b * bt.size(1) + i];
       TORCH_CHECK(block >= 0 && block < k_cache.size(0), "paged_decode_attention: block ", block,
                   " of row ", b, " is not in the cache");
     }
   }
   at::Tensor out = at::empty_like(qc);
-  if (q.scalar_type() == at::kFloat) run<float>(qc, k_cache, v_cache, bt, cl, scale, out);
-  else if (q.scalar_type() == at::kBFloat16) run<c10::BFloat16>(qc, k_cache, v_cache, bt, cl, scale, out);
+  if (q.scalar_type() == at::kFloat) run<float>(qc, k_cache, v_cache, bt, cl, scale, window, out);
+  else if (q.scalar_type() == at::kBFloat16) run<c10::BFloat16>(qc, k_cache, v_cache, bt, cl, scale, window, out);
   else TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   return out;
 }
@@ -345,6 +356,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 #endif
 TORCH_LIBRARY_FRAGMENT(MINIVLLM_CPU_LIBRARY, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(MINIVLLM_CPU_LIBRARY, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

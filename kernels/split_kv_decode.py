@@ -14,6 +14,9 @@ log-sum-exp:
     pass 2 (merge):   m = max_s lse_s;  w_s = exp(lse_s - m);   o = Σ w_s o_s / Σ w_s
 
 Grid: pass 1 (num_decode_rows, num_q_heads, NUM_SPLITS); pass 2 (num_decode_rows, num_q_heads).
+A sliding window W (WINDOW > 0): the splits cover only the blocks from the one holding key ctx - W on,
+and keys before ctx - W are masked; the blocks before are never read (the sliding group gave them back).
+
 One pass-1 program: one query row, one head, one range of blocks, with a scalar online softmax
 (one row cannot use tl.dot, which needs 16 rows, so scores are elementwise products summed over D).
 """
@@ -27,24 +30,27 @@ import triton.language as tl
 
 def naive_split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                          num_splits: int) -> torch.Tensor:
-    """Reference that follows the same two passes in PyTorch. q: (Bd, Hq, D), one row per request."""
+                          num_splits: int, window: int = 0) -> torch.Tensor:
+    """Reference that follows the same two passes in PyTorch. q: (Bd, Hq, D), one row per request; window > 0:
+    the last `window` keys only, split from the block holding the first of them."""
     Bd, Hq, D = q.shape
     Hkv, B = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(q)
     for i in range(Bd):
         ctx = int(context_lens[i])
-        nblocks = -(-ctx // B)
-        per = -(-nblocks // num_splits)
+        first_key = max(0, ctx - window) if window > 0 else 0
+        j0 = first_key // B
+        per = -(-(-(-ctx // B) - j0) // num_splits)
         partial, lses = [], []
         for s in range(num_splits):
-            lo, hi = s * per * B, min((s + 1) * per * B, ctx)
+            lo, hi = (j0 + s * per) * B, min((j0 + (s + 1) * per) * B, ctx)
             if lo >= hi:
                 continue
-            blocks = block_tables[i, s * per: -(-hi // B)].long()
+            blocks = block_tables[i, j0 + s * per: -(-hi // B)].long()
             k = k_cache[blocks].reshape(-1, Hkv, D)[: hi - lo].float().repeat_interleave(Hq // Hkv, 1)
             v = v_cache[blocks].reshape(-1, Hkv, D)[: hi - lo].float().repeat_interleave(Hq // Hkv, 1)
             scores = torch.einsum("hd,khd->hk", q[i].float(), k) * scale  # (Hq, keys)
+            scores[:, :max(0, first_key - lo)] = float("-inf")  # before the window (its first block only)
             lses.append(torch.logsumexp(scores, -1))  # (Hq,)
             partial.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
         lse = torch.stack(lses)  # (splits, Hq)
@@ -57,16 +63,20 @@ def naive_split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def _split_kv_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, ctx_ptr, part_out_ptr, part_lse_ptr,
                      scale, stride_bt, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     # --- this split's range of KV blocks ---
     ctx = tl.load(ctx_ptr + row)
+    first_key = 0
+    if WINDOW > 0:
+        first_key = tl.maximum(ctx - WINDOW, 0)
+    j0 = first_key // BLOCK_SIZE  # the first block read
     num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks, NUM_SPLITS)
-    j_lo = split * per_split
+    per_split = tl.cdiv(num_blocks - j0, NUM_SPLITS)
+    j_lo = j0 + split * per_split
     j_hi = tl.minimum(j_lo + per_split, num_blocks)
     d = tl.arange(0, HEAD_DIM_P)
     d_ok = d < HEAD_DIM
@@ -80,7 +90,7 @@ def _split_kv_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, ctx_ptr,
         phys = tl.load(block_tables_ptr + row * stride_bt + j).to(tl.int64)
         kv_offs = ((phys * BLOCK_SIZE + slots)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
         # slots past the context are never read: a stale NaN there would survive a weight of 0 (0 * NaN)
-        in_ctx = j * BLOCK_SIZE + slots < ctx  # (BLOCK_SIZE,)
+        in_ctx = (j * BLOCK_SIZE + slots < ctx) & (j * BLOCK_SIZE + slots >= first_key)  # (BLOCK_SIZE,)
         kv_ok = in_ctx[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(tl.float32)
@@ -118,8 +128,9 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, NUM_SPLITS: tl.constexpr,
 
 
 def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, scale: float, num_splits: int) -> torch.Tensor:
-    """q: (Bd, Hq, D), one decode row per request (block_tables/context_lens rows match q's)."""
+                    context_lens: torch.Tensor, scale: float, num_splits: int, window: int = 0) -> torch.Tensor:
+    """q: (Bd, Hq, D), one decode row per request (block_tables/context_lens rows match q's); window > 0: a
+    sliding-window layer's."""
     Bd, Hq, D = q.shape
     B, Hkv = k_cache.shape[1], k_cache.shape[2]
     part_out = torch.empty(Bd, Hq, num_splits, D, dtype=torch.float32, device=q.device)
@@ -129,7 +140,7 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _split_kv_kernel[(Bd, Hq, num_splits)](
         q.contiguous(), k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
         block_tables.stride(0), NUM_SPLITS=num_splits, NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D,
-        HEAD_DIM_P=dp, BLOCK_SIZE=B)
+        HEAD_DIM_P=dp, BLOCK_SIZE=B, WINDOW=window)
     _merge_kernel[(Bd, Hq)](part_out, part_lse, out, NUM_SPLITS=num_splits,
                             NUM_SPLITS_P=max(2, triton.next_power_of_2(num_splits)), NUM_HEADS=Hq,
                             HEAD_DIM=D, HEAD_DIM_P=dp)

@@ -28,6 +28,7 @@ MODEL_VARIANTS = {
     "llama": dict(family="llama"),
     "llama_biased": dict(family="llama", attention_bias=True, mlp_bias=True),  # bias on q/k/v/o and the MLP
     "qwen3_biased": dict(family="qwen3", attention_bias=True),
+    "mistral": dict(family="mistral"),  # MistralForCausalLM without a window: the Llama decoder
     "llama_mha_tied_llama3": dict(family="llama", num_kv_heads=4, tie_word_embeddings=True,
                                   rope_scaling={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -6,6 +6,8 @@ import json
 
 import torch
 
+from minivllm.engine.scheduling_policy import SchedulingPolicy
+
 
 def is_decode(start, num_new_tokens, num_prompt_tokens):
     return num_new_tokens == 1 and start >= num_prompt_tokens
@@ -100,3 +102,22 @@ def kv_heads_of_rank(num_kv_heads, rank, world_size):
         return [rank * num_kv_heads // world_size]
     per_rank = num_kv_heads // world_size
     return list(range(rank * per_rank, (rank + 1) * per_rank))
+
+
+class AgingPolicy(SchedulingPolicy):
+    """The capstone, priority with aging: a lower `priority` first, but each AGING_STEPS steps spent
+    waiting make a request one level more urgent; the victim is the least urgent running request."""
+
+    name = "aging"
+    AGING_STEPS = 4
+
+    def __init__(self):
+        self.waited = {}  # request id -> steps waited; rebuilt from `waiting` each step, so it never outgrows it
+
+    def admission_order(self, waiting):
+        self.waited = {s.request_id: self.waited.get(s.request_id, -1) + 1 for s in waiting}
+        return sorted(waiting, key=lambda s: (s.priority - self.waited[s.request_id] / self.AGING_STEPS,
+                                              s.arrival_index))
+
+    def choose_victim(self, candidates):
+        return max(candidates, key=lambda s: (s.priority, s.arrival_index))

@@ -3,11 +3,13 @@ the engine. The capstone's grader: passes the built-in policies, fails broken on
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import exercise_solutions as solutions
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 from minivllm.teaching.capstone import check_policy_matches_hf, grade_policy
 from minivllm.teaching.exercises import REFERENCES, RULES, check
+from minivllm.teaching.policy_behaviour import PolicyBehaviourError
 from minivllm.teaching.scheduler_machine import PolicyContractError
 
 CAPSTONE = Path(__file__).resolve().parent.parent / "exercises" / "capstone"
@@ -33,10 +36,12 @@ def test_correct_solutions_pass(name):
     ("blocks_needed", lambda n, b: n // b, "round UP"),
     ("cacheable_tokens", lambda n, b: n // b * b, "at least one prompt token is always computed"),
     ("plan_step", lambda r, w, b: [min(n, b) for n in r + w], "one token budget is shared"),
+    ("plan_step", lambda r, w, b: solutions.plan_step(w, r, b), "running requests come first"),
     ("causal_mask", lambda q, c: torch.ones(q, c, dtype=torch.bool), "lower-triangular"),
     ("top_p_keep", lambda p, t: p.cumsum(0) <= t, "most likely token is always kept"),
     ("min_p_keep", lambda p, m: p >= m, "min-p is relative"),
-    ("can_ever_run", lambda p, m, nb, bs, ml: p < ml and -(-(p + m) // bs) <= nb, "caps the final length"),
+    ("can_ever_run", lambda p, m, nb, bs, ml: p < ml and -(-(p + m - 1) // bs) <= nb, "caps the final length"),
+    ("can_ever_run", lambda p, m, nb, bs, ml: p < ml and -(-min(p + m, ml) // bs) <= nb, "never fed back"),
     ("is_decode", lambda s, n, p: n == 1, "starts inside the prompt"),
     ("blocks_after_fork", lambda p, b, n: -(-p // b) * n, "whole blocks has no partial block"),
     ("blocks_after_fork", lambda p, b, n: -(-p // b), "full blocks are SHARED"),
@@ -49,6 +54,77 @@ def test_wrong_solutions_fail_naming_the_rule(name, wrong, rule):
     with pytest.raises(AssertionError, match="the engine says") as err:
         check(name, wrong)
     assert "Rule broken: " in str(err.value) and rule in str(err.value)
+
+
+def test_the_last_tokens_kv_is_probed_often():
+    """Counting the last token's KV used to fail 2 cases of 300: the cases now aim at that edge."""
+    with pytest.raises(AssertionError, match=r"(\d+) of 300 cases") as err:
+        check("can_ever_run", lambda p, m, nb, bs, ml: p < ml and -(-min(p + m, ml) // bs) <= nb)
+    assert int(str(err.value).split(": ")[1].split(" of")[0]) >= 50
+
+
+@pytest.mark.parametrize("name,answer", [
+    ("plan_step", lambda r, w, b: tuple(solutions.plan_step(r, w, b))),
+    ("kv_heads_of_rank", lambda kv, r, n: np.array(solutions.kv_heads_of_rank(kv, r, n))),
+    ("causal_mask", lambda q, c: solutions.causal_mask(q, c).numpy()),
+    ("min_p_keep", lambda p, m: solutions.min_p_keep(p, m).numpy()),
+    ("top_p_keep", lambda p, t: solutions.top_p_keep(p, t).tolist()),
+    ("blocks_needed", lambda n, b: np.int64(solutions.blocks_needed(n, b))),
+    ("is_decode", lambda s, n, p: np.bool_(solutions.is_decode(s, n, p))),
+    ("overhead_fraction", lambda s, f: torch.tensor(solutions.overhead_fraction(s, f))),
+])
+def test_a_correct_answer_in_another_container_is_accepted(name, answer):
+    check(name, answer)
+
+
+@pytest.mark.parametrize("name,answer,told", [
+    ("kv_heads_of_rank", lambda kv, r, n: set(solutions.kv_heads_of_rank(kv, r, n)), "Return a list (in order)"),
+    ("top_p_keep", lambda p, t: solutions.top_p_keep(p, t)[None], "Return a 1-D bool tensor of shape (12,)"),
+    ("min_p_keep", lambda p, m: solutions.min_p_keep(p, m).float(), "Return a 1-D bool tensor"),
+    ("blocks_needed", lambda n, b: n / b, "Return an int"),
+    ("sse_text", lambda lines: [solutions.sse_text(lines)], "Return a str"),
+])
+def test_a_wrong_type_or_shape_is_told_what_to_return(name, answer, told):
+    with pytest.raises(AssertionError, match="wrong type or shape") as err:
+        check(name, answer)
+    assert told in str(err.value) and "Rule broken" not in str(err.value), str(err.value)
+
+
+def _sse(lines, *, skip_done=True, skip_blank=True, strip_prefix=True):
+    """A student's `sse_text`, with one of its guards left out."""
+    text = ""
+    for line in lines:
+        if (skip_blank and not line.startswith("data: ")) or (skip_done and line == "data: [DONE]"):
+            continue
+        delta = json.loads(line[6:] if strip_prefix else line)["choices"][0]["delta"]
+        text += delta.get("content") or ""
+    return text
+
+
+@pytest.mark.parametrize("answer,rule", [
+    (lambda lines: _sse(lines, skip_done=False), "skip the [DONE] sentinel"),
+    (lambda lines: _sse(lines, skip_blank=False), "blank lines separate events"),
+    (lambda lines: _sse(lines, strip_prefix=False), "after the 'data: ' prefix"),
+])
+def test_an_exception_in_the_answer_is_named_by_the_rule_it_breaks(answer, rule):
+    assert _sse(["data: [DONE]"]) == ""  # the full guard set is a correct answer
+    with pytest.raises(AssertionError, match="your code raised") as err:
+        check("sse_text", answer)
+    assert "Rule broken: " in str(err.value) and rule in str(err.value), str(err.value)
+
+
+def test_an_exercise_not_written_yet_is_not_a_broken_rule():
+    def stub(*args):
+        raise NotImplementedError
+
+    with pytest.raises(NotImplementedError):  # exercises/test_student.py skips on it
+        check("sse_text", stub)
+
+
+def test_rule_texts_do_not_state_the_formula():
+    texts = " ".join(r.text for rules in RULES.values() for r in rules)
+    for formula in ("min_p ×", "1 - forward", "× num_kv_heads", "cumulative query lengths - 1", "final_len - 1"):
+        assert formula not in texts
 
 
 def test_every_exercise_has_rules():
@@ -93,10 +169,22 @@ class StaleVictim(FCFSPolicy):
         return self.first[-1]
 
 
-@pytest.mark.parametrize("policy", [FCFSPolicy, PriorityPolicy])
-def test_capstone_grader_passes_the_built_in_policies(policy, qwen3_dir):
-    grade_policy(policy, max_examples=25, hf=False)
+def test_capstone_grader_passes_a_correct_aging_policy():
+    grade_policy(solutions.AgingPolicy, max_examples=25, hf=False)
+
+
+@pytest.mark.parametrize("policy", [FCFSPolicy, PriorityPolicy, solutions.AgingPolicy])
+def test_capstone_hf_check_passes(policy, qwen3_dir):
     assert check_policy_matches_hf(policy, qwen3_dir) > 0  # the check ran under memory pressure
+
+
+@pytest.mark.parametrize("policy,rule", [(FCFSPolicy, "a more urgent request (lower `priority`) is admitted"),
+                                         (PriorityPolicy, "a stream of urgent arrivals cannot keep it out")])
+def test_capstone_grader_fails_the_built_in_policies_on_behaviour(policy, rule):
+    """They keep the contract (part 1) but neither is an aging policy (part 2)."""
+    with pytest.raises(PolicyBehaviourError) as err:
+        grade_policy(policy, max_examples=25, hf=False, shrink=False)
+    assert rule in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("policy,rule", [(DropsNonUrgent, "admission_order must return every waiting request"),
@@ -107,12 +195,17 @@ def test_capstone_grader_fails_a_broken_policy(policy, rule):
 
 
 def test_capstone_grader_command(tmp_path):
-    """The student's command: the starter is "not written yet" (2); a correct policy passes (0)."""
+    """The student's command: the starter is "not written yet" (2); a correct policy passes (0); vLLM's
+    priority policy fails on behaviour, naming the rule (1)."""
     grade = [sys.executable, str(CAPSTONE / "grade.py")]
     r = subprocess.run(grade, capture_output=True, text=True, timeout=900)
     assert r.returncode == 2 and "not written yet" in r.stdout, r.stdout + r.stderr
     mine = tmp_path / "mine.py"
+    mine.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                    "from exercise_solutions import AgingPolicy\n\n\nclass Mine(AgingPolicy):\n    name = 'mine'\n")
+    r = subprocess.run([*grade, str(mine), "--examples", "10", "--no-hf"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "Mine passed" in r.stdout, r.stdout + r.stderr
     mine.write_text("from minivllm.engine.scheduling_policy import PriorityPolicy\n\n\n"
                     "class Mine(PriorityPolicy):\n    name = 'mine'\n")
     r = subprocess.run([*grade, str(mine), "--examples", "10", "--no-hf"], capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and "Mine passed" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 1 and "cannot keep it out" in r.stdout, r.stdout + r.stderr

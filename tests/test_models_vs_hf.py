@@ -8,7 +8,7 @@ from helpers import varied_prompts
 from minivllm import LLM, SamplingParams
 from minivllm.teaching.hf_check import assert_hf_greedy
 
-FAMILIES = ["qwen3", "qwen2", "llama", "llama_mha_tied_llama3", "llama_biased", "qwen3_biased"]
+FAMILIES = ["qwen3", "qwen2", "llama", "llama_mha_tied_llama3", "llama_biased", "qwen3_biased", "mistral"]
 
 
 def check_all(llm: LLM, hf, prompts, outputs) -> None:

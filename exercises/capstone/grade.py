@@ -1,12 +1,18 @@
 """Grade a scheduling policy (the capstone).
 
-    python exercises/capstone/grade.py [exercises/capstone/my_policy.py] [--examples N] [--no-hf]
+    python exercises/capstone/grade.py [exercises/capstone/my_policy.py] [--examples N] [--no-hf] [--fair-share]
 
-The file must define exactly one `SchedulingPolicy` subclass. Two parts, in order:
+The file must define exactly one `SchedulingPolicy` subclass. Three parts, in order:
   1. the scheduler's hypothesis state machine (the one the project's own tests run) under the policy:
      random arrivals, steps, aborts, failed steps, drafts and forks; the seam's contract on every call,
      the block manager's invariants after every action, and every request finishing at the end;
-  2. an engine scheduling with the policy on a tiny random model, under memory pressure (so requests
+  2. behaviour, with new requests arriving while others run (minivllm/teaching/policy_behaviour.py):
+     a more urgent request is admitted first; the least urgent is preempted; a low-priority request
+     beside a stream of urgent arrivals starts within a bounded number of steps; state kept per
+     request is dropped once it no longer waits; under random load every request starts in bounded
+     time and finishes. `--fair-share` grades the fair-share assignment: the three priority rules
+     are not asked (there `priority` is a tenant, not an urgency);
+  3. an engine scheduling with the policy on a tiny random model, under memory pressure (so requests
      are preempted and recomputed) and with mixed priorities: its greedy output must equal HF
      transformers' (teacher-forced).
 Exit status: 0 passed, 1 failed (the rule broken is printed, with hypothesis's smallest failing run),
@@ -23,6 +29,7 @@ from pathlib import Path
 
 from minivllm.engine.scheduling_policy import SchedulingPolicy
 from minivllm.teaching.capstone import grade_policy
+from minivllm.teaching.policy_behaviour import Assignment
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,11 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", nargs="?", default=str(HERE / "my_policy.py"))
     p.add_argument("--examples", type=int, default=100, help="random runs of the state machine")
-    p.add_argument("--no-hf", action="store_true", help="skip part 2 (the comparison with HF transformers)")
+    p.add_argument("--no-hf", action="store_true", help="skip part 3 (the comparison with HF transformers)")
+    p.add_argument("--fair-share", action="store_true", help="grade the fair-share assignment (no priority rules)")
     args = p.parse_args(argv)
     policy = load_policy(args.path)
     try:
-        grade_policy(policy, max_examples=args.examples, hf=not args.no_hf)
+        grade_policy(policy, max_examples=args.examples, hf=not args.no_hf,
+                     assignment=Assignment.FAIR_SHARE if args.fair_share else Assignment.AGING)
     except NotImplementedError:
         print(f"{policy.__name__} is not written yet: fill in the TODOs in {args.path}")
         return 2

@@ -15,15 +15,29 @@ The seam (minivllm/engine/scheduling_policy.py) asks your policy two questions i
 
 Everything else stays in the Scheduler and holds for any policy: the token budget, chunked
 prefill, the anti-starvation hold, never preempting a request already scheduled in the step.
-Read `FCFSPolicy` and `PriorityPolicy` there first: each is four lines.
+Read `FCFSPolicy` and `PriorityPolicy` there first: each is four lines. The hold only stops
+admission BEHIND a request that was passed over too often; it never moves a request forward in
+your order. So if your order keeps a request at the back (a stream of more urgent arrivals), it
+waits forever: bounded waiting is your policy's job.
+
+What the grader checks beyond the contract (minivllm/teaching/policy_behaviour.py), with new
+requests arriving while others run:
+  * priority order: of two requests waiting together, the more urgent (lower priority) goes first;
+  * the victim: under memory pressure the least urgent running request is preempted;
+  * bounded wait: a priority-2 request beside one priority-0 arrival per step starts within 50 steps;
+  * stale state: what you keep per request is dropped once it no longer waits (your policy is never
+    told that a request finished: prune in `admission_order`, which is called every step);
+  * open load: random arrivals, mixed priorities, memory pressure: each request starts within 50
+    steps and finishes.
+For fair share, add `--fair-share`: the first three (priority) rules are not asked.
 
 What a `Sequence` (minivllm/engine/sequence.py) tells you: `request_id`, `priority`,
 `arrival_index` (0, 1, 2, ... in arrival order), `num_tokens`, `num_output_tokens`,
 `num_computed_tokens`, `num_admission_skips`, `status`. Your policy object lives as long as the
 engine, so it may keep state of its own (e.g. how many steps each request has waited).
 
-Grade it:   python exercises/capstone/grade.py exercises/capstone/my_policy.py
-            (or: pytest exercises/capstone)
+Grade it:   python exercises/capstone/grade.py exercises/capstone/my_policy.py [--fair-share]
+            (or: pytest exercises/capstone, which grades the aging assignment)
 Use it:     LLM(scheduling_policy=MyPolicy()).generate(prompts, params, priority=[...])
 """
 

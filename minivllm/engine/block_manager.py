@@ -24,9 +24,10 @@ a block from it evicts its hash, and a hit on a free cached block revives it (ta
 At least one prompt token is always computed (at most `(num_tokens - 1) // B` blocks can hit), so
 the last prompt position produces the logits to sample from.
 
-Transactions. While a step is planned and run, every change goes through the step's `UndoLog`
-(`begin` / `commit` / `rollback`): the first time a block, a hash entry or a sequence is touched, its
-old value is recorded. A rollback therefore costs what the step touched, not the size of the pool.
+Transactions (engine/block_transactions.py). While a step is planned and run, every change goes
+through the step's `UndoLog` (`begin` / `commit` / `rollback`): the first time a block, a hash entry or
+a sequence is touched, its old value is recorded. A rollback therefore costs what the step touched,
+not the size of the pool.
 Each block's `free_stamp` (when it was last freed, from `_clock`) is recorded with it, so a rollback can
 hand the allocator back the blocks that were free with the stamps they had (`BlockAllocator.restore`).
 """
@@ -38,12 +39,18 @@ from typing import NamedTuple
 
 from minivllm.engine.block_allocator import BlockAllocator, get_allocator
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.undo_log import BlockUndo, UndoLog
+from minivllm.engine.block_transactions import BlockTransactions
+from minivllm.engine.undo_log import UndoLog
 
 
 def hash_block(parent: bytes | None, token_bytes: bytes) -> bytes:
     """The prefix-cache key of a full block: SHA-256 over (parent's key, this block's token bytes)."""
     return hashlib.sha256((parent or b"") + token_bytes).digest()
+
+
+# A table entry that holds no block: a sliding-window group's blocks that left the window
+# (engine/sliding_window.py). Never in a full-attention table.
+NULL_BLOCK = -1
 
 
 class PrefixMatch(NamedTuple):
@@ -53,7 +60,14 @@ class PrefixMatch(NamedTuple):
     num_tokens: int
 
 
-class BlockManager:
+class PoolShortfall(NamedTuple):
+    """A request bigger than a pool: the blocks it would need, and how many the pool has."""
+
+    needed: int
+    available: int
+
+
+class BlockManager(BlockTransactions):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  allocator: BlockAllocator | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
@@ -72,10 +86,28 @@ class BlockManager:
         self.num_hit_tokens = 0  # of which found cached
         self.undo: UndoLog | None = None  # the open step's log (None outside a transaction)
 
+    # --- which table of a sequence this manager keeps (a KV-cache group's: engine/kv_cache_groups.py) ---
+    def table(self, seq: Sequence) -> list[int]:
+        """The block table this manager owns on `seq` (the full-attention group's: `seq.block_table`)."""
+        return seq.block_table
+
+    def set_table(self, seq: Sequence, table: list[int]) -> None:
+        seq.block_table = table
+
     # --- queries -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
+
+    @property
+    def kv_blocks_in_use(self) -> dict[str, int]:
+        """Blocks held by a request, per KV-cache group (one group here; engine/kv_cache_groups.py)."""
+        return {"full_attention": self.num_blocks - self.num_free_blocks}
+
+    def pool_shortfall(self, num_tokens: int) -> PoolShortfall | None:
+        """Whether one request of `num_tokens` computed tokens could never fit, even alone in the pool."""
+        needed = self.blocks_needed(num_tokens)
+        return PoolShortfall(needed, self.num_blocks) if needed > self.num_blocks else None
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
@@ -109,20 +141,22 @@ class BlockManager:
         return needed <= self.num_free_blocks - revived
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(self.table(seq))
         return needed <= self.num_free_blocks
 
     # --- state changes -------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> None:
         """Admit `seq`: share its cached prefix blocks and take fresh ones for `num_new_tokens`."""
-        assert not seq.block_table, f"{seq.request_id} already holds blocks"
+        assert not self.table(seq), f"{seq.request_id} already holds blocks"
         self._record_seq(seq)
         for b in prefix.blocks:
+            if b == NULL_BLOCK:  # before a sliding window: never read, not held
+                continue
             self._record_block(b)
             if self.ref_counts[b] == 0:
                 self.free_blocks.revive(b)  # a hit on a freed-but-cached block revives it
             self.ref_counts[b] += 1
-        seq.block_table = list(prefix.blocks)
+        self.set_table(seq, list(prefix.blocks))
         seq.num_computed_tokens = prefix.num_tokens
         if self.enable_prefix_caching:
             self._record_attrs("num_queried_tokens", "num_hit_tokens")
@@ -133,71 +167,81 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the block table to cover `num_computed_tokens + num_new_tokens` (vLLM's may_append).
         A new block is needed exactly when the tokens run past the last block's end."""
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(self.table(seq))
         if needed > 0:
             self._record_seq(seq)
         for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
+            self.table(seq).append(self._take_free_block())
 
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks. Tail blocks are queued first so that, under LRU, a prefix's
         later blocks are evicted before its earlier ones (an earlier block is useful more often)."""
-        if seq.block_table:
+        if self.table(seq):
             self._release(seq, 0)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free the blocks past those covering `num_tokens` tokens: the slots reserved for drafts that
         were rejected. They hold no hash (only verified full blocks are ever published)."""
         keep = self.blocks_needed(num_tokens)
-        if len(seq.block_table) > keep:
+        if len(self.table(seq)) > keep:
             self._release(seq, keep)
 
     def _release(self, seq: Sequence, keep: int) -> None:
         """Drop `seq`'s references to its blocks from index `keep` on, last block first."""
         self._record_seq(seq)
         self._record_attrs("_clock")
-        for b in reversed(seq.block_table[keep:]):
-            self._record_block(b)
-            self.ref_counts[b] -= 1
-            assert self.ref_counts[b] >= 0
-            if self.ref_counts[b] == 0:
-                self.free_stamp[b] = self._clock
-                self.free_blocks.give_back(b, self._clock)
-                self._clock += 1
-        del seq.block_table[keep:]
+        table = self.table(seq)
+        for b in reversed(table[keep:]):
+            if b != NULL_BLOCK:  # (a sliding window's block that was already given back)
+                self._unref(b)
+        del table[keep:]
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+    def _unref(self, b: int) -> None:
+        """One table lets go of block `b`; its last owner gives it back to the allocator, stamped now."""
+        self._record_block(b)
+        self.ref_counts[b] -= 1
+        assert self.ref_counts[b] >= 0
+        if self.ref_counts[b] == 0:
+            self.free_stamp[b] = self._clock
+            self.free_blocks.give_back(b, self._clock)
+            self._clock += 1
+
+    def fork(self, parent: Sequence, child: Sequence, copy_partial: bool = True) -> tuple[int, int] | None:
         """n > 1: give a new `child` the parent's computed prompt without copying or recomputing it.
         Full blocks are shared (one more reference each). The partly filled last block cannot be:
         both sequences are about to write their next token into it. So the child gets a block of
         its own and the caller copies the K/V over (copy-on-write); returns that (src, dst) pair.
-        With no free block left, the child instead recomputes those few tokens (< block_size)."""
-        assert not child.block_table
+        With no free block left (or `copy_partial` False: a model with KV-cache groups), the child
+        instead recomputes those few tokens (< block_size)."""
+        assert not self.table(child)
         full, partial = divmod(parent.num_computed_tokens, self.block_size)
-        for b in parent.block_table[:full]:
+        for b in self.table(parent)[:full]:
             self._record_block(b)
             self.ref_counts[b] += 1
-        child.block_table = parent.block_table[:full]
+        self.set_table(child, self.table(parent)[:full])
         child.num_computed_tokens = full * self.block_size
-        if not partial or not self.free_blocks:
+        if not partial or not self.free_blocks or not copy_partial:
             return None
         dst = self._take_free_block()
-        child.block_table.append(dst)
+        self.table(child).append(dst)
         child.num_computed_tokens = parent.num_computed_tokens
-        return parent.block_table[full], dst
+        return self.table(parent)[full], dst
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """After a step: register the hashes of blocks that are now full and computed."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        table = self.table(seq)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         # Walk back to the last block already hashed: only blocks that filled since then need work.
         start = num_full
-        while start > 0 and self.block_hash[seq.block_table[start - 1]] is None:
+        while start > 0 and table[start - 1] != NULL_BLOCK and self.block_hash[table[start - 1]] is None:
             start -= 1
         hashes = self.block_hashes(seq, num_full)
         for i in range(start, num_full):
-            b = seq.block_table[i]
+            b = table[i]
+            if b == NULL_BLOCK:
+                continue
             self._record_block(b)
             self.block_hash[b] = hashes[i]
             # Two requests may compute the same block at once; the first stays the findable copy.
@@ -220,63 +264,14 @@ class BlockManager:
                 del self.hash_to_block[h]
             self.block_hash[b] = None
 
-    # --- transactions --------------------------------------------------------------------------
-    def begin(self, undo: UndoLog) -> None:
-        """Open a transaction: from now on every change is recorded in `undo`."""
-        assert self.undo is None, "a transaction is already open"
-        self.undo = undo
-
-    def commit(self) -> None:
-        self.undo = None
-
-    def rollback(self, written_blocks: set[int] = frozenset()) -> None:
-        """Undo the open transaction (the sequences' fields are restored by the `UndoLog`). Blocks in
-        `written_blocks` may hold partial K/V of the failed step; if one of them was a free cached
-        block, its hash is dropped so it can never be served."""
-        undo, self.undo = self.undo, None
-        assert undo is not None, "no transaction is open"
-        for b, r in undo.blocks.items():
-            if self.ref_counts[b] == 0:  # free now: out, and back below only if it was free before the step
-                self.free_blocks.revive(b)
-            self.ref_counts[b], self.block_hash[b], self.free_stamp[b] = r.ref_count, r.block_hash, r.free_stamp
-        for h, b in undo.hashes.items():
-            if b is None:
-                self.hash_to_block.pop(h, None)
-            else:
-                self.hash_to_block[h] = b
-        undo.undo_seqs_and_attrs()  # includes _clock and the hit counters
-        was_free = [(b, r.free_stamp) for b, r in undo.blocks.items() if r.was_free]
-        self.free_blocks.restore(sorted(was_free, key=lambda pair: pair[1]))  # oldest first
-        for b in written_blocks:
-            if self.block_hash[b] is not None and self.ref_counts[b] == 0:
-                self._forget_hash(b)
-
-    def _record_block(self, b: int) -> None:
-        if self.undo is not None and not self.undo.has_block(b):
-            # free exactly when no table holds it (the first invariant)
-            self.undo.record_block(b, BlockUndo(self.ref_counts[b], self.block_hash[b], self.free_stamp[b],
-                                                self.ref_counts[b] == 0))
-
-    def _record_hash(self, h: bytes) -> None:
-        if self.undo is not None:
-            self.undo.record_hash(h, self.hash_to_block.get(h))
-
-    def _record_seq(self, seq: Sequence) -> None:
-        if self.undo is not None:
-            self.undo.record_seq(seq)
-
-    def _record_attrs(self, *names: str) -> None:
-        if self.undo is not None:
-            for name in names:
-                self.undo.record_attr(self, name)
-
     # --- proof ---------------------------------------------------------------------------------
     def check_invariants(self, live_seqs: list[Sequence]) -> None:
         """Assert the ownership invariants against the block tables of all live sequences."""
         owners = [0] * self.num_blocks
         for seq in live_seqs:
-            assert len(set(seq.block_table)) == len(seq.block_table), f"duplicate block in {seq}"
-            for b in seq.block_table:
+            held = [b for b in self.table(seq) if b != NULL_BLOCK]
+            assert len(set(held)) == len(held), f"duplicate block in {seq}"
+            for b in held:
                 owners[b] += 1
         free = list(self.free_blocks)
         assert len(free) == len(set(free)) == len(self.free_blocks), "the allocator lists a block twice, or miscounts"

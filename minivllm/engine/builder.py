@@ -24,6 +24,8 @@ from transformers import PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.kv_cache_groups import KVBlockManager, KVCacheCoordinator
+from minivllm.engine.sliding_window import SlidingWindowBlockManager
 from minivllm.engine.executor.abstract import Executor
 from minivllm.engine.executor.multiproc import MultiprocExecutor
 from minivllm.engine.executor.uniproc import UniProcExecutor
@@ -46,7 +48,7 @@ class EngineParts:
     tokenizer: PreTrainedTokenizerBase
     executor: Executor
     state_pool: StatePool | None
-    block_manager: BlockManager
+    block_manager: KVBlockManager
     scheduler: Scheduler
     speculator: Speculator | None
     input_processor: InputProcessor
@@ -82,7 +84,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     except BaseException:  # e.g. a draft model that fails to load: the workers must not outlive us
         executor.shutdown()
         raise
-    block_manager = BlockManager(runner.num_blocks, c.block_size, c.enable_prefix_caching, c.block_allocator)
+    block_manager: KVBlockManager = BlockManager(runner.num_blocks, c.block_size, c.enable_prefix_caching,
+                                                 c.block_allocator)
+    if runner.num_sliding_blocks:  # a second KV-cache group, with a pool (and an LRU allocator) of its own
+        block_manager = KVCacheCoordinator(block_manager, SlidingWindowBlockManager(
+            runner.num_sliding_blocks, c.block_size, spec.sliding_window, c.enable_prefix_caching))
     scheduler = Scheduler(
         block_manager, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
         max_model_len=c.max_model_len, eos_token_ids=resolved.eos_token_ids,

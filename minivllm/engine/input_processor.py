@@ -20,8 +20,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
-from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.grammar import GrammarCompiler
+from minivllm.engine.kv_cache_groups import KVBlockManager
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.logits_processors import RequestLogitRules, bad_words_token_ids
 from minivllm.models.hf_config import ModelSpec
@@ -153,7 +153,7 @@ class InputProcessor:
                              "of this model; use integer token ids in that range")
         return out
 
-    def unservable_reason(self, seq: Sequence, block_manager: BlockManager) -> Unservable | None:
+    def unservable_reason(self, seq: Sequence, block_manager: KVBlockManager) -> Unservable | None:
         """Which limit makes this request impossible to run, and what to change; None if it fits."""
         cfg, n = self.config, seq.num_prompt_tokens
         num_seqs = seq.sampling_params.n
@@ -165,9 +165,9 @@ class InputProcessor:
                                     "room to generate; shorten the prompt or raise max_model_len")
         max_tokens = seq.sampling_params.max_tokens
         final_len = cfg.max_model_len if max_tokens is None else min(n + max_tokens, cfg.max_model_len)
-        needed = block_manager.blocks_needed(final_len - 1)  # the last token is never computed
-        if needed > block_manager.num_blocks:
-            return Unservable(None, f"the request needs {needed} KV blocks ({final_len} tokens) but the pool has "
-                                    f"only {block_manager.num_blocks}; raise num_kv_blocks (or the KV memory "
+        short = block_manager.pool_shortfall(final_len - 1)  # the last token is never computed
+        if short is not None:
+            return Unservable(None, f"the request needs {short.needed} KV blocks ({final_len} tokens) but the pool "
+                                    f"has only {short.available}; raise num_kv_blocks (or the KV memory "
                                     "budget), or lower max_tokens")
         return None

@@ -7,6 +7,9 @@ Layout, one tensor for the whole model:
                             |   +-- physical block id (what block tables hold)
                             +------ 0 = keys, 1 = values
 
+A model with sliding-window layers (Gemma 3) has a second tensor of the same layout for them, with
+its own block ids (`num_sliding_blocks`): one pool per KV-cache group (engine/kv_cache_groups.py).
+
 `kv_cache[layer]` is the (2, ...) view a layer reads and writes. A token's "slot" is
 `block_id * block_size + offset`, so `kv_cache[layer, 0].view(-1, num_kv_heads, head_dim)[slot]` is
 its key.
@@ -23,43 +26,67 @@ Sizing (when `num_kv_blocks` is not given):
   * CUDA: `gpu_memory_utilization` x free memory after the weights, less a 10 % activation reserve
     (so 0.9 x 0.9 = 81 % of the free memory by default).
   * CPU: `cpu_kv_cache_bytes` (1 GiB by default), committed lazily as above.
+  With sliding-window layers, their pool is sized first (`sliding_pool_blocks`: enough for every running
+  request's window, but at most half the budget and never more blocks than the full pool) and the
+  full-attention pool gets the rest.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
+from minivllm.engine.kv_cache_groups import sliding_pool_blocks
 from minivllm.models.hf_config import ModelSpec
 
 
-def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """Only full-attention layers have a KV cache (a hybrid model's linear-attention layers keep a
-    fixed-size state instead: engine/state_pool.py)."""
+def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """A block of the full-attention layers (or of `num_layers` layers). A hybrid model's linear-attention
+    layers keep a fixed-size state instead (engine/state_pool.py)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * len(spec.full_attention_layers) * block_size * spec.num_key_value_heads * spec.head_dim * itemsize
+    layers = len(spec.full_attention_layers) if num_layers is None else num_layers
+    return 2 * layers * block_size * spec.num_key_value_heads * spec.head_dim * itemsize
 
 
-def num_kv_blocks_for(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> int:
+class KVPoolSizes(NamedTuple):
+    num_blocks: int  # the full-attention pool
+    num_sliding_blocks: int = 0  # the sliding-window layers' pool (0: no such layers)
+
+
+def num_kv_blocks_for(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> KVPoolSizes:
+    """Both pools' blocks. The sliding pool: windows for max_num_seqs requests (`sliding_pool_blocks`), but
+    never more blocks than the full pool (a request never holds more sliding blocks than full ones) nor more
+    memory (past that the full pool stops admission first, and the extra windows would idle)."""
+    bound = 0 if spec.sliding_window is None else sliding_pool_blocks(
+        spec.sliding_window, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
     if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
+        return KVPoolSizes(config.num_kv_blocks, min(bound, config.num_kv_blocks))
     per_block = kv_block_bytes(spec, config.block_size, dtype)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * config.gpu_memory_utilization * 0.9)
     else:
         budget = config.cpu_kv_cache_bytes
+    sliding = 0
+    if bound:  # the sliding pool first: its need is bounded
+        per_sliding = kv_block_bytes(spec, config.block_size, dtype, len(spec.sliding_attention_layers))
+        sliding = min(bound, budget // (2 * per_sliding), budget // (per_sliding + per_block))
+        budget -= sliding * per_sliding
     blocks = budget // per_block
     if blocks < 1:
         raise ValueError(f"the KV-cache budget ({budget} bytes) holds no block of {per_block} bytes; "
                          "raise cpu_kv_cache_bytes / gpu_memory_utilization or set num_kv_blocks")
-    return blocks
+    return KVPoolSizes(blocks, min(sliding, blocks))
 
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
-    shape = (len(spec.full_attention_layers), 2, num_blocks, block_size, spec.num_key_value_heads, spec.head_dim)
+                      device: torch.device, num_layers: int | None = None) -> torch.Tensor:
+    """The full-attention layers' pool (or one of `num_layers` layers: the sliding-window group's)."""
+    layers = len(spec.full_attention_layers) if num_layers is None else num_layers
+    shape = (layers, 2, num_blocks, block_size, spec.num_key_value_heads, spec.head_dim)
     return zeros(shape, dtype, device)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from minivllm.config import EngineConfig
 from minivllm.distributed.parallel_state import ParallelContext
@@ -72,11 +73,34 @@ def build_model(spec: ModelSpec, model_dir: str | Path, device: torch.device, dt
             model = model_cls(spec, batch_invariance=batch_invariance)
         else:
             model = model_cls(spec, tp) if sharded else model_cls(spec)
-    # The dtype while still on meta (free), then memory for it: not fp32 memory first, converted (~0.5 s)
-    model = model.to(dtype).to_empty(device=device)
+    model = materialize(model, device, dtype)
     load_weights(model, spec, model_dir, ShardLayout.of(spec, tp.rank, tp.world_size) if sharded else None)
     model.init_rotary(max_position, device)
     return model.eval()
+
+
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Give a model built on the meta device real, uninitialised memory on `device`, floating-point tensors in
+    `dtype` (the loader fills them next). What `model.to(dtype).to_empty(device=device)` does, without its
+    route through torch's meta reference ops, whose first use imports sympy (~0.7 s of a start on 2 cores),
+    and without fp32 memory converted afterwards. A tensor shared by two modules (tied embeddings) stays
+    shared."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, kept alive; its real one)
+
+    def real(meta: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(meta) not in made:
+            x = torch.empty(meta.shape, dtype=dtype if meta.is_floating_point() else meta.dtype, device=device)
+            made[id(meta)] = (meta, nn.Parameter(x, meta.requires_grad) if parameter else x)
+        return made[id(meta)][1]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = real(param, parameter=True)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = real(buffer, parameter=False)
+    return model
 
 
 class RankModel(NamedTuple):
@@ -86,6 +110,7 @@ class RankModel(NamedTuple):
     spec: ModelSpec  # the model as this rank sees it: its heads, its share of the MLP (models/sharding.py)
     num_blocks: int  # the KV pool's size, the same on every rank
     backend: AttentionBackend
+    num_sliding_blocks: int = 0  # the sliding-window layers' pool (engine/kv_cache_groups.py); 0: none
 
 
 def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
@@ -99,14 +124,18 @@ def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype
         model.compile_forward(config.compile_sizes)  # compiled lazily, size by size (at warm-up)
     rank_spec = ShardLayout.of(spec, tp.rank, tp.world_size).rank_spec(spec)  # `spec` itself on one rank
     # Each rank sizes the pool from its own free memory; the smallest wins (a collective).
-    num_blocks = tp.min_over_ranks(num_kv_blocks_for(config, rank_spec, device, dtype))
+    pools = num_kv_blocks_for(config, rank_spec, device, dtype)  # a sliding pool: one rank only (sharding.py)
+    num_blocks = tp.min_over_ranks(pools.num_blocks)
     if config.batch_invariant:  # every row a one-row query over its own context
         backend: AttentionBackend = PerRowAttentionBackend(rank_spec.num_attention_heads,
                                                            rank_spec.num_key_value_heads, rank_spec.head_dim, dtype)
     else:
         backend = get_attention_backend(config.attention_backend, device, rank_spec.num_attention_heads,
                                         rank_spec.num_key_value_heads, rank_spec.head_dim, config.block_size)
-    return RankModel(model, rank_spec, num_blocks, backend)
+    if spec.sliding_window is not None and not backend.supports_sliding_window:
+        raise ValueError(f"the {backend.name} attention backend has no sliding window, which {spec.architecture}'s "
+                         "sliding_attention layers need; use attention_backend='torch' or 'triton'")
+    return RankModel(model, rank_spec, num_blocks, backend, pools.num_sliding_blocks)
 
 
 def compile_decision(model: CausalLM, config: EngineConfig, device: torch.device) -> tuple[bool, str]:

@@ -6,6 +6,7 @@ One step, three phases (vLLM's names):
        slot_mapping                   (T,)   where each new token's K/V is stored
        cu_seqlens_q, context_lens     (B+1,), (B,)
        block_tables                   (B, max_blocks)
+       (sliding-window layers: their own slot_mapping and block_tables, `meta.sliding`)
        logits_indices                 (S,)   the rows whose logits are sampled: the last row of
                                              each chunk that reaches the end of its sequence
                                              (see engine/sampling_metadata.py for forks, drafts and
@@ -41,7 +42,7 @@ from minivllm.engine.kv_cache import allocate_kv_cache
 from minivllm.engine.sampling_metadata import SamplingBatch, gather_logprobs
 from minivllm.engine.spec_decode.rejection_sampler import RejectionSampler, TritonRejectionSampler, verify_drafts
 from minivllm.engine.state_pool import StatePool
-from minivllm.engine.step_inputs import LinearAttnSlots, StepInputs
+from minivllm.engine.step_inputs import LinearAttnSlots, StepInputs, sliding_metadata
 from minivllm.engine.step_types import ModelRunnerOutput, PromptLogprob, RowGroupOutput, SchedulerOutput
 from minivllm.engine.warmup import measure_cpu_kernels, warmup_batch
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
@@ -69,7 +70,7 @@ class StepBatch(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: CausalLM, spec: ModelSpec, backend: AttentionBackend, *, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device,
+                 block_size: int, num_sliding_blocks: int = 0, dtype: torch.dtype, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset(), state_pool: StatePool | None = None,
                  one_rank: bool = True) -> None:
         self.model, self.spec, self.backend = model, spec, backend  # spec: this rank's view (its heads)
@@ -84,6 +85,13 @@ class ModelRunner:
         self.scratch_block = num_blocks if self.compile_sizes else None
         self.kv_cache = allocate_kv_cache(spec, num_blocks + bool(self.compile_sizes), block_size, dtype, device)
         self.kv_caches = list(self.kv_cache.unbind(0))  # per layer (2, num_blocks, bs, Hkv, D)
+        # Sliding-window layers: a pool of their own (engine/kv_cache_groups.py); kv_caches in layer order.
+        self.num_sliding_blocks = num_sliding_blocks
+        if num_sliding_blocks:
+            sliding = spec.sliding_attention_layers
+            self.sliding_kv_cache = allocate_kv_cache(spec, num_sliding_blocks, block_size, dtype, device, len(sliding))
+            full, window = iter(self.kv_caches), iter(self.sliding_kv_cache.unbind(0))
+            self.kv_caches = [next(window) if i in sliding else next(full) for i in spec.attention_layers]
         triton = backend.name == "triton"
         self.sampler = TritonSampler() if triton else Sampler()
         self.rejection_sampler = TritonRejectionSampler() if triton else RejectionSampler()
@@ -173,6 +181,8 @@ class ModelRunner:
             block_tables=torch.frombuffer(flat_tables, dtype=torch.int32).view(len(tables), width).to(dev),
             query_lens=query_lens, context_lens_host=context_lens, block_size=bs,
         )
+        if self.num_sliding_blocks:
+            meta.sliding = sliding_metadata(plan.scheduled, meta, self.spec.sliding_window, self.device)
         inputs = StepInputs(
             input_ids=torch.frombuffer(input_ids, dtype=torch.int32).long().to(dev),
             positions=torch.frombuffer(positions, dtype=torch.int64).to(dev), attn_metadata=meta,
@@ -201,6 +211,8 @@ class ModelRunner:
         inputs = inputs.to(self.device)
         meta = inputs.attn_metadata
         self.backend.prepare(meta)
+        if meta.sliding is not None:
+            self.backend.prepare(meta.sliding)
         if self.state_pool is not None:  # hybrid: linear-attention layers read/write state slots
             slots = inputs.linear_attn
             state = LinearAttnMetadata(slots.state_slots, slots.has_initial_state, self.state_pool.conv_pools,
@@ -265,9 +277,10 @@ class ModelRunner:
     def warmup_plans(self, num_tokens: int = 8) -> list[SchedulerOutput]:
         """The steps warm-up runs: one small prefill through the whole stack (on free, uncached blocks), so
         lazy initialisation happens before the first request is timed; a compiled model one of each size."""
-        return [SchedulerOutput(warmup_batch(min(n, self.num_blocks * self.block_size), self.block_size,
-                                             self.num_blocks, self.spec.max_position_embeddings,
-                                             hybrid=self.state_pool is not None))
+        pool = min(self.num_blocks, self.num_sliding_blocks) if self.num_sliding_blocks else self.num_blocks
+        return [SchedulerOutput(warmup_batch(min(n, pool * self.block_size), self.block_size,
+                                             pool, self.spec.max_position_embeddings,
+                                             hybrid=self.state_pool is not None, sliding=bool(self.num_sliding_blocks)))
                 for n in self.compile_sizes or (num_tokens,)]
 
 

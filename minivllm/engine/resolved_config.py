@@ -77,6 +77,9 @@ def _check_batch_invariant(config: EngineConfig, spec: ModelSpec, device: torch.
         raise ValueError(f"batch_invariant=True on {device} (device={config.device!r}): the mode is not yet verified "
                          "on a GPU (split-KV counts and CUDA graphs vary with the batch); pass device='cpu', or "
                          "batch_invariant=False")
+    if spec.sliding_window is not None:
+        raise ValueError(f"batch_invariant=True with {spec.architecture}: its sliding-window layers are not in the "
+                         "per-row attention of that mode; use a Llama, Qwen2 or Qwen3 model, or batch_invariant=False")
     if spec.linear_attn is not None:
         raise ValueError(f"batch_invariant=True with {spec.architecture}: its linear-attention layers run the chunked "
                          "gated delta rule, whose sums depend on how the prompt was chunked; use a Llama, Qwen2 or "

@@ -16,7 +16,7 @@ done, are reserved a seat at admission). Prefill and decode share the batch ("mi
      prefill any admitted request may receive a partial chunk. Nothing is admitted in a step that
      preempted (the pool is under pressure).
 
-Starvation: a request passed over for lack of blocks counts `num_admission_skips`; past
+Starvation: a request passed over for lack of blocks or seats counts `num_admission_skips`; past
 `max_admission_skips`, admission stops at it until enough blocks are free. Requests that can never run
 are refused before they get here (`InputProcessor.unservable_reason`), so the loop cannot hang.
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.kv_cache_groups import KVBlockManager
 from minivllm.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
 from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.engine.state_pool import StatePool
@@ -49,7 +49,7 @@ from minivllm.engine.undo_log import StepTransaction
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, block_manager: KVBlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: frozenset[int] = frozenset(), enable_chunked_prefill: bool = True,
                  max_admission_skips: int = 8, state_pool: StatePool | None = None,
                  policy: SchedulingPolicy | None = None) -> None:

@@ -4,7 +4,9 @@
     choose_victim(candidates)   which running request to preempt when the pool is out of blocks
 
 Everything else stays in `Scheduler` and holds for any policy: the token budget, chunked prefill,
-draft slots, state slots, skip-and-continue admission with its anti-starvation hold, and the rule
+draft slots, state slots, skip-and-continue admission with its anti-starvation hold (it stops admission
+behind a starving request in the policy's order, never moves it forward: bounded waiting across
+priorities is the policy's job), and the rule
 that a victim is never a request already scheduled in this step (the candidates are the request that
 needs the block and the ones scheduled after it). `FCFSPolicy` is the default (vLLM's "fcfs"):
 arrival order, and the newest admitted request is preempted so the oldest always progresses.

@@ -82,6 +82,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (first) admission
         self.block_table: list[int] = []
+        # A model with sliding-window layers: that group's table (engine/sliding_window.py); else empty.
+        self.sliding_block_table: list[int] = []
         self.block_hashes: list[int] = []  # prefix-cache hashes of full blocks (BlockManager.block_hashes)
         self.num_admission_skips = 0  # times admission passed over this request (anti-starvation)
         self.finish_reason: FinishReason | None = None

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from minivllm.engine.block_manager import BlockManager
+    from minivllm.engine.kv_cache_groups import KVBlockManager
     from minivllm.engine.scheduler import Scheduler
     from minivllm.engine.spec_decode.speculator import Speculator
 
@@ -23,7 +23,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int  # of which found cached
     num_free_blocks: int
-    num_total_blocks: int
+    num_total_blocks: int  # every pool's blocks (a model with sliding-window layers has two)
     num_running: int
     num_waiting: int
     step_time_s: float  # wall time inside step()
@@ -38,6 +38,9 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Blocks held by requests, per KV-cache group ("full_attention", and "sliding_attention" for a model
+    # with sliding-window layers: engine/kv_cache_groups.py); num_free_blocks counts every group's free blocks.
+    kv_blocks_in_use: dict[str, int] = field(default_factory=dict)
     acceptance_per_position: tuple[float, ...] = ()
 
     @property
@@ -88,7 +91,7 @@ class EngineCounters:
             self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1
 
 
-def engine_stats(c: EngineCounters, bm: BlockManager, scheduler: Scheduler, speculator: Speculator | None
+def engine_stats(c: EngineCounters, bm: KVBlockManager, scheduler: Scheduler, speculator: Speculator | None
                  ) -> EngineStats:
     spec = {}
     if speculator is not None:
@@ -101,7 +104,7 @@ def engine_stats(c: EngineCounters, bm: BlockManager, scheduler: Scheduler, spec
         num_steps=c.num_steps, num_prefill_tokens=c.num_prefill_tokens, num_decode_tokens=c.num_decode_tokens,
         num_mixed_steps=c.num_mixed_steps, num_preemptions=scheduler.num_preemptions,
         prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hit_tokens,
-        num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+        num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks, kv_blocks_in_use=bm.kv_blocks_in_use,
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
         step_time_s=c.step_time_s, forward_time_s=c.forward_time_s,
         num_prompt_tokens_total=c.num_prompt_tokens_total, num_generation_tokens_total=c.num_generation_tokens_total,

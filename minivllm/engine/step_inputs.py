@@ -5,6 +5,8 @@
     logits_indices         (S + P,) the hidden rows that get logits: the S sampled rows, then the P
                                     prompt rows whose logprobs were asked (engine/sampling_metadata.py)
     linear_attn            hybrid models: each row group's state slots (engine/state_pool.py)
+    attn_metadata.sliding  models with sliding-window layers: their group's slots and tables
+                                    (`sliding_metadata`, engine/kv_cache_groups.py)
 
 The same object feeds rank 0's forward, every tensor-parallel worker's (sent over the command
 channel: it pickles its tensors as numpy arrays, ~0.03 ms a step where torch's own pickling took
@@ -14,13 +16,18 @@ It holds no request, text or sampling parameter: a worker never needs one.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from minivllm.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from minivllm.engine.step_types import ScheduledSequence
 
 
 class LinearAttnSlots(NamedTuple):
@@ -43,6 +50,7 @@ class StepInputs:
     def __reduce__(self) -> tuple:
         assert self.linear_attn is None, "hybrid models run on one rank (models/sharding.py): no state slots are sent"
         m = self.attn_metadata
+        assert m.sliding is None, "sliding-window models run on one rank (models/sharding.py)"
         tensors = (self.input_ids, self.positions, m.slot_mapping, m.cu_seqlens_q, m.context_lens, m.block_tables,
                    self.logits_indices)
         host = (m.query_lens, m.context_lens_host, m.block_size, self.num_sampled)
@@ -53,13 +61,35 @@ class StepInputs:
         here = self.input_ids.device
         if here.type == device.type and device.index in (None, here.index):  # "cuda" names cuda:0 too
             return self
-        m = self.attn_metadata
-        meta = AttentionMetadata(
-            **{f.name: getattr(m, f.name).to(device) if isinstance(getattr(m, f.name), torch.Tensor)
-               else getattr(m, f.name) for f in fields(m) if f.name != "plan"})
+        meta = _metadata_to(self.attn_metadata, device)
         slots = LinearAttnSlots(*(t.to(device) for t in self.linear_attn)) if self.linear_attn is not None else None
         return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, self.logits_indices.to(device),
                           self.num_sampled, slots)
+
+
+def sliding_metadata(scheduled: Sequence[ScheduledSequence], meta: AttentionMetadata, window: int,
+                     device: torch.device) -> AttentionMetadata:
+    """The step's rows for the sliding-window layers: their group's slots and block tables. A block that
+    left the window (NULL_BLOCK, -1) reads as 0: the window keeps every backend from reading it."""
+    bs, slots, flat = meta.block_size, array("q"), array("i")
+    width = max(len(s.seq.sliding_block_table) for s in scheduled)
+    for seq, start, n, _spec in scheduled:
+        table = seq.sliding_block_table  # the rows' own positions always lie in blocks it holds
+        slots.extend([table[p // bs] * bs + p % bs for p in range(start, start + n)])
+        flat.extend([max(b, 0) for b in table])
+        flat.extend([0] * (width - len(table)))
+    return AttentionMetadata(
+        slot_mapping=torch.frombuffer(slots, dtype=torch.int64).to(device), cu_seqlens_q=meta.cu_seqlens_q,
+        context_lens=meta.context_lens,
+        block_tables=torch.frombuffer(flat, dtype=torch.int32).view(len(scheduled), width).to(device),
+        query_lens=meta.query_lens, context_lens_host=meta.context_lens_host, block_size=bs, sliding_window=window)
+
+
+def _metadata_to(m: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """A copy of `m` (and of its sliding layers' metadata) with its tensors on `device`, without a plan."""
+    values = {f.name: getattr(m, f.name) for f in fields(m) if f.name not in ("plan", "sliding")}
+    return AttentionMetadata(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()},
+                             sliding=_metadata_to(m.sliding, device) if m.sliding is not None else None)
 
 
 def _unpickle(tensors: tuple[np.ndarray, ...], host: tuple) -> StepInputs:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from minivllm.engine.kv_cache_groups import KVCacheCoordinator
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
 
@@ -45,6 +46,8 @@ def record_step(step: int, plan: SchedulerOutput, scheduler: Scheduler, finished
                 runner_output: ModelRunnerOutput | None = None) -> StepTrace:
     """`runner_output`: what the step sampled, for the drafts accepted per row group (none without it)."""
     bm = scheduler.block_manager
+    if isinstance(bm, KVCacheCoordinator):  # the full-attention group's pool (the sliding one: notebook 17)
+        bm = bm.full
     accepted = ([max(0, len(o.tokens) - 1) if s.num_spec_tokens else 0
                  for s, o in zip(plan.scheduled, runner_output.outputs)] if runner_output is not None
                 else [0] * len(plan.scheduled))

@@ -8,7 +8,7 @@ old value here; a rollback writes those values back, a commit just drops the log
 
     record_block(b)   a block's ref count, hash, free-queue stamp and whether it was free
     record_hash(h)    which block (or none) the prefix-cache map held under hash h
-    record_seq(seq)   a sequence's status, computed tokens, block table, cached tokens, skips, drafts,
+    record_seq(seq)   a sequence's status, computed tokens, block tables, cached tokens, skips, drafts,
                       state slots
     record_attr(o, n) any other field (queues, counters): its value, copied if it is a container
 
@@ -28,7 +28,7 @@ from minivllm.engine.sequence import Sequence, SequenceStatus
 if TYPE_CHECKING:
     import torch
 
-    from minivllm.engine.block_manager import BlockManager
+    from minivllm.engine.kv_cache_groups import KVBlockManager
     from minivllm.engine.state_pool import StatePool
 
 
@@ -44,6 +44,7 @@ class SeqUndo(NamedTuple):
     status: SequenceStatus
     num_computed_tokens: int
     block_table: list[int]
+    sliding_block_table: list[int]
     num_cached_tokens: int
     num_admission_skips: int
     spec_token_ids: list[int]
@@ -79,6 +80,7 @@ class UndoLog:
     def record_seq(self, seq: Sequence) -> None:
         if id(seq) not in self.seqs:
             self.seqs[id(seq)] = SeqUndo(seq, seq.status, seq.num_computed_tokens, list(seq.block_table),
+                                         list(seq.sliding_block_table),
                                          seq.num_cached_tokens, seq.num_admission_skips, list(seq.spec_token_ids),
                                          seq.draft_probs,
                                          None if seq.state_slots is None else list(seq.state_slots))
@@ -94,6 +96,7 @@ class UndoLog:
         for s in self.seqs.values():
             seq = s.seq
             seq.status, seq.num_computed_tokens, seq.block_table = s.status, s.num_computed_tokens, s.block_table
+            seq.sliding_block_table = s.sliding_block_table
             seq.num_cached_tokens, seq.num_admission_skips = s.num_cached_tokens, s.num_admission_skips
             seq.spec_token_ids, seq.draft_probs, seq.state_slots = s.spec_token_ids, s.draft_probs, s.state_slots
         for a in self.attrs.values():
@@ -108,7 +111,7 @@ class UndoLog:
 class StepTransaction:
     """The step's transaction over the scheduler's queues, the block manager and the state pool."""
 
-    def __init__(self, owner: object, block_manager: BlockManager, state_pool: StatePool | None) -> None:
+    def __init__(self, owner: object, block_manager: KVBlockManager, state_pool: StatePool | None) -> None:
         self.owner = owner  # the scheduler: its queues and counters are recorded at `begin`
         self.block_manager = block_manager
         self.state_pool = state_pool

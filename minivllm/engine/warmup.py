@@ -51,7 +51,7 @@ def measure_cpu_kernels(model: CausalLM, backend: AttentionBackend, sampler: Sam
 
 
 def warmup_batch(n: int, block_size: int, num_blocks: int, max_positions: int,
-                 hybrid: bool = False) -> list[ScheduledSequence]:
+                 hybrid: bool = False, sliding: bool = False) -> list[ScheduledSequence]:
     """Prompts of n tokens in all, none longer than the model's positions (a compiled size may be larger
     than one sequence can be: its RoPE table would be read out of bounds), on distinct free blocks."""
     batch, first_block = [], 0
@@ -59,6 +59,8 @@ def warmup_batch(n: int, block_size: int, num_blocks: int, max_positions: int,
         length = min(n, max_positions, (num_blocks - first_block) * block_size)
         seq = Sequence(f"warmup-{len(batch)}", [0] * length, SamplingParams(temperature=1.0, top_p=0.9))
         seq.block_table = list(range(first_block, first_block + -(-length // block_size)))
+        if sliding:  # the same block ids in the sliding-window group's pool (`num_blocks` fits both)
+            seq.sliding_block_table = list(seq.block_table)
         if hybrid:
             seq.state_slots = [0]  # reads nothing (start 0), writes a staging slot that is never published
         batch.append(ScheduledSequence(seq, 0, length))

@@ -13,6 +13,9 @@ share of minivllm's step time spent outside the model forward.
 
 `single_stream`: one request, 64 new tokens, batch 1, on the default model (SmolLM2-135M) unless
 --model: local chat speed, minivllm with its defaults (dtype "auto") against HF `generate` in fp32.
+It also prints the single-stream ceiling on this CPU: the measured read bandwidth / the matmul weight
+bytes a token streams (as the run stores them: fp32, bf16 or int8), and the fraction of it reached.
+The prompt's step streams the weights once too, so N new tokens stream them N times.
 
 Both first print the CPU (model name, AMX, avx512_bf16), the dtype, and the matmul form minivllm chose
 by measurement for each weight shape and row bucket (see `minivllm/layers/matmul_plan.py`); after the
@@ -35,7 +38,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from minivllm import LLM, SamplingParams
-from minivllm.entrypoints.roofline import matmul_weights, measure_peaks, report
+from minivllm.entrypoints.roofline import ceiling_report, matmul_weights, measure_peaks, report, single_stream_ceiling
+from minivllm.layers.cpu_info import CpuInfo
 from minivllm.teaching.checkpoints import make_tiny_model
 
 BENCH_MODEL = dict(family="qwen3", vocab_size=32000, hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2,
@@ -166,7 +170,7 @@ def single_stream(model: str | None = None, new_tokens: int = 64, hf: bool = Tru
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     print_matmul_plan(llm)
     weights = matmul_weights(llm.llm_engine.model)
-    peaks = measure_peaks(llm.llm_engine.dtype)
+    peaks = measure_peaks(llm.llm_engine.dtype, read_bytes=max(256 << 20, weights.bytes))
     llm.generate("Once upon a time", sp, use_tqdm=False)  # warm-up
     times = []
     for _ in range(repeats):
@@ -178,8 +182,11 @@ def single_stream(model: str | None = None, new_tokens: int = 64, hf: bool = Tru
     print(f"minivllm        {new_tokens / t_mini:6.1f} tok/s  ({_describe(llm)})")
     print(report(peaks, weights, t_mini, new_tokens, new_tokens + len(llm.get_tokenizer()(prompt).input_ids),
                  new_tokens))
+    print(ceiling_report(CpuInfo.read(), peaks, weights, new_tokens / t_mini, _describe(llm)))
     llm.shutdown()
-    result = {"minivllm_tok_s": new_tokens / t_mini, "dtype": llm.llm_engine.dtype}
+    ceiling = single_stream_ceiling(peaks, weights)
+    result = {"minivllm_tok_s": new_tokens / t_mini, "dtype": llm.llm_engine.dtype, "ceiling_tok_s": ceiling,
+              "ceiling_fraction": new_tokens / t_mini / ceiling}
     if hf:
         tok = AutoTokenizer.from_pretrained(path)
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -1,6 +1,7 @@
 """How far a benchmark run is from what the machine can do: measured peaks against achieved rates.
 
-    peak bandwidth   copy a 256 MiB buffer (bytes read + bytes written) / time, best of 5
+    read bandwidth   x.sum() over a float32 buffer of 256 MiB (or larger): bytes read / time, best of 5
+    copy bandwidth   copy a 256 MiB buffer (bytes read + bytes written) / time, best of 5
     peak FLOP/s      one 2048 x 2048 x 2048 GEMM in the model's dtype, best of 3
     achieved         a decode step streams every matmul weight once, so
                          bytes/s  = weight bytes x steps / seconds          (a floor on the traffic)
@@ -8,8 +9,20 @@
                                     / seconds                               (attention's own FLOPs not counted)
 
 A step with a few rows is bound by bandwidth (2 FLOPs per weight, so a low FLOP/s is expected), a
-step with many rows by FLOP/s. Both peaks are measured at bench start on the same threads as the run,
+step with many rows by FLOP/s. The peaks are measured at bench start on the same threads as the run,
 so "% of peak" is about this machine as it is now, other jobs included.
+
+The single-stream ceiling. A decode step of one row multiplies every weight once, two FLOPs a weight,
+so it waits on memory, and memory only has to *read* the weights (the few activations written are
+nothing beside them). Hence the fastest one stream can decode:
+
+    ceiling tok/s = read bandwidth / matmul weight bytes a token        (as stored: int8 is 1 byte)
+
+A sum does one add per 4 bytes read, far less than the vector units can do, so it too waits on memory:
+its rate is what a perfect matmul kernel would stream at. The read buffer is at least as large as the
+weights a token streams (whichever is larger): a buffer that fits the last-level cache would measure the
+cache. A model whose weights fit that cache can still pass the "ceiling" (over 100 %); that is the
+cache, not a mistake.
 """
 
 from __future__ import annotations
@@ -20,14 +33,16 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from minivllm.layers.cpu_info import CpuInfo
 from minivllm.layers.linear import Linear
 from minivllm.layers.quantization import Int8Linear
 
 
 class Peaks(NamedTuple):
-    copy_gb_s: float
-    gemm_gflop_s: float
+    copy_gb_s: float  # bytes read + written a second, copying a 256 MiB buffer
+    gemm_gflop_s: float  # a large GEMM in `dtype`
     dtype: torch.dtype
+    read_gb_s: float  # bytes read a second: x.sum() over a float32 buffer (measure_read_bandwidth)
 
 
 class MatmulWeights(NamedTuple):
@@ -38,13 +53,40 @@ class MatmulWeights(NamedTuple):
     bytes: int  # both, as stored (int8 weights count one byte each, plus their scales)
 
 
-def measure_peaks(dtype: torch.dtype, copy_bytes: int = 256 << 20, n: int = 2048) -> Peaks:
-    src = torch.ones(copy_bytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    copy_s = _best(lambda: dst.copy_(src), 5)
+def measure_peaks(dtype: torch.dtype, copy_bytes: int = 256 << 20, n: int = 2048,
+                  read_bytes: int = 256 << 20) -> Peaks:
+    copy_gb_s = measure_copy_bandwidth(copy_bytes)
+    read_gb_s = measure_read_bandwidth(read_bytes)
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     gemm_s = _best(lambda: a @ b, 3)
-    return Peaks(2 * copy_bytes / copy_s / 1e9, 2 * n ** 3 / gemm_s / 1e9, dtype)
+    return Peaks(copy_gb_s, 2 * n ** 3 / gemm_s / 1e9, dtype, read_gb_s)
+
+
+def measure_copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """GB/s moved (bytes read + bytes written) copying a buffer of `nbytes`, best of `repeats`."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def measure_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """GB/s read by `x.sum()` over a float32 buffer of `nbytes`, on torch's threads, best of `repeats`."""
+    x = torch.ones(nbytes // 4)  # (nbytes / 4,) float32
+    return x.nbytes / _best(lambda: x.sum(), repeats) / 1e9
+
+
+def single_stream_ceiling(peaks: Peaks, weights: MatmulWeights) -> float:
+    """Tokens a second one stream could decode if every token only read its matmul weights once, at the
+    measured read bandwidth."""
+    return peaks.read_gb_s * 1e9 / weights.bytes
+
+
+def ceiling_report(cpu: CpuInfo, peaks: Peaks, weights: MatmulWeights, tok_s: float, precision: str) -> str:
+    """One line: the single-stream ceiling on this CPU, and the share of it `tok_s` reached."""
+    ceiling = single_stream_ceiling(peaks, weights)
+    return (f"single-stream ceiling on {cpu.model_name}: read {peaks.read_gb_s:.2f} GB/s / "
+            f"{weights.bytes / 1e6:.2f} MB of matmul weights a token ({precision}) = {ceiling:.2f} tok/s; "
+            f"reached {tok_s:.2f} tok/s = {100 * tok_s / ceiling:.1f}% of it")
 
 
 def matmul_weights(model: nn.Module) -> MatmulWeights:
@@ -66,7 +108,8 @@ def report(peaks: Peaks, weights: MatmulWeights, seconds: float, steps: int, row
     gb_s = weights.bytes * steps / seconds / 1e9
     gflop_s = 2 * (weights.decoder_params * rows_computed + weights.lm_head_params * rows_sampled) / seconds / 1e9
     return (f"roofline: weights streamed {gb_s:.1f} GB/s = {100 * gb_s / peaks.copy_gb_s:.0f}% of the measured copy "
-            f"bandwidth ({peaks.copy_gb_s:.1f} GB/s); matmuls {gflop_s:.1f} GFLOP/s = "
+            f"bandwidth ({peaks.copy_gb_s:.1f} GB/s), {100 * gb_s / peaks.read_gb_s:.0f}% of the read bandwidth "
+            f"({peaks.read_gb_s:.1f} GB/s); matmuls {gflop_s:.1f} GFLOP/s = "
             f"{100 * gflop_s / peaks.gemm_gflop_s:.0f}% of a large {str(peaks.dtype).removeprefix('torch.')} GEMM "
             f"({peaks.gemm_gflop_s:.0f} GFLOP/s); {weights.bytes / 1e6:.0f} MB of matmul weights a step")
 

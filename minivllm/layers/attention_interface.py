@@ -12,6 +12,12 @@ A request's query rows are the *last* `query_len` positions of its context: rows
 (query_len 1), a prefill chunk, or a chunk after a cached prefix all look the same. Row r of
 request i sits at position `context_len - query_len + r` and may attend to keys 0..that position.
 
+Sliding-window layers (Gemma 3) see only the last `sliding_window` keys of each query (its own
+included: row at position p attends to keys p - W + 1 .. p). They keep their K/V in a pool of their
+own, with their own block tables (engine/kv_cache_groups.py), so they get metadata of their own too:
+`meta.sliding`, the same rows with that group's `block_tables`, `slot_mapping` and the window. Its
+tables hold 0 where a block left the window (it was given back): a backend must not read those.
+
 A backend receives q/k/v for the flat batch and the layer's slice of the paged cache, stores the
 new k/v at `slot_mapping`, and returns attention over each request's whole context.
 
@@ -43,6 +49,8 @@ class AttentionMetadata:
     # What the backend's `prepare` built for this step (index tensors, masks), of the backend's own type:
     # each backend reads back only the plan it made (and checks it is one).
     plan: object | None = field(default=None)
+    sliding_window: int | None = None  # W: a row sees only its last W keys (None: its whole context)
+    sliding: AttentionMetadata | None = None  # the sliding-window layers' own layout (None: no such layers)
 
     @property
     def num_seqs(self) -> int:
@@ -72,6 +80,8 @@ class AttentionBackend(abc.ABC):
     or a draft model (one instance serves one model's heads on one rank)."""
 
     name: str = "abstract"
+    # Whether `forward` honours `meta.sliding_window` (the engine refuses a model with sliding layers otherwise).
+    supports_sliding_window: bool = False
     # Whether `prepare_cuda_graph` exists: decode steps replayed from CUDA graphs (engine/cuda_graphs.py).
     supports_cuda_graphs: bool = False
 

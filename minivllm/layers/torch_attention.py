@@ -12,6 +12,12 @@ Per layer:
      number of earlier tokens. A whole prompt with nothing cached before it is its own context:
      its k/v are used as they come, without the gather.
 
+A sliding window W (`meta.sliding_window`) narrows both masks to keys p - W + 1 .. p; a prefill
+chunk gathers only the blocks from its first query's window on, and the decode kernel gets W (it
+then reads only the window's blocks). The gather + SDPA decode path gathers each row's window, from
+the block holding its first key, and zeroes the keys before the window in that block as it zeroes those
+past each context (masked, but a stale NaN times a weight of 0 is still NaN).
+
 GQA without copying K/V: the G = Hq / Hkv query heads sharing a KV head are folded into the query
 length, (T, Hq, D) -> (Hkv, G*T, D), so SDPA sees Hkv heads and K/V are never repeated.
 """
@@ -40,9 +46,10 @@ DECODE_SUBJECT = "decode attention and K/V writes"
 class _Prefill(NamedTuple):
     row_start: int
     row_end: int
-    blocks: torch.Tensor  # (num_blocks_used,) physical blocks of this request
+    blocks: torch.Tensor  # (num_blocks_used,) physical blocks of this request, from the one holding first_key
     context_len: int
-    mask: torch.Tensor  # (G * q_len, context_len) bool, True = may attend
+    mask: torch.Tensor  # (G * q_len, context_len - first_key) bool, True = may attend
+    first_key: int = 0  # the position of the first key gathered (> 0 only under a sliding window)
 
 
 class _Plan(NamedTuple):
@@ -52,11 +59,13 @@ class _Plan(NamedTuple):
     decode_mask: torch.Tensor | int | None  # (Bd, 1, 1, K) bool, or the one shared context length
     prefills: list[_Prefill]
     decode_lens: torch.Tensor | None = None  # (Bd,) int64: set when the decode rows run the CPU kernel
-    decode_outside: torch.Tensor | None = None  # (P,) int64: the (row * K + key) positions past each context
+    decode_outside: torch.Tensor | None = None  # (P,) int64: the (row * K + key) positions outside each row's keys
+    window: int = 0  # the CPU kernel's sliding window (0: none)
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_sliding_window = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -65,7 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
         G = self.num_heads // self.num_kv_heads
-        bs = meta.block_size
+        bs, W = meta.block_size, meta.sliding_window
         cu = [0]
         for q in meta.query_lens:
             cu.append(cu[-1] + q)
@@ -81,13 +90,23 @@ class TorchAttentionBackend(AttentionBackend):
                 decode_tables = tables.int().contiguous()  # (Bd, nb)
                 decode_lens = torch.tensor(lens_host, dtype=torch.int64)
             else:
+                windowed = W is not None and max(lens_host) > W  # some row does not see all its keys
+                keys = torch.arange(max_blocks * bs, device=device)[None, :]  # (1, K): key positions
+                if windowed:  # gather each row's window only, from the block holding its first key
+                    first = [max(0, n - W) // bs for n in lens_host]
+                    width = max(-(-n // bs) - f for n, f in zip(lens_host, first))
+                    first_t = torch.tensor(first, device=device)[:, None]  # (Bd, 1)
+                    cols = (first_t + torch.arange(width, device=device)).clamp(max=tables.shape[1] - 1)
+                    tables = tables.gather(1, cols)  # (Bd, width): past a context, repeats (masked, zeroed)
+                    keys = first_t * bs + torch.arange(width * bs, device=device)  # (Bd, K)
                 decode_tables = tables.long()  # (Bd, nb)
-                if min(lens_host) == max(lens_host):  # e.g. a single stream: slice, no mask needed
+                if min(lens_host) == max(lens_host) and not windowed:  # e.g. a single stream: slice, no mask
                     decode_mask = lens_host[0]
                 else:
                     lens = meta.context_lens if all_decode else meta.context_lens[dec_t]  # (Bd,)
-                    keys = torch.arange(max_blocks * bs, device=device)
-                    inside = keys[None, :] < lens[:, None]  # (Bd, K)
+                    inside = keys < lens[:, None]  # (Bd, K)
+                    if windowed:
+                        inside &= keys >= lens[:, None] - W
                     decode_mask = inside[:, None, None, :]  # (Bd, 1, 1, K)
                     decode_outside = (~inside).view(-1).nonzero()[:, 0]  # (P,): the rows `forward` zeroes
             if not all_decode:  # where the decode rows sit among the step's rows (all decode: 0 .. Bd-1)
@@ -97,12 +116,16 @@ class TorchAttentionBackend(AttentionBackend):
             if q == 1:
                 continue
             ctx = meta.context_lens_host[i]
-            blocks = meta.block_tables[i, : -(-ctx // bs)].long()
+            first = 0 if W is None else max(0, ctx - q - W + 1) // bs * bs  # the first query's window, from its block
+            blocks = meta.block_tables[i, first // bs: -(-ctx // bs)].long()
             pos = torch.arange(ctx - q, ctx, device=device)  # absolute positions of the queries
-            causal = torch.arange(ctx, device=device)[None, :] <= pos[:, None]  # (q, ctx)
-            prefills.append(_Prefill(cu[i], cu[i + 1], blocks, ctx, causal.repeat(G, 1)))
+            keys = torch.arange(first, ctx, device=device)
+            allowed = keys[None, :] <= pos[:, None]  # (q, ctx - first): causal
+            if W is not None:
+                allowed &= keys[None, :] > pos[:, None] - W
+            prefills.append(_Prefill(cu[i], cu[i + 1], blocks, ctx, allowed.repeat(G, 1), first))
         meta.plan = _Plan(len(dec) == len(meta.query_lens), decode_rows, decode_tables, decode_mask, prefills,
-                          decode_lens, decode_outside)
+                          decode_lens, decode_outside, W or 0)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = q.shape[0]
@@ -126,7 +149,7 @@ class TorchAttentionBackend(AttentionBackend):
             Bd = plan.decode_block_tables.shape[0]
             qd = q[:Bd] if plan.all_decode else q[plan.decode_rows]  # (Bd, Hq, D)
             od = paged_decode_attention(qd, k_cache, v_cache, plan.decode_block_tables, plan.decode_lens,
-                                        self.scale).reshape(Bd, self.num_heads * D)
+                                        self.scale, plan.window).reshape(Bd, self.num_heads * D)
         elif plan.decode_block_tables is not None:
             Bd, nb = plan.decode_block_tables.shape
             # Gather each request's blocks: index_select along dim 0 of the contiguous K (and V) pool is a
@@ -167,8 +190,9 @@ class TorchAttentionBackend(AttentionBackend):
                 kp = k[p.row_start:p.row_end].transpose(0, 1)  # (Hkv, ctx, D)
                 vp = v[p.row_start:p.row_end].transpose(0, 1)
             else:
-                kp = k_cache.index_select(0, p.blocks).view(-1, Hkv, D)[: p.context_len].transpose(0, 1)
-                vp = v_cache.index_select(0, p.blocks).view(-1, Hkv, D)[: p.context_len].transpose(0, 1)
+                n_keys = p.context_len - p.first_key
+                kp = k_cache.index_select(0, p.blocks).view(-1, Hkv, D)[:n_keys].transpose(0, 1)
+                vp = v_cache.index_select(0, p.blocks).view(-1, Hkv, D)[:n_keys].transpose(0, 1)
             qp = q[p.row_start:p.row_end].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
             # A leading batch dim of 1: with 4-D inputs PyTorch's CPU SDPA takes its flash kernel; with
             # 3-D it falls back to the unfused math path (measured 1.5-2.5x slower for 16-128 tokens).

@@ -28,6 +28,7 @@ class _TritonPlan(NamedTuple):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_sliding_window = True
     supports_cuda_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
@@ -78,10 +79,11 @@ class TritonAttentionBackend(AttentionBackend):
         if plan.num_splits:
             n = meta.num_seqs  # the requests' rows; a compiled step's padding rows after them get zeros
             out = self._sk.split_kv_decode(q[:n], kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
-                                           self.scale, plan.num_splits)  # (n, Hq, D)
+                                           self.scale, plan.num_splits, meta.sliding_window or 0)  # (n, Hq, D)
             if n < T:
                 out = torch.cat([out, out.new_zeros(T - n, *out.shape[1:])])
         else:
             out = self._pa.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.cu_seqlens_q,
-                                           meta.context_lens, self.scale, plan.tiles, self.block_m)
+                                           meta.context_lens, self.scale, plan.tiles, self.block_m,
+                                           meta.sliding_window or 0)
         return out.view(T, self.num_heads * self.head_dim)

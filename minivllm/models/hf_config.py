@@ -6,6 +6,14 @@ Both generations of transformers' config keys are accepted:
 
 Hybrid checkpoints (Qwen3.5) add `layer_types` and the gated-DeltaNet numbers (`LinearAttnSpec`); their
 multimodal form (`Qwen3_5ForConditionalGeneration`) nests the decoder's keys under "text_config".
+
+Gemma 3 (`Gemma3ForCausalLM`, and the text decoder of `Gemma3ForConditionalGeneration`) mixes
+sliding-window layers ("sliding_attention", window `sliding_window`) with full ones, 5 : 1 by default
+(`sliding_window_pattern`, or `layer_types`). The two kinds rotate with different RoPE bases:
+  transformers 4:  "rope_theta" (full layers, with "rope_scaling"), "rope_local_base_freq" (sliding)
+  transformers 5:  "rope_parameters": {"full_attention": {...}, "sliding_attention": {...}}
+Soft-capping (Gemma 2's `attn_logit_softcapping`, `final_logit_softcapping`) is refused by name.
+`MistralForCausalLM` is the Llama decoder; one with a `sliding_window` (every layer sliding) is refused.
 """
 
 from __future__ import annotations
@@ -17,12 +25,16 @@ from typing import Any
 
 from minivllm.layers.rotary import RopeSpec
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Gated-DeltaNet (linear attention) layers interleaved with full attention: models/qwen3_5.py, run with
 # the engine's per-request state pool (engine/state_pool.py).
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 LAYER_TYPES = ("full_attention", "linear_attention")
+# Sliding-window layers beside full ones (models/gemma3.py), each kind with its KV-cache group
+# (engine/kv_cache_groups.py).
+SLIDING_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+SLIDING_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,11 @@ class ModelSpec:
     linear_attn: LinearAttnSpec | None = None
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of each head
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: o = attention * sigmoid(gate)
+    # Gemma 3: layers of `layer_types` "sliding_attention" see the last `sliding_window` keys (themselves
+    # included) and rotate with `local_rope`; q is scaled by query_pre_attn_scalar ** -0.5.
+    sliding_window: int | None = None
+    local_rope: RopeSpec | None = None
+    query_pre_attn_scalar: float | None = None
 
     @property
     def q_size(self) -> int:
@@ -101,6 +118,14 @@ class ModelSpec:
                      if not self.layer_types or self.layer_types[i] == "full_attention")
 
     @property
+    def sliding_attention_layers(self) -> tuple[int, ...]:  # the layers of the sliding-window KV-cache group
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "sliding_attention")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:  # every layer with a KV cache, full or sliding
+        return tuple(sorted(self.full_attention_layers + self.sliding_attention_layers))
+
+    @property
     def linear_attention_layers(self) -> tuple[int, ...]:  # the layers that own a state-pool slot
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
@@ -110,8 +135,11 @@ class ModelSpec:
 
 
 def _rope_from(cfg: dict[str, Any]) -> RopeSpec:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return _rope_spec(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}, cfg.get("rope_theta", 10000.0))
+
+
+def _rope_spec(params: dict[str, Any], default_theta: float) -> RopeSpec:
+    theta = params.get("rope_theta", default_theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; minivllm supports {SUPPORTED_ROPE_TYPES}")
@@ -133,18 +161,25 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 def parse_model_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelSpec:
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES + HYBRID_ARCHITECTURES), None)
+    known = SUPPORTED_ARCHITECTURES + HYBRID_ARCHITECTURES + SLIDING_ARCHITECTURES
+    arch = next((a for a in archs if a in known), None)
     if arch is None:
         raise ValueError(f"unknown architecture {archs or '(none given)'} in config.json; "
-                         f"minivllm supports {', '.join(SUPPORTED_ARCHITECTURES + HYBRID_ARCHITECTURES)}")
-    if arch in HYBRID_ARCHITECTURES and "text_config" in cfg:  # multimodal: the decoder's keys are nested;
-        # HF ties the LM head by the top-level flag
-        cfg = {**cfg, **cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
+                         f"minivllm supports {', '.join(known)}")
+    if arch in HYBRID_ARCHITECTURES + SLIDING_ARCHITECTURES and "text_config" in cfg:  # multimodal: the
+        # decoder's keys are nested; HF ties the LM head by the top-level flag
+        tie = cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", arch.startswith("Gemma")))
+        cfg = {**cfg, **cfg["text_config"], "tie_word_embeddings": tie}
     if cfg.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+    if arch == "MistralForCausalLM" and cfg.get("sliding_window") is not None:
+        # every layer would slide: the KV-cache groups need a full-attention group (engine/kv_cache_groups.py)
+        raise ValueError(f"MistralForCausalLM with sliding_window={cfg['sliding_window']} is not supported (every "
+                         "layer slides); Mistral checkpoints with sliding_window null run as the Llama decoder")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if arch in SLIDING_ARCHITECTURES else "silu"):
+        raise ValueError(f"hidden_act={act!r} is not supported for {arch} (only "
+                         f"{'gelu_pytorch_tanh' if arch in SLIDING_ARCHITECTURES else 'silu'})")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     eos = _ids(cfg.get("eos_token_id")) + _ids((generation_cfg or {}).get("eos_token_id"))
@@ -169,7 +204,46 @@ def parse_model_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None 
         hidden_act=act,
         o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
     )
+    if arch in SLIDING_ARCHITECTURES:
+        return _with_sliding_fields(spec, cfg)
     return _with_hybrid_fields(spec, cfg) if arch in HYBRID_ARCHITECTURES else spec
+
+
+def _with_sliding_fields(spec: ModelSpec, cfg: dict[str, Any]) -> ModelSpec:
+    """Gemma 3: which layers slide, the window, both RoPE settings, q's scale and per-head q/k norms."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"{key}={cfg[key]} is not supported (tanh soft-capping of logits); minivllm runs "
+                             f"Gemma 3 checkpoints, whose {key} is null")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=true is not supported (a decoder attends causally)")
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window={window!r} must be a positive integer for {spec.architecture}")
+    pattern = int(cfg.get("sliding_window_pattern", 6))
+    layer_types = tuple(cfg.get("layer_types") or (
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(spec.num_hidden_layers)))
+    if len(layer_types) != spec.num_hidden_layers or not set(layer_types) <= set(SLIDING_LAYER_TYPES):
+        raise ValueError(f"layer_types {list(layer_types)} must give one of {SLIDING_LAYER_TYPES} for each of the "
+                         f"{spec.num_hidden_layers} layers; config.json is inconsistent")
+    if "full_attention" not in layer_types:
+        raise ValueError("every layer is sliding_attention: minivllm needs at least one full-attention layer "
+                         "(its KV-cache group holds the prefix cache's whole prompts)")
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:  # transformers 5: one dict per layer type
+        rope = _rope_spec(params.get("full_attention") or {}, 1_000_000.0)
+        local = _rope_spec(params.get("sliding_attention") or {}, 10_000.0)
+    else:  # transformers 4: rope_scaling applies to the full layers only
+        rope = _rope_spec(cfg.get("rope_scaling") or {}, cfg.get("rope_theta", 1_000_000.0))
+        local = RopeSpec(theta=float(cfg.get("rope_local_base_freq", 10_000.0)))
+    if local.rope_type != "default":
+        raise ValueError(f"RoPE type {local.rope_type!r} on the sliding layers is not supported (Gemma 3 scales "
+                         "only its full-attention layers)")
+    if "sliding_attention" not in layer_types:  # no layer slides: one KV-cache group, the window unused
+        window = None
+    return replace(spec, qk_norm=True, layer_types=layer_types, sliding_window=window, rope=rope, local_rope=local,
+                   query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+                   head_dim=int(cfg.get("head_dim") or 256))
 
 
 def _with_hybrid_fields(spec: ModelSpec, cfg: dict[str, Any]) -> ModelSpec:

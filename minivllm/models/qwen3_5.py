@@ -45,11 +45,17 @@ def text_weight_name(name: str) -> str | None:
     `Qwen3_5ForConditionalGeneration`, whose decoder lives under model.language_model (HF maps it the
     same way when it loads such a checkpoint into its Qwen3_5ForCausalLM):
         model.language_model.X -> model.X      lm_head.weight -> lm_head.weight
-        model.visual.*  (the vision tower)     mtp.*  (the multi-token-prediction head)  -> skipped"""
-    if name.startswith(("model.visual.", "mtp.")):
+        model.visual.*  (the vision tower)     mtp.*  (the multi-token-prediction head)  -> skipped
+    Gemma3ForConditionalGeneration the same way (transformers 5), or as transformers 4 saved it:
+        language_model.model.X -> model.X      language_model.lm_head.weight -> lm_head.weight
+        (model.)vision_tower.*, (model.)multi_modal_projector.*  -> skipped"""
+    if name.startswith(("model.visual.", "mtp.", "model.vision_tower.", "model.multi_modal_projector.",
+                        "vision_tower.", "multi_modal_projector.")):
         return None
     if name.startswith("model.language_model."):
         return "model." + name.removeprefix("model.language_model.")
+    if name.startswith("language_model."):
+        return name.removeprefix("language_model.")
     return name
 
 

@@ -44,6 +44,9 @@ def shard_refusal(spec: ModelSpec, world_size: int) -> str | None:
     if spec.linear_attn is not None:
         return (f"{spec.architecture} is a hybrid model (linear-attention layers with a recurrent state), "
                 "which minivllm does not shard")
+    if spec.sliding_window is not None:
+        return (f"{spec.architecture} has sliding-window layers (a second KV-cache group), which minivllm "
+                "does not shard")
     for count, what in ((spec.num_attention_heads, "attention heads"), (spec.intermediate_size, "MLP width "
                         "(intermediate_size)"), (spec.vocab_size, "vocabulary entries")):
         if count % world_size:

@@ -3,9 +3,11 @@
     checkpoints.py        tiny random checkpoints built offline (`make_tiny_model`), to run the engine on
     viz.py                pictures of real engine state: timelines, block maps, acceptance per step
     exercises.py          `check(name, fn)`: a student's answer against the engine, naming the rule broken
+    exercise_rules.py     the rules each exercise is about, in words (what a wrong answer or a crash broke)
     references.py         the engine's answer to each exercise
     scheduler_machine.py  the scheduler's hypothesis state machine, for any scheduling policy
     capstone.py           `grade_policy`: the capstone's grader (a scheduling policy)
+    policy_behaviour.py   what a policy does under open-loop arrivals: priority, victim, bounded wait, state
     hf_check.py           `assert_hf_greedy`: the teacher-forced comparison with HF transformers
     tensor_parallel.py    what each rank holds and sends, asked of a running tensor-parallel engine
     step_cost.py          what a decode step costs: timed by the engine's counters, profiled op by op

@@ -2,11 +2,14 @@
 
     grade_policy(MyPolicy)            # or: python exercises/capstone/grade.py my_policy.py
 
-Two parts, in order, each printing ✓ or raising AssertionError that names the rule broken:
+Three parts, in order, each printing ✓ or raising AssertionError that names the rule broken:
   1. the scheduler's hypothesis state machine (teaching/scheduler_machine.py) under the policy, with
      random priorities: the seam's contract on every call, the block manager's invariants after every
      action, every request finishing at the end;
-  2. a real engine scheduling with the policy on a tiny random model, under memory pressure (requests
+  2. behaviour (teaching/policy_behaviour.py): scenarios with open-loop arrivals that a policy can pass
+     the contract and still fail — priority order, the victim, bounded wait, stale state, open load
+     (for `Assignment.FAIR_SHARE` the priority rules are not asked);
+  3. a real engine scheduling with the policy on a tiny random model, under memory pressure (requests
      are preempted and recomputed) and mixed priorities: its greedy output must equal HF
      transformers' (teacher-forced, teaching/hf_check.py). A policy may change WHEN a request runs,
      never WHAT it generates.
@@ -23,6 +26,7 @@ from minivllm.engine.scheduling_policy import SchedulingPolicy
 from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.sampling_params import SamplingParams
 from minivllm.teaching.hf_check import assert_hf_greedy
+from minivllm.teaching.policy_behaviour import Assignment, check_policy_behaviour
 from minivllm.teaching.scheduler_machine import CheckedPolicy, scheduler_machine
 
 
@@ -52,9 +56,10 @@ def check_policy_matches_hf(make_policy: Callable[[], SchedulingPolicy], model_d
 
 
 def grade_policy(make_policy: Callable[[], SchedulingPolicy], *, max_examples: int = 100, hf: bool = True,
-                 shrink: bool = True) -> None:
+                 shrink: bool = True, assignment: Assignment = Assignment.AGING) -> None:
     """The capstone's grade: (1) the scheduler's state machine under the policy — contract, invariants,
-    drain; (2) greedy output equals HF's with the policy in charge. Prints each part; raises
+    drain; (2) its behaviour in open-loop scenarios (the assignment's rules); (3) greedy output equals
+    HF's with the policy in charge. Prints each part; raises
     AssertionError (naming the rule) on the first that fails. The search is derandomized, so a grade
     is reproducible; `shrink=False` skips looking for the smallest failing run (faster)."""
     from hypothesis import HealthCheck, Phase, settings
@@ -68,7 +73,10 @@ def grade_policy(make_policy: Callable[[], SchedulingPolicy], *, max_examples: i
     run_state_machine_as_test(scheduler_machine(make_policy, priorities=True), settings=settings(
         max_examples=max_examples, stateful_step_count=40, deadline=None, database=None, derandomize=True,
         report_multiple_bugs=False, phases=phases, suppress_health_check=list(HealthCheck)))
-    print(f"✓ 1/2 {name}: the scheduler's state machine ({max_examples} random runs): contract, invariants, drain")
+    print(f"✓ 1/3 {name}: the scheduler's state machine ({max_examples} random runs): contract, invariants, drain")
+    check_policy_behaviour(make_policy, assignment)
+    rules = "priority order, victim, bounded wait, " if assignment is Assignment.AGING else ""
+    print(f"✓ 2/3 {name}: behaviour under open-loop arrivals ({assignment.value}): {rules}state pruned, open load")
     if hf:
         preemptions = check_policy_matches_hf(make_policy)
-        print(f"✓ 2/2 {name}: greedy output equals HF transformers ({preemptions} preemptions on the way)")
+        print(f"✓ 3/3 {name}: greedy output equals HF transformers ({preemptions} preemptions on the way)")

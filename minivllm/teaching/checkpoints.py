@@ -3,7 +3,8 @@ benchmarks run the engine on.
 
     model_dir = make_tiny_model(tempfile.mkdtemp(), "qwen3")      # then LLM(str(model_dir))
 
-A seeded `Qwen3Config` / `Qwen2Config` / `LlamaConfig` / `Qwen3_5TextConfig` (hybrid) model is saved
+A seeded `Qwen3Config` / `Qwen2Config` / `LlamaConfig` / `Qwen3_5TextConfig` (hybrid) / `Gemma3TextConfig`
+(sliding-window layers) model is saved
 with `save_pretrained`, exactly as a real checkpoint is (config.json, model.safetensors), next to a
 small byte-level BPE tokenizer trained with `tokenizers` on a few sentences, and a chat template. The
 engine loads it through the same path as a downloaded model.
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3Config)
 
 CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",
@@ -38,6 +40,7 @@ FAMILIES = {
     "qwen3": (Qwen3Config, dict(head_dim=16)),
     "qwen2": (Qwen2Config, dict()),
     "llama": (LlamaConfig, dict()),
+    "mistral": (MistralConfig, dict(sliding_window=None)),  # Llama's decoder; a window would slide every layer
 }
 ARCHITECTURES = {"qwen3_5": "Qwen3_5ForCausalLM"}  # where the config class's name does not give it
 try:  # Qwen3.5 is in transformers 5 only (Feb 2026); older versions simply have no "qwen3_5" family
@@ -47,6 +50,14 @@ try:  # Qwen3.5 is in transformers 5 only (Feb 2026); older versions simply have
     FAMILIES["qwen3_5"] = (Qwen3_5TextConfig, dict(
         head_dim=16, full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=8))
+except ImportError:
+    pass
+try:  # Gemma 3 (transformers >= 4.50): 5 sliding-window layers to 1 full by default; a tiny window here
+    from transformers import Gemma3TextConfig
+
+    FAMILIES["gemma3"] = (Gemma3TextConfig, dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                                 layer_types=None, sliding_window_pattern=2))
+    ARCHITECTURES["gemma3"] = "Gemma3ForCausalLM"
 except ImportError:
     pass
 
@@ -88,6 +99,8 @@ def make_tiny_model(path: str | Path, family: str = "qwen3", *, vocab_size: int 
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+            if family == "gemma3" and name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)  # its norms scale by 1 + w: w = 0 would test nothing
             if family == "qwen3_5" and name.endswith(("conv1d.weight", "norm.weight")):
                 # conv taps and norm scales too (the gated norm's weight is used as is, the others as 1 + w)
                 p.normal_(1.0 if "linear_attn.norm" in name else 0.0, 0.3)

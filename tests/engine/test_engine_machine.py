@@ -3,8 +3,10 @@
 teaching/scheduler_machine.py drives the scheduler alone, with made-up tokens. This machine drives a
 real `LLMEngine` on a tiny model, where the bugs of the last reviews lived: forks (n > 1) with drafts,
 chunk boundaries, a pool under pressure (preemption, a fork with no block to copy into), failed steps
-(a request to blame, or none), failed commits, a proposer that fails, aborts, and a hybrid model's
-state pool. hypothesis picks an engine configuration and a sequence of actions:
+(a request to blame, or none), failed commits, a proposer that fails, aborts, a hybrid model's
+state pool, and a sliding-window model's second KV-cache group (Gemma 3, window 8: blocks given back
+as they leave the window, prefix hits that need the window's blocks). hypothesis picks an engine
+configuration and a sequence of actions:
 
     add        a request: shared prefixes (prefix hits), n in 1..3, greedy or seeded sampling, or
                "poisoned" (its first chunk fails the forward: bisection must blame it alone), or
@@ -40,6 +42,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from minivllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from minivllm.beam_search import BeamSearch, new_search, step_sampling_params
+from minivllm.engine.kv_cache_groups import KVCacheCoordinator
 from minivllm.layers.logits_processors import unpack_bitmask
 from minivllm.engine.spec_decode.proposer import Draft, Proposer
 from minivllm.teaching.checkpoints import make_tiny_model
@@ -92,6 +95,11 @@ class Setup:
     hybrid: bool = False
     spec: str | None = None  # None, "ngram", "noisy" (NoisyProposer), "draft" (the model drafts for itself)
     engine: dict = field(default_factory=dict)
+    sliding: bool = False  # Gemma 3: a sliding-window KV-cache group beside the full one
+
+    @property
+    def model(self) -> str:
+        return "hybrid" if self.hybrid else "gemma3" if self.sliding else "qwen3"
 
 
 SETUPS = [
@@ -106,6 +114,10 @@ SETUPS = [
     Setup("hybrid", hybrid=True, engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=12, max_num_seqs=4)),
     Setup("hybrid-small", hybrid=True, engine=dict(block_size=2, num_kv_blocks=24, max_num_batched_tokens=8,
                                                    max_num_seqs=3)),
+    Setup("sliding", sliding=True, engine=dict(block_size=2, num_kv_blocks=24, max_num_batched_tokens=8,
+                                               max_num_seqs=4)),
+    Setup("sliding-ngram", sliding=True, spec="ngram", engine=dict(block_size=4, num_kv_blocks=16,
+                                                                   max_num_batched_tokens=12, max_num_seqs=3)),
 ]
 
 
@@ -136,7 +148,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                     "noisy": {"proposer": NoisyProposer(), "num_speculative_tokens": 3},
                     "draft": {"model": paths["qwen3"], "num_speculative_tokens": 2},
                     None: None}[setup.spec]
-            self.llm = LLM(paths["hybrid" if setup.hybrid else "qwen3"], warmup=False, speculative_config=spec,
+            self.llm = LLM(paths[setup.model], warmup=False, speculative_config=spec,
                            seed=seed, **setup.engine)
             self.engine = engine = self.llm.llm_engine
             self.requests: dict[str, Request] = {}
@@ -308,7 +320,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             assert stats.num_free_blocks == stats.num_total_blocks
             if self.engine.state_pool is not None:
                 assert self.engine.state_pool.num_free == self.engine.state_pool.num_pairs
-            hf = hf_models["hybrid" if self.setup.hybrid else "qwen3"]
+            hf = hf_models[self.setup.model]
             self._check_beams(hf, reach)
             for rid, r in self.requests.items():
                 assert len(r.finals) == 1, f"{rid}: {len(r.finals)} final outputs"
@@ -370,11 +382,14 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
 
         def _snapshot(self) -> tuple:
             engine, bm = self.engine, self.engine.block_manager
-            seqs = [(s.request_id, s.status, s.num_computed_tokens, list(s.block_table), s.num_tokens,
-                     None if s.state_slots is None else list(s.state_slots)) for s in engine.scheduler.live_sequences]
+            seqs = [(s.request_id, s.status, s.num_computed_tokens, list(s.block_table), list(s.sliding_block_table),
+                     s.num_tokens, None if s.state_slots is None else list(s.state_slots))
+                    for s in engine.scheduler.live_sequences]
             pool = engine.state_pool
-            return (seqs, list(bm.ref_counts), list(bm.free_blocks), sorted(engine.requests),
-                    None if pool is None else (list(pool.free), list(pool.current)), dict(bm.hash_to_block))
+            groups = list(bm.groups.values()) if isinstance(bm, KVCacheCoordinator) else [bm]  # every pool
+            hashes = {(i, h): b for i, g in enumerate(groups) for h, b in g.hash_to_block.items()}
+            return (seqs, [(list(g.ref_counts), list(g.free_blocks)) for g in groups], sorted(engine.requests),
+                    None if pool is None else (list(pool.free), list(pool.current)), hashes)
 
     return EngineMachine
 
@@ -384,17 +399,19 @@ def models(tmp_path_factory, model_factory, hf_factory):
     from transformers import AutoModelForCausalLM
 
     hybrid = str(make_tiny_model(tmp_path_factory.mktemp("machine_qwen3_5"), family="qwen3_5", num_layers=4))
-    paths = {"qwen3": model_factory("qwen3"), "hybrid": hybrid}
+    gemma = str(make_tiny_model(tmp_path_factory.mktemp("machine_gemma3"), family="gemma3", num_layers=4))
+    paths = {"qwen3": model_factory("qwen3"), "hybrid": hybrid, "gemma3": gemma}
     hf = {"qwen3": hf_factory("qwen3"),
-          "hybrid": AutoModelForCausalLM.from_pretrained(hybrid, dtype=torch.float32).eval()}
+          "hybrid": AutoModelForCausalLM.from_pretrained(hybrid, dtype=torch.float32).eval(),
+          "gemma3": AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32).eval()}
     return paths, hf
 
 
-@pytest.mark.parametrize("which,examples", [("attention", 150), ("hybrid", 80)])
+@pytest.mark.parametrize("which,examples", [("attention", 150), ("hybrid", 80), ("sliding", 40)])
 def test_engine_machine(models, which, examples):
     from hypothesis.stateful import run_state_machine_as_test
 
-    setups = [s for s in SETUPS if s.hybrid == (which == "hybrid")]
+    setups = [s for s in SETUPS if {"qwen3": "attention", "hybrid": "hybrid", "gemma3": "sliding"}[s.model] == which]
     reach: collections.Counter[str] = collections.Counter()
     machine = engine_machine(*models, setups, reach)
     threads = torch.get_num_threads()
@@ -409,6 +426,6 @@ def test_engine_machine(models, which, examples):
     # nothing about them.
     wanted = ["forked", "preempted", "rolled back", "mixed steps", "a request failed on its own", "beam search",
               "structured"]
-    wanted += ["drafts accepted", "prefix hit"] if which == "attention" else []
+    wanted += ["drafts accepted", "prefix hit"] if which != "hybrid" else []
     wanted += [f"setup {s.name}" for s in setups]  # each setup's paths (e.g. batch-invariant's) were crossed
     assert all(reach[w] for w in wanted), dict(reach)

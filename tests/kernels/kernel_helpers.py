@@ -98,3 +98,16 @@ def poison_outside_contexts(k_cache, v_cache, block_tables, context_lens) -> Non
             inside[int(block_tables[b, p // block_size]) * block_size + p % block_size] = True
     for cache in (k_cache, v_cache):
         cache.view(-1, *cache.shape[2:])[~inside] = float("nan")
+
+
+def give_back_before_windows(k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, window):
+    """What a sliding-window KV-cache group does: the blocks wholly before each request's first query's window
+    are given back. Their table entries point at one extra block of NaN (someone else's, as far as the request
+    knows): a kernel that reads one returns NaN. Returns the caches with that block appended."""
+    block_size = k_cache.shape[1]
+    nan_block = k_cache.shape[0]
+    for i, ctx in enumerate(context_lens.tolist()):
+        n = int(cu_seqlens_q[i + 1] - cu_seqlens_q[i])
+        block_tables[i, :max(0, ctx - n - window + 1) // block_size] = nan_block
+    poison = torch.full((1, *k_cache.shape[1:]), float("nan"), dtype=k_cache.dtype)
+    return torch.cat([k_cache, poison]), torch.cat([v_cache, poison])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import make_batch, poison_outside_contexts
+from kernel_helpers import give_back_before_windows, make_batch, poison_outside_contexts
 from minivllm.kernels.paged_attention import naive_paged_attention, paged_attention, plan_tiles
 
 
@@ -53,3 +53,17 @@ def test_nan_outside_every_context_is_never_read():
 def test_refuses_unsupported_block_sizes():
     with pytest.raises(ValueError, match="power of two >= 16"):
         run_both([1], [4], block_size=8)
+
+
+@pytest.mark.parametrize("window", [5, 20, 33])  # inside one block, across blocks, longer than a tile
+def test_a_sliding_window_sees_its_last_keys_and_never_reads_before_them(window):
+    query_lens, context_lens = [1, 20, 5, 1, 3], [17, 20, 40, 70, 3]
+    q, kc, vc, bt, cu, cl = make_batch(query_lens, context_lens, 4, 2, 32, 16, torch.float32)
+    ref = naive_paged_attention(q, kc, vc, bt, cu, cl, 32 ** -0.5, window)
+    assert not torch.allclose(ref, naive_paged_attention(q, kc, vc, bt, cu, cl, 32 ** -0.5), atol=1e-3)
+    kc, vc = give_back_before_windows(kc, vc, bt, cu, cl, window)
+    ts, st = plan_tiles(query_lens, 16)
+    tiles = (torch.tensor(ts, dtype=torch.int32), torch.tensor(st, dtype=torch.int32))
+    out = paged_attention(q, kc, vc, bt, cu, cl, 32 ** -0.5, tiles, 16, window)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(naive_paged_attention(q, kc, vc, bt, cu, cl, 32 ** -0.5, window), ref)

@@ -108,3 +108,22 @@ def test_nan_outside_every_context_is_never_read(D):
     clean = paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
     poison_outside_contexts(kc, vc, tables, lens)
     assert torch.equal(paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5), clean)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 64), (2, 1, 40)])  # the AVX-512 path and the generic one
+def test_a_sliding_window_reads_only_its_last_keys(dtype, Hq, Hkv, D):
+    """window W: the last W keys only, and the table's entries before them are never read (a sliding group
+    gives those blocks back: here they point outside the cache, which the kernel would refuse if it read them)."""
+    block_size, window = 4, 7
+    q, kc, vc, tables, lens = _case(dtype, Hq, Hkv, D, block_size, [1, 6, 7, 8, 19, 33])
+    out = paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, window)
+    ref = naive_paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5, window)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    gone = tables.clone()
+    for i, n in enumerate(lens.tolist()):
+        gone[i, :max(0, n - window) // block_size] = 10_000  # blocks wholly before the window: not in the cache
+    torch.testing.assert_close(paged_decode_attention(q, kc, vc, gone, lens, D ** -0.5, window), out, rtol=0, atol=0)
+    full = naive_paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
+    assert not torch.allclose(out.float()[4:], full.float()[4:], atol=1e-3)  # the window changes long rows

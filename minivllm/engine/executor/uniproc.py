@@ -20,6 +20,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: ResolvedConfig, state_pool: StatePool | None = None) -> None:
         rank = load_rank(config.engine, config.spec, config.device, config.dtype, ParallelContext())
         self.runner = ModelRunner(rank.model, rank.spec, rank.backend, num_blocks=rank.num_blocks,
+                                  num_sliding_blocks=rank.num_sliding_blocks,
                                   block_size=config.engine.block_size, dtype=config.dtype, device=config.device,
                                   eos_token_ids=config.eos_token_ids, state_pool=state_pool)
 

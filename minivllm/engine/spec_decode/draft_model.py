@@ -48,6 +48,9 @@ class DraftModelProposer(Proposer):
         if spec.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({spec.vocab_size} tokens) differs from the target's "
                              f"({target.vocab_size}); a draft must share the target's tokenizer")
+        if spec.sliding_window is not None:  # its runner would need the sliding group's tables too
+            raise ValueError(f"the draft model ({spec.architecture}) has sliding-window layers, which minivllm does "
+                             "not run as a draft; use a Llama, Qwen2 or Qwen3 draft")
         if spec.max_position_embeddings < max_model_len:
             raise ValueError(f"the draft model handles {spec.max_position_embeddings} positions but "
                              f"max_model_len={max_model_len}; lower max_model_len")

@@ -1,0 +1,153 @@
+"""Gemma 3's text decoder: sliding-window layers beside full-attention ones, on a flat varlen batch.
+
+    input_ids (T,) -> embed * sqrt(hidden)
+      -> [ norm -> attention -> norm -> +residual -> norm -> GELU-tanh MLP -> norm -> +residual ] x L
+      -> norm -> hidden (T, H);  logits = hidden @ embed^T (tied) for the sampled rows
+
+What differs from Llama (models/llama.py), each a switch of HF's Gemma3TextModel:
+  * every RMSNorm scales by (1 + w) (`ZeroCenteredRMSNorm`, as Qwen3.5's), four per layer: before and
+    after attention, before and after the MLP (the "sandwich");
+  * per-head q and k norms before RoPE; q scaled by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5
+    (the backend scales by head_dim ** -0.5, so q is multiplied by the ratio first);
+  * the embedding is multiplied by sqrt(hidden_size) (in the model's dtype, as HF rounds it);
+  * the MLP's activation is GELU with the tanh approximation;
+  * layer i is `spec.layer_types[i]`: "sliding_attention" layers see the last `sliding_window` keys
+    and rotate with the local RoPE base (10k); "full_attention" layers see everything and rotate with
+    the global base (1M), with the checkpoint's RoPE scaling.
+The two kinds keep their K/V in different pools (engine/kv_cache_groups.py), so a sliding layer reads
+`meta.sliding`: its group's slots and block tables, and the window.
+
+No real Gemma checkpoint is reachable offline: the tests run tiny random configs against HF transformers.
+`Gemma3ForConditionalGeneration` checkpoints load their text decoder only (models/loader.py skips the
+vision tower). One rank only (models/sharding.py), eager only (`supports_compile` False).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.distributed.parallel_state import ParallelContext
+from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
+from minivllm.layers.linear import Linear, LinearPlan, linear
+from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
+from minivllm.layers.matmul_plan import MatmulPlan
+from minivllm.layers.norm_variants import ZeroCenteredRMSNorm
+from minivllm.layers.parallel_linear import VocabParallelEmbedding
+from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
+from minivllm.layers.tuner import Tuning
+from minivllm.models.hf_config import ModelSpec
+from minivllm.models.interface import CausalLM
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, plan: LinearPlan) -> None:
+        super().__init__()
+        self.spec = spec
+        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias, plan=plan)
+        self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=spec.o_proj_bias, plan=plan)
+        self.q_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.rms_norm_eps)
+        # the backend multiplies scores by head_dim ** -0.5; Gemma wants query_pre_attn_scalar ** -0.5
+        self.q_scale = (spec.head_dim / spec.query_pre_attn_scalar) ** 0.5
+
+    def project(self, rope: RopeTables, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> q (T, Hq, D), k and v (T, Hkv, D): normed per head, rotated, q rescaled."""
+        s = self.spec
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = self.q_norm(q.view(T, s.num_attention_heads, s.head_dim))  # (T, Hq, D)
+        k = self.k_norm(k.view(T, s.num_key_value_heads, s.head_dim))  # (T, Hkv, D)
+        q, k = apply_rotary(q, k, rope)
+        return q * self.q_scale, k, v.view(T, s.num_key_value_heads, s.head_dim)
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, plan: LinearPlan) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, plan=plan)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False, plan=plan)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, plan: LinearPlan, layer_type: str) -> None:
+        super().__init__()
+        self.is_sliding = layer_type == "sliding_attention"
+        self.self_attn = Gemma3Attention(spec, plan)
+        self.mlp = Gemma3MLP(spec, plan)
+        H, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = ZeroCenteredRMSNorm(H, eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(H, eps)
+        self.pre_feedforward_layernorm = ZeroCenteredRMSNorm(H, eps)
+        self.post_feedforward_layernorm = ZeroCenteredRMSNorm(H, eps)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, spec: ModelSpec, plan: LinearPlan) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, 0, ParallelContext())
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(spec, plan, t) for t in spec.layer_types)
+        self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """Also the text decoder of Gemma3ForConditionalGeneration."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__(spec)
+        if spec.local_rope is None or spec.query_pre_attn_scalar is None:
+            raise ValueError(f"{spec.architecture} is not a Gemma 3 checkpoint: no local RoPE / query_pre_attn_scalar")
+        self.matmul_plan = MatmulPlan()
+        self.model = Gemma3Model(spec, self.matmul_plan)
+        if not spec.tie_word_embeddings:
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, plan=self.matmul_plan)
+        self.rotary: RotaryEmbedding | None = None  # global layers' tables, built by `init_rotary`
+        self.local_rotary: RotaryEmbedding | None = None  # sliding layers' tables
+
+    def init_rotary(self, max_position: int, device: torch.device) -> None:
+        self.rotary = RotaryEmbedding(self.spec.head_dim, max_position, self.spec.rope, device)
+        self.local_rotary = RotaryEmbedding(self.spec.head_dim, max_position, self.spec.local_rope, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer: (2, num_blocks of its group's pool, block_size, Hkv, D)
+        backend: AttentionBackend,
+        linear_attn: LinearAttnMetadata | None = None,  # no linear-attention layers: always None
+    ) -> torch.Tensor:  # (T, hidden)
+        # sliding layers read their group's metadata (none when `layer_types` makes every layer full)
+        assert meta.sliding is not None or self.spec.sliding_window is None, "sliding layers need meta.sliding"
+        h = self.model.embed_tokens(input_ids)  # (T, hidden)
+        h = h * torch.tensor(self.spec.hidden_size ** 0.5, dtype=h.dtype)  # HF rounds the factor to the dtype
+        global_rope = self.rotary.lookup(positions, h.dtype)  # once per step, shared by the layers of a kind
+        local_rope = self.local_rotary.lookup(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            rope, layer_meta = (local_rope, meta.sliding) if layer.is_sliding else (global_rope, meta)
+            q, k, v = layer.self_attn.project(rope, layer.input_layernorm(h))
+            o = backend.forward(q, k, v, kv_caches[i], layer_meta)  # (T, Hq*D)
+            h = h + layer.post_attention_layernorm(layer.self_attn.o_proj(o))
+            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, V)
+        return linear(hidden, self.lm_head_weight, plan=self.matmul_plan)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # (V, hidden)
+        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    def plan_matmuls(self, tuning: Tuning = "cached") -> LinearPlan:
+        """Time the CPU matmul forms over this model's weights, as Llama does (layers/matmul_plan.py)."""
+        if self.matmul_plan.measured_with_threads is None:
+            weights = [m.weight for m in self.model.layers.modules() if isinstance(m, Linear)]
+            self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,),
+                                     tuning=tuning)
+        return self.matmul_plan
