@@ -12,7 +12,9 @@ from minivllm.engine.stats import EngineStats
 from minivllm.llm import LLM
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "EngineConfig", "EngineStats", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "EngineConfig", "EngineStats", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ Order of the logit transforms (vLLM's; see layers/logits_processors.py and layer
     raw logits ──> logprobs (if asked: the model's own distribution)
                ──> allowed_token_ids ─> bad_words ─> min_tokens ─> logit_bias      (masks and biases)
                ──> repetition_penalty (prompt + output) ─> frequency / presence (output)
+               ──> structured_outputs: the grammar's token bitmask, last (engine/grammar.py)
                ──> temperature ─> top-k ─> top-p ─> min-p ─> draw (argmax when greedy)
 
 `n > 1` forks the request after its prompt: the n sequences share the prompt's KV blocks, and child i
@@ -29,6 +30,8 @@ import numbers
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from minivllm.structured_outputs import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
 # What one request may ask, bounded: the stop strings are searched after every token (the cost grows with
@@ -73,6 +76,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token (bypasses the prefix cache)
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # see RequestOutputKind
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match a schema/regex/grammar
     # Normalised copies (frozen dataclass: set through object.__setattr__ in __post_init__).
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _stop_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -177,6 +181,9 @@ class SamplingParams:
             setfield("bad_words", list(words))
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind: CUMULATIVE, DELTA or FINAL_ONLY")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams (from minivllm import "
+                                            "StructuredOutputsParams)")
         why = "must be a list of non-negative token ids"
         object.__setattr__(self, "_stop", stop)
         object.__setattr__(self, "_stop_token_ids", tuple(as_int("stop_token_ids", why, t, lo=0)
@@ -195,7 +202,7 @@ class SamplingParams:
     def needs_logits_processing(self) -> bool:
         """Does anything change this request's logits before temperature (besides min_tokens)?"""
         return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None \
-            or bool(self.bad_words)
+            or bool(self.bad_words) or self.structured_outputs is not None
 
     @functools.cached_property  # read for every output of a running request with stop strings
     def longest_stop(self) -> int:

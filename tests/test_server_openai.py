@@ -364,9 +364,8 @@ def test_token_ids_and_request_id(client, url):
 # --- what is refused, and what is ignored ------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
-    ("suffix", "and so on"), ("early_stopping", True), ("best_of", 3), ("tools", [{"type": "function"}]),
-    ("tool_choice", "required"), ("response_format", {"type": "json_object"}), ("guided_json", {}),
-    ("structured_outputs", {"regex": "a+"}), ("chat_template", "{{ messages }}"), ("priority", 1),
+    ("suffix", "and so on"), ("early_stopping", True), ("best_of", 3), ("functions", [{"name": "f"}]),
+    ("guided_json", {}), ("guided_regex", "a+"), ("chat_template", "{{ messages }}"), ("priority", 1),
     ("truncation_side", "right"), ("prompt_embeds", "AAAA"), ("cache_salt", "x"),
 ])
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])

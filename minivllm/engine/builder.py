@@ -66,7 +66,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     tokenizer = get_tokenizer(config.tokenizer or config.model)
     resolved = resolve_config(config, spec, tokenizer.eos_token_id)
     c = resolved.engine
-    input_processor = InputProcessor(tokenizer, spec, c, resolved.device)
+    input_processor = InputProcessor(tokenizer, spec, c, resolved.device, resolved.eos_token_ids)
     state_pool = StatePool(spec, c.max_num_seqs, resolved.dtype, resolved.device) if spec.linear_attn else None
     executor = MultiprocExecutor(resolved) if c.tensor_parallel_size > 1 else UniProcExecutor(resolved, state_pool)
     try:

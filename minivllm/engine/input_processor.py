@@ -2,7 +2,8 @@
 
 Everything a request carries is checked here, before it can reach a step (see
 docs/concepts/failures.md): the prompt (non-empty, token ids inside the vocabulary, numpy integers
-accepted), every token-id field of its `SamplingParams`, logprobs within `max_logprobs`, and whether
+accepted), every token-id field of its `SamplingParams`, logprobs within `max_logprobs`, its
+structured-outputs grammar (compiled here, off the engine's step: engine/grammar.py), and whether
 it can ever run at all (`unservable_reason`: more completions than max_num_seqs, longer than
 max_model_len, or needing more KV blocks than the whole pool). Messages say which limit to change.
 """
@@ -19,6 +20,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
+from minivllm.engine.grammar import GrammarCompiler
 from minivllm.engine.kv_cache_groups import KVBlockManager
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.logits_processors import RequestLogitRules, bad_words_token_ids
@@ -44,9 +46,12 @@ class PromptTooLong(ValueError):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, config: EngineConfig, device: torch.device,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.tokenizer, self.spec, self.config, self.device = tokenizer, spec, config, device
         self._max_token_bytes: int | None = None
+        # structured outputs: grammars compiled here, at the boundary, once per (kind, spec)
+        self.grammars = GrammarCompiler(tokenizer, spec.vocab_size, eos_token_ids)
 
     def tokenize(self, prompt: PromptType, *, may_truncate: bool = False) -> tuple[str | None, list[int]]:
         """(text, token ids). A text that is not valid Unicode, or whose bytes alone prove it longer than
@@ -104,6 +109,11 @@ class InputProcessor:
             raise ValueError(f"request {request_id!r}: priority={priority!r} must be an integer (lower = sooner)")
         seq = Sequence(request_id, ids, sp, prompt=text, seed=sp.seed or 0, priority=priority)
         seq.logit_rules = rules
+        if sp.structured_outputs is not None:  # compiled (or found in the cache) now: invalid -> ValueError
+            try:
+                seq.grammar = self.grammars.matcher(sp.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"request {request_id!r}: {e}") from None
         return seq
 
     def logit_rules(self, request_id: str, sp: SamplingParams) -> RequestLogitRules | None:

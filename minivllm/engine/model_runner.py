@@ -47,7 +47,7 @@ from minivllm.engine.step_types import ModelRunnerOutput, PromptLogprob, RowGrou
 from minivllm.engine.warmup import measure_cpu_kernels, warmup_batch
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
-from minivllm.layers.logits_processors import apply_logits_processing
+from minivllm.layers.logits_processors import apply_logits_processing, rows_without_choice
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
 from minivllm.models.compiled_forward import padded_num_tokens
 from minivllm.models.hf_config import ModelSpec
@@ -55,6 +55,8 @@ from minivllm.layers.tuner import Tuning
 from minivllm.models.interface import CausalLM
 
 PROMPT_LOGPROBS_CHUNK = 256  # prompt rows whose logits and log-softmax exist at once (prompt_logprobs)
+NO_ALLOWED_TOKEN = ("no token is allowed here: the request's rules together forbid every token (its structured_outputs "
+                    "grammar, allowed_token_ids, bad_words, or min_tokens, which bans EOS and stop tokens); relax one")
 OnPromptLogits = Callable[[int, torch.Tensor], None]  # (first prompt row, its chunk's logits (R, V))
 
 
@@ -246,8 +248,12 @@ class ModelRunner:
             logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None  # the model's own distribution
         processed = apply_logits_processing(logits, sb.processing)
+        stuck = rows_without_choice(processed, sb.processing)  # a grammar against the request's other rules
         tokens = self.sampler(processed, batch.sampling).tolist()
         emitted = verify_drafts(sb, processed, batch.sampling, tokens, self.rejection_sampler)
+        for i in stuck:
+            if emitted[i] is not None:  # (a verification row past a rejected draft emits nothing: no harm)
+                result[sb.sampled[i].entry].error = NO_ALLOWED_TOKEN
         rows = [i for i, tok in enumerate(emitted) if tok is not None]
         logprobs = raw_logprobs[rows] if raw_logprobs is not None else logits[:0]
         picked = gather_logprobs(logprobs, [emitted[i] for i in rows], [sb.sampled[i].num_logprobs for i in rows])

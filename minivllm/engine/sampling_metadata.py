@@ -8,7 +8,7 @@ Which hidden rows get logits (the LM head runs on these rows only):
     token p+1), recorded once even if the prompt is recomputed after a preemption.
 
 Per sampled row, what the request asks of the logits (`RowProcessing`: masks, biases, penalties
-with the output so far) and of the draw (`SamplingRow`) travel as typed records, never tuples.
+with the output so far, its grammar's bitmask) and of the draw (`SamplingRow`) travel as typed records, never tuples.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class SamplingBatch:
     def add_sampled(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int]) -> None:
         """The sampled row(s) of a chunk that reaches the end of `seq`."""
         sp = seq.sampling_params
-        processing = row_processing(seq, eos_token_ids)
+        mask = seq.grammar.bitmasks()[0] if seq.grammar is not None else None  # children share the parent's
+        processing = row_processing(seq, eos_token_ids, grammar_bitmask=mask)
         for child in range(1 + seq.num_forks_pending):
             self.logits_indices.append(hidden_row)
             self.sampled.append(SampledRow(entry, child > 0, sp.logprobs))
@@ -76,12 +77,14 @@ class SamplingBatch:
         sp, drafts = seq.sampling_params, seq.spec_token_ids[:num_drafts]
         probs = seq.draft_probs[:num_drafts] if seq.draft_probs is not None else None
         self.spec_groups.append(SpecGroup(entry, len(self.sampled), drafts, probs))
+        masks = seq.grammar.bitmasks(drafts) if seq.grammar is not None else None  # (1 + d, W)
         for j in range(len(drafts) + 1):
             self.logits_indices.append(hidden_row + j)
             self.sampled.append(SampledRow(entry, False, sp.logprobs))
             self.rows.append(SamplingRow(0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.min_p, seq.seed,
                                          seq.num_tokens + j))
-            self.processing.append(row_processing(seq, eos_token_ids, drafts[:j]))
+            self.processing.append(row_processing(seq, eos_token_ids, drafts[:j],
+                                                  grammar_bitmask=masks[j] if masks is not None else None))
 
     def add_prompt_rows(self, entry: int, seq: Sequence, start: int, num_new_tokens: int, first_row: int) -> None:
         """Rows of a prompt chunk whose logprobs were asked and not yet recorded."""
@@ -98,8 +101,10 @@ class SamplingBatch:
 NO_PROCESSING = RowProcessing()  # what a row that asks for nothing gets (shared: nothing may change it)
 
 
-def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[int] = ()) -> RowProcessing:
-    """What `seq` asks the logits processors to do at its next token (after `drafts`, if any)."""
+def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[int] = (), *,
+                   grammar_bitmask: torch.Tensor | None = None) -> RowProcessing:
+    """What `seq` asks the logits processors to do at its next token (after `drafts`, if any);
+    `grammar_bitmask`: what its grammar allows there (structured outputs, engine/grammar.py)."""
     sp = seq.sampling_params
     before_min_tokens = seq.num_output_tokens + len(drafts) < sp.min_tokens
     if not before_min_tokens and not sp.needs_logits_processing:
@@ -122,7 +127,7 @@ def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[in
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty,
         prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1 else None,
-        output_token_ids=output)
+        output_token_ids=output, grammar_bitmask=grammar_bitmask)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[int | None]) -> list[SampledToken]:

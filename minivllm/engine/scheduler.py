@@ -203,17 +203,19 @@ class Scheduler:
 
     # --- the commit ------------------------------------------------------------------------------
     def update_from_output(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> CommitResult:
-        """Commit a successful step's results, request by request. The caller then copies
-        `blocks_to_copy` (copy-on-write of forked children's last blocks) before the next forward."""
+        """Commit a step's results, request by request; the caller then copies `blocks_to_copy` (forks)."""
         result = CommitResult()
         for sched, out in zip(plan.scheduled, runner_output.outputs, strict=True):
             seq = sched.seq
             if seq.is_finished:
                 continue
             self._advance(sched, out)
-            if not out.tokens:
+            if not out.tokens and out.error is None:
                 continue
             result.changed.setdefault(seq.group_id, [])
+            if out.error is not None:  # no token it may draw (e.g. its grammar against its allowed_token_ids)
+                self.fail(seq, out.error)
+                continue
             try:
                 children = self._fork(seq, out.fork_tokens, result)
             except Exception as error:  # the children made so far ran for nobody: they fail with their parent

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from minivllm.engine.detokenizer import IncrementalDetokenizer
+    from minivllm.engine.grammar import GrammarMatcher
     from minivllm.engine.step_types import PromptLogprob, SampledToken
     from minivllm.layers.logits_processors import RequestLogitRules
 
@@ -94,6 +95,8 @@ class Sequence:
         self.num_forks_pending = sampling_params.n - 1  # children to fork when the prompt is done
         # allowed ids, biases and bad words, prepared once by the engine (layers/logits_processors.py)
         self.logit_rules: RequestLogitRules | None = None
+        # structured outputs: where the committed output stands in the request's grammar (engine/grammar.py)
+        self.grammar: GrammarMatcher | None = None
         self.logprobs: list[SampledToken] = []  # one per output token, when logprobs are asked
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PromptLogprob] = []  # one per prompt position done so far
@@ -167,6 +170,7 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)  # hashes depend on tokens only
         child.logit_rules = self.logit_rules
+        child.grammar = self.grammar.copy() if self.grammar is not None else None  # then advanced on its own
         child.detokenizer = self.detokenizer.copy() if self.detokenizer is not None else None
         return child
 

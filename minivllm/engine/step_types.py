@@ -90,6 +90,7 @@ class RowGroupOutput:
     tokens: list[SampledToken] = field(default_factory=list)  # appended to the sequence, in order
     fork_tokens: list[SampledToken] = field(default_factory=list)  # first tokens of forked children 1..n-1
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    error: str | None = None  # the request cannot go on (no token it may draw): it finishes with this error
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 Two kinds of rule, both applied at commit (`Scheduler.update_from_output`), token by token:
 
-    token rules    EOS (unless ignore_eos), a stop token id, max_tokens, max_model_len
-                   — checked as each token is appended (`check_token`)
+    token rules    EOS (unless ignore_eos), a stop token id, a complete grammar (structured outputs:
+                   the token advances the sequence's matcher here, the one place it advances),
+                   max_tokens, max_model_len — checked as each token is appended (`check_token`)
     stop strings   need text: the sequence's incremental detokenizer decodes the new tokens and the
                    stop strings are searched in the tail the new text could have completed
                    (`check_strings`); the output is cut where the stop string starts (or ends, with
@@ -35,16 +36,32 @@ class StopChecker:
     def check_token(self, seq: Sequence, token_id: int) -> StopReason | None:
         """The token rules, for the token just appended to `seq`."""
         sp = seq.sampling_params
+        grammar_done = seq.grammar is not None and self.advance_grammar(seq, token_id)
         if seq.num_output_tokens > sp.min_tokens:  # the sampler masked these ids before that
             if not sp.ignore_eos and token_id in self.eos_token_ids:
                 return StopReason(FinishReason.STOP, None)
             if token_id in sp.all_stop_token_ids:
                 return StopReason(FinishReason.STOP, token_id)
+        if grammar_done:
+            return StopReason(FinishReason.STOP, None)
         if sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens:
             return StopReason(FinishReason.LENGTH, None)
         if seq.num_tokens >= self.max_model_len:
             return StopReason(FinishReason.LENGTH, None)
         return None
+
+    @staticmethod
+    def advance_grammar(seq: Sequence, token_id: int) -> bool:
+        """Advance `seq`'s grammar by its new token; True when the grammar is complete (it can take no
+        further token). Raises ValueError if the grammar forbids the token (the sampler's mask makes that
+        impossible) or is complete before min_tokens (a conflict the request made)."""
+        if not seq.grammar.accept(token_id):
+            raise ValueError(f"token {token_id} breaks the request's structured_outputs grammar: {seq.grammar.error}")
+        done = seq.grammar.is_complete
+        if done and seq.num_output_tokens < seq.sampling_params.min_tokens:
+            raise ValueError(f"the structured_outputs grammar is complete after {seq.num_output_tokens} tokens, "
+                             f"before min_tokens={seq.sampling_params.min_tokens}; lower min_tokens")
+        return done
 
     def tokens_left(self, seq: Sequence) -> int:
         """How many more tokens `seq` may get before max_tokens or max_model_len stops it."""

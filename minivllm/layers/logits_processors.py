@@ -6,6 +6,12 @@
                   ─> repetition         HF: seen (prompt + output) ids: l > 0 ? l / p : l * p
                   ─> frequency          l -= frequency_penalty * count(id in output)
                   ─> presence           l -= presence_penalty * (count(id in output) > 0)
+                  ─> grammar bitmask    structured outputs: tokens the grammar forbids (-inf), LAST,
+                                        so that no bias or penalty can bring a forbidden token back
+
+A row whose allowed set comes out empty (a grammar against allowed_token_ids, bad words or min_tokens)
+is never drawn from as all -inf (that is NaN in a softmax): `rows_without_choice` finds such rows, sets
+them to zeros so the draw stays finite, and the model runner fails their requests with a message.
 
 The order and the formulas are vLLM's (the repetition penalty is HF transformers'
 `RepetitionPenaltyLogitsProcessor`; presence and frequency are OpenAI's). Both samplers (PyTorch and
@@ -98,12 +104,25 @@ class RowProcessing:
     repetition_penalty: float = 1.0
     prompt_token_ids: array | None = None  # for the repetition penalty
     output_token_ids: list[int] | None = None  # for all three penalties (includes earlier drafts)
+    grammar_bitmask: torch.Tensor | None = None  # (ceil(V/32),) int32 on the CPU: bit t of word t//32 = allowed
 
     @property
     def is_noop(self) -> bool:
         return (not self.banned_token_ids and (self.rules is None or (self.rules.allowed is None
                                                                       and self.rules.bias_ids is None))
-                and self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1)
+                and self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1
+                and self.grammar_bitmask is None)
+
+    @property
+    def may_forbid_all(self) -> bool:
+        """Can this row's allowed set be empty? Only with a grammar or an allow-list beside other bans."""
+        return self.grammar_bitmask is not None or (self.rules is not None and self.rules.allowed is not None)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, W) int32 -> (R, V) bool, True = allowed (token t is bit t % 32 of word t // 32)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]  # (R, W*32) cut to V
 
 
 def apply_logits_processing(logits: torch.Tensor, rows: list[RowProcessing]) -> torch.Tensor:
@@ -124,7 +143,29 @@ def apply_logits_processing(logits: torch.Tensor, rows: list[RowProcessing]) -> 
     penalized = [i for i in active if rows[i].output_token_ids is not None]
     if penalized:
         apply_penalties(logits, [rows[i] for i in penalized], penalized)
+    constrained = [i for i in active if rows[i].grammar_bitmask is not None]
+    if constrained:  # last: the grammar's verdict stands whatever came before
+        masks = torch.stack([rows[i].grammar_bitmask for i in constrained]).to(logits.device)  # (G, W)
+        forbidden = ~unpack_bitmask(masks, V)  # (G, V)
+        if len(constrained) == S:  # every row: in place, no gather and scatter of the whole batch
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            idx = torch.tensor(constrained, device=logits.device)
+            logits[idx] = logits[idx].masked_fill(forbidden, float("-inf"))
     return logits
+
+
+def rows_without_choice(logits: torch.Tensor, rows: list[RowProcessing]) -> list[int]:
+    """The rows of processed `logits` (S, V) whose every token is forbidden; each is set to zeros, in place,
+    so that sampling it stays finite (the caller fails its request instead of trusting the draw)."""
+    check = [i for i, r in enumerate(rows) if r.may_forbid_all]
+    if not check:
+        return []
+    idx = torch.tensor(check, device=logits.device)
+    empty = idx[logits[idx].amax(-1) == float("-inf")]  # (E,) every entry -inf (one reduction, no (R, V) temporary)
+    if len(empty):
+        logits[empty] = 0.0
+    return empty.tolist()
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowProcessing], row_index: list[int]) -> None:

@@ -16,12 +16,16 @@ import torch
 
 
 @torch.no_grad()
-def assert_hf_greedy(hf_model: Any, prompt_ids: list[int], output_ids: list[int], tol: float = 1e-3) -> None:
+def assert_hf_greedy(hf_model: Any, prompt_ids: list[int], output_ids: list[int], tol: float = 1e-3,
+                     allowed: list[torch.Tensor] | None = None) -> None:
     """Teacher-forced check: feed prompt + output to HF once; every output token must be an argmax of
-    HF's logits at its position, within `tol` (near-ties may legitimately flip)."""
+    HF's logits at its position, within `tol` (near-ties may legitimately flip). `allowed`: per output
+    token, a (V,) bool mask of the tokens that could be drawn there (structured outputs' grammar)."""
     assert output_ids, "nothing was generated"
     logits = hf_model(torch.tensor([list(prompt_ids) + list(output_ids)])).logits[0].float()  # (L, V)
     for j, tok in enumerate(output_ids):
         row = logits[len(prompt_ids) - 1 + j]
+        if allowed is not None:
+            row = row.masked_fill(~allowed[j], float("-inf"))
         gap = float(row.max() - row[tok])
         assert gap <= tol, f"output token {j} ({tok}) is {gap:.2e} below HF's argmax {int(row.argmax())}"

@@ -9,7 +9,8 @@ as they leave the window, prefix hits that need the window's blocks). hypothesis
 configuration and a sequence of actions:
 
     add        a request: shared prefixes (prefix hits), n in 1..3, greedy or seeded sampling, or
-               "poisoned" (its first chunk fails the forward: bisection must blame it alone)
+               "poisoned" (its first chunk fails the forward: bisection must blame it alone), or
+               structured (a regex: every token allowed where drawn, "stop" exactly when complete)
     step       one engine step; an injected failure must leave the engine exactly as it was
     arm_*      the next step fails: a batch of two rows (no single culprit: rolled back, re-raised),
                a sequence's commit (that sequence fails, its siblings go on), the proposer
@@ -39,9 +40,10 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minivllm import LLM, BeamSearchParams, SamplingParams
+from minivllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from minivllm.beam_search import BeamSearch, new_search, step_sampling_params
 from minivllm.engine.kv_cache_groups import KVCacheCoordinator
+from minivllm.layers.logits_processors import unpack_bitmask
 from minivllm.engine.spec_decode.proposer import Draft, Proposer
 from minivllm.teaching.checkpoints import make_tiny_model
 from minivllm.teaching.hf_check import assert_hf_greedy
@@ -53,7 +55,10 @@ PREFIXES = [[], list(range(20, 32)), [7, 8, 9, 10, 7, 8, 9]]  # shared: prefix-c
 REQUESTS = st.fixed_dictionaries(dict(
     prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(5, 40), min_size=1, max_size=9),
     n=st.sampled_from([1, 1, 2, 3]), greedy=st.booleans(), max_tokens=st.sampled_from([1, 3, 6, 9, 12, 12]),
-    poisoned=st.sampled_from([False] * 8 + [True]), restricted=st.sampled_from([False] * 3 + [True])))
+    poisoned=st.sampled_from([False] * 8 + [True]), restricted=st.sampled_from([False] * 3 + [True]),
+    structured=st.sampled_from([False] * 3 + [True])))
+# A structured request's output matches this (structured outputs: engine/grammar.py); it may end early, "stop"
+STRUCTURED = StructuredOutputsParams(regex=r"[a-e ]{1,24}\.?")
 ALLOWED = list(range(5, 200))  # a restricted (sampled) request draws only these; never a bad word's last token
 
 
@@ -181,12 +186,13 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             self.add(**request)
 
         def add(self, prefix: list[int], extra: list[int], n: int, greedy: bool, max_tokens: int,
-                poisoned: bool, restricted: bool) -> None:
+                poisoned: bool, restricted: bool, structured: bool) -> None:
             prompt = ([POISON] if poisoned else []) + prefix + extra
             rules = dict(allowed_token_ids=ALLOWED, logit_bias={7: 3.0, 150: -5.0}, bad_words=["ab", "cd e"])
             params = SamplingParams(n=n, temperature=0 if greedy and not restricted else 0.9,
                                     seed=None if greedy else len(self.requests), max_tokens=max_tokens,
-                                    ignore_eos=True, **(rules if restricted else {}))
+                                    ignore_eos=True, **(rules if restricted else {}),
+                                    structured_outputs=STRUCTURED if structured else None)
             rid = f"r{len(self.requests)}"
             self.requests[rid] = Request(prompt, params, poisoned)
             self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
@@ -328,13 +334,30 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                     if c.finish_reason == "error" or (r.aborted and c.finish_reason == "abort"):
                         continue
                     room = self.engine.config.max_model_len - len(r.prompt)  # max_model_len ends it too
-                    assert c.finish_reason == "length" and len(c.token_ids) == min(r.params.max_tokens, room), (rid, c)
+                    allowed = self._grammar_masks(r, c) if r.params.structured_outputs is not None else None
+                    if c.finish_reason != "stop":  # "stop": the grammar is complete (checked by _grammar_masks)
+                        assert c.finish_reason == "length" and len(c.token_ids) == min(r.params.max_tokens, room), \
+                            (rid, c)
                     if r.params.allowed_token_ids is not None:  # masks reach every path (drafts, forks, recomputes)
                         assert set(c.token_ids) <= set(ALLOWED), (rid, c.token_ids)
                     if r.params.temperature == 0:
-                        assert_hf_greedy(hf, r.prompt, c.token_ids)
+                        assert_hf_greedy(hf, r.prompt, c.token_ids, allowed=allowed)
                 if not r.aborted and out.error is None:
-                    assert len(out.outputs) == r.params.n and set(reasons) == {"length"}, (rid, reasons)
+                    ended = {"length", "stop"} if r.params.structured_outputs is not None else {"length"}
+                    assert len(out.outputs) == r.params.n and set(reasons) <= ended, (rid, reasons)
+
+        def _grammar_masks(self, r: Request, c) -> list[torch.Tensor]:
+            """A structured completion walked through a fresh matcher: every token allowed where it was
+            drawn, the grammar complete iff it ended with "stop"; the allowed set at each token, (V,) bool."""
+            reach["structured"] += 1
+            matcher = self.engine.input_processor.grammars.matcher(r.params.structured_outputs)
+            vocab = self.engine.spec.vocab_size
+            masks = []
+            for tok in c.token_ids:
+                masks.append(unpack_bitmask(matcher.bitmasks()[:1], vocab)[0])
+                assert masks[-1][tok] and matcher.accept(tok), (c.token_ids, tok)
+            assert matcher.is_complete == (c.finish_reason == "stop"), (c, matcher.is_complete)
+            return masks
 
         @torch.no_grad()
         def _check_beams(self, hf: object, reach: collections.Counter[str]) -> None:
@@ -401,7 +424,8 @@ def test_engine_machine(models, which, examples):
         torch.set_num_threads(threads)
     # The search must cross the paths it exists for (in every run: these counts are tens or more), or it proves
     # nothing about them.
-    wanted = ["forked", "preempted", "rolled back", "mixed steps", "a request failed on its own", "beam search"]
+    wanted = ["forked", "preempted", "rolled back", "mixed steps", "a request failed on its own", "beam search",
+              "structured"]
     wanted += ["drafts accepted", "prefix hit"] if which != "hybrid" else []
     wanted += [f"setup {s.name}" for s in setups]  # each setup's paths (e.g. batch-invariant's) were crossed
     assert all(reach[w] for w in wanted), dict(reach)

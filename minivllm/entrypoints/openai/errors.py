@@ -86,5 +86,5 @@ def _field(message: str, prompt_param: str) -> str | None:
     other refusals are about the prompt (empty, out of the vocabulary, too long)."""
     if message.startswith("SamplingParams."):
         return message.removeprefix("SamplingParams.").split("=")[0]
-    named = re.match(r"request '[^']*': (logit_bias|allowed_token_ids|stop_token_ids) ", message)
+    named = re.match(r"request '[^']*': (logit_bias|allowed_token_ids|stop_token_ids|structured_outputs)[ .]", message)
     return named.group(1) if named else prompt_param

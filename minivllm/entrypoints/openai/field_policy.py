@@ -27,25 +27,21 @@ from typing import Any
 log = logging.getLogger("minivllm.server")
 
 _BEAM = "vLLM's beam search stops at EOS or max_tokens, with no early stop (use_beam_search and length_penalty work)"
-_TOOLS = "tool calling is not implemented (there is no tool-call parser)"
-_STRUCTURED = "structured output (guided decoding, JSON mode or schema) is not implemented"
+_TOOLS = "the deprecated functions API is not implemented; use tools and tool_choice"
+_GUIDED = ("vLLM removed the guided_* fields; send structured_outputs: {\"json\" | \"regex\" | \"choice\" | "
+           "\"grammar\" | \"json_object\": ...} (or response_format) instead")
 _TEXT = "this server takes and produces text only"
 # field: (the values that mean "not asked for", why anything else is refused). None always means "not asked for".
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "early_stopping": ((False,), _BEAM),
-    "tools": (([],), _TOOLS),
-    "tool_choice": (("none", "auto"), _TOOLS),  # without tools, "auto" is "none"
-    "parallel_tool_calls": ((True,), _TOOLS),
     "functions": (([],), _TOOLS),
     "function_call": (("none", "auto"), _TOOLS),
-    "response_format": (({"type": "text"},), _STRUCTURED),
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "guided_json": ((), _GUIDED),
+    "guided_regex": ((), _GUIDED),
+    "guided_choice": ((), _GUIDED),
+    "guided_grammar": ((), _GUIDED),
+    "guided_decoding_backend": ((), _GUIDED),
+    "guided_whitespace_pattern": ((), _GUIDED),
     "prompt_embeds": ((), _TEXT),
     "mm_processor_kwargs": ((), _TEXT),
     "modalities": ((["text"],), _TEXT),

@@ -25,6 +25,7 @@ from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.engine.input_processor import PromptTooLong
 from minivllm.entrypoints.openai.errors import ApiError, api_error
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, Limits
+from minivllm.entrypoints.openai.tool_calls import with_tools_in_system
 from minivllm.sampling_params import SamplingParams
 
 TokensPrompt = dict[str, Any]  # {"prompt": text | None, "prompt_token_ids": [...]}
@@ -78,10 +79,14 @@ def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Toke
 
 
 def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> TokensPrompt:
-    text = ctx.tokenizer.apply_chat_template(req.conversation(), tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message,
-                                             **(req.chat_template_kwargs or {}))
+    conversation, tools = req.conversation(), req.tool_plan().tools
+    options = dict(tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                   continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+    text = ctx.tokenizer.apply_chat_template(conversation, **options)
+    if tools:  # the template renders the tools, or (if it ignores them) they go in the system message
+        with_tools = ctx.tokenizer.apply_chat_template(conversation, tools=tools, **options)
+        text = with_tools if with_tools != text else ctx.tokenizer.apply_chat_template(
+            with_tools_in_system(conversation, tools), **options)
     # The template already wrote the special tokens (BOS, role markers): add none twice by default.
     return _tokenized(ctx, text, req)
 

@@ -24,7 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.beam_search import BeamSearchParams
 from minivllm.entrypoints.openai.field_policy import RequestError, check_undeclared
+from minivllm.entrypoints.openai.structured import structured_outputs_params
+from minivllm.entrypoints.openai.tool_calls import ToolCallingFields
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_outputs import StructuredOutputsParams
 
 # chat_template_kwargs may not set what the server decides itself.
 _TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
@@ -38,7 +41,8 @@ _NOT_WITH_BEAMS = {"temperature": (None, 0), "top_p": (None, 1), "top_k": (None,
                    "allowed_token_ids": (None,), "bad_words": (None, []), "min_tokens": (0,), "logprobs": (None, False),
                    "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (False,),
                    "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (False,),
-                   "skip_special_tokens": (True,)}
+                   "skip_special_tokens": (True,), "response_format": (None, {"type": "text"}),
+                   "structured_outputs": (None,), "tools": (None, []), "tool_choice": (None, "none")}
 
 
 class Limits(NamedTuple):
@@ -93,6 +97,8 @@ class _Common(BaseModel):
     priority: int = 0  # lower = sooner, with --scheduling-policy priority
     use_beam_search: bool = False  # vLLM's: the n best beams instead of n samples (minivllm/beam_search.py)
     length_penalty: float = 1.0  # with use_beam_search: beams rank by cum logprob / length ** length_penalty
+    response_format: dict[str, Any] | None = None  # OpenAI's JSON modes (structured.py)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
 
     def check_fields(self, limits: Limits) -> None:
         """The checks at the door: undeclared fields (field_policy.py), then combinations and limits."""
@@ -124,7 +130,11 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens, logprobs=self.num_logprobs(limits),
-            prompt_logprobs=_count("prompt_logprobs", self.num_prompt_logprobs(), limits))
+            prompt_logprobs=_count("prompt_logprobs", self.num_prompt_logprobs(), limits),
+            structured_outputs=self.structured_outputs_params())
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        return structured_outputs_params(self.response_format, self.structured_outputs)
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
@@ -239,7 +249,7 @@ def _encodable(text: str, where: str) -> str:
     return text
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(ToolCallingFields, _Common):  # tools: tool_calls.py
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -259,6 +269,7 @@ class ChatCompletionRequest(_Common):
                                                          "(which is true unless set to false)")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs", "needs logprobs: true")
+        self.tool_plan()  # checks tools and tool_choice
         taken = _TEMPLATE_ARGS & set(self.chat_template_kwargs or {})
         if taken:
             raise RequestError("chat_template_kwargs", f"{sorted(taken)} are set by the server; use the "

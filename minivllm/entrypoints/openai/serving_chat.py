@@ -1,13 +1,17 @@
 """POST /v1/chat/completions: the messages through the model's chat template, one engine request
 with n completions, one choice per completion.
 
-    choice = {"index", "message": {"role": "assistant", "content"}, "logprobs", "finish_reason", "stop_reason"}
+    choice = {"index", "message": {"role": "assistant", "content", "tool_calls"?}, "logprobs", "finish_reason",
+              "stop_reason"}
     answer = {..., "choices", "usage", "prompt_logprobs" (vLLM's)}
 
 - logprobs: true (+ top_logprobs: N) gives each token's logprob and its N most likely alternatives.
 - add_generation_prompt / continue_final_message (vLLM's): open a new assistant turn (the default),
   or leave the final assistant message open and continue it ("prefill" the answer's start).
 - echo (vLLM's): the answer repeats the last message first, when that message is the assistant's.
+- tools / tool_choice: calls parsed out of the output, or decoding constrained to them (tool_calls.py);
+  a choice with calls has finish_reason "tool_calls". Streamed, its content is sent as it comes (never a
+  piece of a call), and its calls whole, in one delta, when it ends.
 - Streaming: a first chunk per choice with the role, then a chunk per choice that gained text, the
   choice's last one with its finish_reason; usage as for completions (the running usage of
   continuous_usage_stats has the three counts; prompt_tokens_details comes with the last usage).
@@ -31,6 +35,7 @@ from minivllm.entrypoints.openai.metrics import ServerMetrics
 from minivllm.entrypoints.openai.preprocess import ServingContext, chat_prompt
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, new_id, now
 from minivllm.entrypoints.openai.streams import ChoiceTracker, Delta, usage
+from minivllm.entrypoints.openai.tool_calls import ToolCallStream
 from minivllm.outputs import RequestOutput
 
 
@@ -49,9 +54,16 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     def logprobs(d: Delta) -> dict[str, list] | None:
         return None if d.logprobs is None else chat_logprobs(d.token_ids, d.logprobs, sp.logprobs, text)
 
+    plan = req.tool_plan()
+
     def whole_choice(d: Delta) -> dict[str, Any]:
-        choice = {"index": d.index, "message": {"role": "assistant", "content": echoed + d.text},
-                  "logprobs": logprobs(d), "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        message, finish = {"role": "assistant", "content": echoed + d.text}, d.finish_reason
+        if plan.parses_calls and finish == "stop":  # tool calls (tool_calls.py)
+            content, calls = plan.calls(d.text)
+            if calls:
+                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        choice = {"index": d.index, "message": message, "logprobs": logprobs(d), "finish_reason": finish,
+                  "stop_reason": d.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = d.token_ids
         return choice
@@ -89,6 +101,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             if echoed:
                 yield chunk(i, {"content": echoed})
         final = None
+        calls = [ToolCallStream(plan) for _ in range(sp.n)] if plan.parses_calls else None
         async with aclosing(streams.merge([gen])) as outputs:
             async for _, out in outputs:
                 final = out
@@ -96,7 +109,17 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                     extra = {"stop_reason": d.stop_reason} if d.finish_reason else {}
                     if req.return_token_ids:
                         extra["token_ids"] = d.token_ids
-                    yield chunk(d.index, {"content": d.text}, logprobs(d), d.finish_reason, extra, out)
+                    if calls is None:
+                        yield chunk(d.index, {"content": d.text}, logprobs(d), d.finish_reason, extra, out)
+                        continue
+                    text, made, finish = calls[d.index].content(d.text), [], d.finish_reason
+                    if finish:  # the content held back, then the calls, each whole, as the last delta
+                        rest, made, finish = calls[d.index].finish(finish)
+                        text += rest
+                    yield chunk(d.index, {"content": text}, logprobs(d), None if made else finish, extra, out)
+                    if made:
+                        deltas = [{"index": k, **c} for k, c in enumerate(made)]
+                        yield chunk(d.index, {"tool_calls": deltas}, None, finish, extra, out)
         if include_usage:
             yield json.dumps({**head, "choices": [], "usage": usage([final])})
 

@@ -1,0 +1,243 @@
+"""Tool calling on /v1/chat/completions: OpenAI's `tools` and `tool_choice`, vLLM's semantics.
+
+    tool_choice   what the model may or must do                    how the answer is made
+    "none"        answer in text (tools are still shown to it)     as without tools
+    "auto"        text, or calls written as hermes blocks:         `parse_hermes` takes the calls out of the
+                  <tool_call>{"name": ..., "arguments": {...}}</tool_call>   text (vLLM's --tool-call-parser hermes)
+    "required"    at least one call of any tool                    decoding constrained to a JSON array
+                                                                   [{"name": ..., "parameters": {...}}, ...]
+    {"type": "function", "function": {"name": f}}                  decoding constrained to f's `parameters`:
+                  exactly one call of f                            the output IS the arguments
+
+With "required" and a named function the call is valid by construction (the arguments are valid against
+the tool's `parameters` schema); with "auto" a small model may write anything, and only well-formed
+blocks become calls. A choice with calls has finish_reason "tool_calls" and `message.tool_calls`, each
+with an id ("chatcmpl-tool-<hex>"); its content is the text outside the blocks (None when empty).
+A constrained output cut by max_tokens stays text, with finish_reason "length".
+
+The prompt: tools go to the chat template (`tools=`). A template that ignores them (the default model's)
+gets them as a system message instead, in this format (`tools_system_prompt`), which also tells the
+model how to write a call:
+
+    # Tools
+    The functions below can be called. Each is described by a JSON object on its own line:
+    {"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}
+    To call one, write a JSON object with its name and arguments between <tool_call> and </tool_call>:
+    <tool_call>
+    {"name": "<function name>", "arguments": {<arguments as a JSON object>}}
+    </tool_call>
+
+prepended to the first system message, or as one of its own. Assistant turns' `tool_calls` are then
+written into their content as such blocks, and `role: "tool"` turns render as the template renders
+any role. A turn with `content: null` renders as "".
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from minivllm.entrypoints.openai.field_policy import RequestError
+from minivllm.entrypoints.openai.structured import structured_outputs_params
+from minivllm.structured_outputs import StructuredOutputsParams
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+
+
+class ToolMode(enum.Enum):
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A request's tools and what it asks of them, checked."""
+
+    mode: ToolMode
+    tools: list[dict[str, Any]]  # each {"type": "function", "function": {"name", "description"?, "parameters"?}}
+    name: str | None = None  # NAMED: the function to call
+    parallel: bool = True  # parallel_tool_calls: more than one call per answer
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.mode is not ToolMode.NONE and bool(self.tools)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What "required" and a named function constrain decoding to (None: free text)."""
+        if self.mode is ToolMode.NAMED:
+            return StructuredOutputsParams(json=_parameters(self._function(self.name)))
+        if self.mode is ToolMode.REQUIRED:
+            calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                       "parameters": _parameters(t["function"])},
+                      "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return StructuredOutputsParams(json=schema)
+        return None
+
+    def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of a finished output that ended with "stop"."""
+        if self.mode is ToolMode.NAMED:
+            return None, [tool_call(self.name, json.loads(text))]
+        if self.mode is ToolMode.REQUIRED:
+            return None, [tool_call(c["name"], c["parameters"]) for c in json.loads(text)]
+        content, calls = parse_hermes(text)
+        return content, calls if self.parallel else calls[:1]
+
+    def _function(self, name: str) -> dict[str, Any]:
+        return next(t["function"] for t in self.tools if t["function"]["name"] == name)
+
+
+class ToolCallingFields(BaseModel):
+    """The chat request's tool-calling fields and what they make of its output (protocol.py's
+    ChatCompletionRequest takes them from here)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)  # as the request's own
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
+
+    def tool_plan(self) -> ToolPlan:
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """A "required" or named tool_choice constrains the output (then nothing else may)."""
+        return structured_outputs_params(self.response_format, self.structured_outputs, self.tool_plan().constraint())
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
+              parallel: bool) -> ToolPlan:
+    """Check `tools` and `tool_choice` (RequestError naming the field); OpenAI's default choice is "auto"
+    with tools and "none" without."""
+    tools = tools or []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict) \
+                or not isinstance(f.get("name"), str) or not f["name"]:
+            raise RequestError(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., '
+                                              '"parameters": {...}}}')
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise RequestError(f"tools[{i}].function.parameters", "must be a JSON Schema (an object)")
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise RequestError("tools", "two tools have the same name; give each function its own")
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise RequestError("tool_choice", f"names no function of tools ({', '.join(names) or 'none given'}); "
+                                              'use {"type": "function", "function": {"name": ...}}')
+        return ToolPlan(ToolMode.NAMED, tools, name, parallel)
+    if choice not in ("none", "auto", "required"):
+        raise RequestError("tool_choice", f"{choice!r} is not one of none, auto, required or a named function")
+    if choice == "required" and not tools:
+        raise RequestError("tool_choice", '"required" needs tools')
+    return ToolPlan(ToolMode(choice), tools, None, parallel)
+
+
+def tool_call(name: str, arguments: Any) -> dict[str, Any]:
+    """One call in OpenAI's shape: arguments as a JSON string, a fresh id."""
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """The hermes parser: each <tool_call>{"name": ..., "arguments": {...}}</tool_call> block that holds a
+    well-formed call becomes a call and leaves the content; anything else stays text."""
+    calls, kept, at = [], [], 0
+    for block in _BLOCK.finditer(text):
+        try:
+            call = json.loads(block.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            continue
+        kept.append(text[at:block.start()])
+        at = block.end()
+        calls.append(tool_call(call["name"], call.get("arguments", {})))
+    kept.append(text[at:])
+    content = "".join(kept).strip()
+    return content or None, calls
+
+
+def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
+    """The tools as a system message (the format in the module docstring)."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\nThe functions below can be called. Each is described by a JSON object on its own line:\n"
+            f"{lines}\nTo call one, write a JSON object with its name and arguments between {CALL_OPEN} and "
+            f"{CALL_CLOSE}:\n{CALL_OPEN}\n"
+            '{"name": "<function name>", "arguments": {<arguments as a JSON object>}}\n'
+            f"{CALL_CLOSE}")
+
+
+def with_tools_in_system(conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a template that ignores `tools=`: the tools as (the start of) the system message, and assistant
+    turns' tool_calls written as hermes blocks in their content."""
+    prompt = tools_system_prompt(tools)
+    out = [dict(m) for m in conversation]
+    for m in out:
+        calls = m.pop("tool_calls", None) if m["role"] == "assistant" else None
+        if calls:
+            blocks = [f"{CALL_OPEN}\n" + json.dumps({"name": c["function"]["name"],
+                                                     "arguments": _arguments(c["function"].get("arguments"))},
+                                                    ensure_ascii=False) + f"\n{CALL_CLOSE}" for c in calls]
+            m["content"] = "\n".join(filter(None, [m["content"], *blocks]))
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = prompt + "\n\n" + out[0]["content"]
+        return out
+    return [{"role": "system", "content": prompt}, *out]
+
+
+def _arguments(arguments: Any) -> Any:
+    """OpenAI sends a call's arguments as a JSON string; the block holds the object."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments if arguments is not None else {}
+
+
+class ToolCallStream:
+    """One streamed choice of a request whose calls are parsed: the content that is safe to send now (never
+    a piece of a call), then, when the choice ends, what is left of the content and the calls."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan, self.text, self.sent = plan, "", 0
+
+    def content(self, delta: str) -> str:
+        self.text += delta
+        if self.plan.mode is not ToolMode.AUTO:  # the output is the calls' JSON: nothing is content
+            return ""
+        start = self.text.find(CALL_OPEN)
+        # No block yet: hold back a tail that may be the start of "<tool_call>"; a block: stop at it.
+        safe = start if start >= 0 else len(self.text) - _partial_open(self.text)
+        out, self.sent = self.text[self.sent:max(safe, self.sent)], max(safe, self.sent)
+        return out
+
+    def finish(self, finish_reason: str) -> tuple[str, list[dict[str, Any]], str]:
+        """(content still to send, calls, the choice's finish_reason) when the choice ends."""
+        rest = self.text[self.sent:]
+        if finish_reason != "stop":
+            return rest, [], finish_reason
+        content, calls = self.plan.calls(rest)
+        return (content or "", calls, "tool_calls") if calls else (rest, [], finish_reason)
+
+
+def _partial_open(text: str) -> int:
+    """How long a tail of `text` is a proper prefix of "<tool_call>"."""
+    return next((k for k in range(len(CALL_OPEN) - 1, 0, -1) if text.endswith(CALL_OPEN[:k])), 0)

@@ -1,0 +1,166 @@
+"""Structured outputs through the public API, on a tiny random Qwen3 (its byte-level BPE vocabulary):
+every kind's output is valid, a complete grammar ends with "stop", invalid specs are refused before
+queueing, conflicts fail the request (never NaN), logprobs stay raw, forks and drafts obey the grammar."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
+from minivllm.engine.grammar import bitmask_width
+from minivllm.layers.logits_processors import unpack_bitmask
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                                           "tag": {"enum": ["a", "b"]}},
+          "required": ["n", "ok", "tag"], "additionalProperties": False}
+PROMPT = {"prompt_token_ids": [5, 17, 33, 48, 9]}
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(qwen3_dir, warmup=False, max_num_seqs=8)
+
+
+def run(llm, so: StructuredOutputsParams, **kw) -> list:
+    kw = {"max_tokens": 40, "temperature": 1.0, **kw}
+    out = llm.generate([PROMPT], SamplingParams(structured_outputs=so, **kw), use_tqdm=False)[0]
+    return out.outputs
+
+
+def test_params_are_checked():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputsParams(json="{")
+    with pytest.raises(ValueError, match="non-empty list"):
+        StructuredOutputsParams(choice="yes")
+    with pytest.raises(ValueError, match="not supported"):
+        StructuredOutputsParams.from_dict({"regex": "a", "whitespace_pattern": " "})
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regex": "a"})
+    # the cache key does not depend on how the schema was written
+    assert StructuredOutputsParams(json=SCHEMA).spec == StructuredOutputsParams(json=json.dumps(SCHEMA, indent=2)).spec
+
+
+def test_bitmask_unpacks_like_the_naive_loop():
+    V = 70
+    words = torch.randint(-2**31, 2**31 - 1, (3, bitmask_width(V)), dtype=torch.int32)
+    naive = torch.tensor([[bool((int(words[r, t // 32]) >> (t % 32)) & 1) for t in range(V)] for r in range(3)])
+    assert torch.equal(unpack_bitmask(words, V), naive)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_kind_gives_valid_output(llm, seed):
+    for c in run(llm, StructuredOutputsParams(json=SCHEMA), seed=seed, max_tokens=60, n=2):
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    (c,) = run(llm, StructuredOutputsParams(json_object=True), seed=seed, max_tokens=200)
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.text), dict)
+    (c,) = run(llm, StructuredOutputsParams(regex=r"(ab|cd)[0-9]{2,4}x"), seed=seed)
+    assert c.finish_reason == "stop" and re.fullmatch(r"(ab|cd)[0-9]{2,4}x", c.text), c
+    (c,) = run(llm, StructuredOutputsParams(choice=["red wine", "white", "rosé"]), seed=seed)
+    assert c.finish_reason == "stop" and c.text in ("red wine", "white", "rosé"), c
+    for grammar in ('start: "(" num ("+" num)* ")"\nnum: /[0-9]/', 'root ::= "(" [0-9] ("+" [0-9])* ")"'):
+        (c,) = run(llm, StructuredOutputsParams(grammar=grammar), seed=seed, max_tokens=60)
+        assert c.finish_reason == "stop" and re.fullmatch(r"\([0-9](\+[0-9])*\)", c.text), (grammar, c)
+
+
+def test_max_tokens_may_cut_the_output(llm):
+    (c,) = run(llm, StructuredOutputsParams(regex=r"[a-z]{30}"), max_tokens=3, temperature=0)
+    assert c.finish_reason == "length" and len(c.token_ids) == 3 and re.fullmatch("[a-z]*", c.text)
+
+
+@pytest.mark.parametrize("so", [StructuredOutputsParams(regex="(ab"), StructuredOutputsParams(json={"type": "nope"}),
+                                StructuredOutputsParams(grammar='start: "a" | missing')])
+def test_an_invalid_spec_is_refused_before_queueing(llm, so):
+    with pytest.raises(ValueError, match=f"structured_outputs.{so.kind.value} is invalid"):
+        llm.generate([PROMPT], SamplingParams(structured_outputs=so), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_conflicts_fail_the_request_with_a_message(llm):
+    # the grammar allows only "yes"/"no" tokens; allowed_token_ids allows none of them
+    tok = llm.get_tokenizer()
+    letters = set(tok.encode("yesno", add_special_tokens=False))
+    other = [t for t in range(5, 60) if t not in letters]
+    (c,) = run(llm, StructuredOutputsParams(choice=["yes", "no"]), allowed_token_ids=other)
+    assert c.finish_reason == "error" and not c.token_ids
+    # min_tokens longer than any output the grammar allows
+    out = llm.generate([PROMPT], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["y"]),
+                                                min_tokens=4), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error" and "min_tokens" in out.error
+    # the engine is clean afterwards: a plain request still runs
+    assert run(llm, StructuredOutputsParams(choice=["y"]))[0].text == "y"
+    assert llm.get_stats().num_free_blocks == llm.get_stats().num_total_blocks
+
+
+def test_logprobs_stay_raw(llm):
+    """The grammar decides what is drawn, not the logprobs reported: the top-5 at the first position are
+    the model's own, and a forbidden-by-the-model token gets its raw (finite) logprob."""
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)[0]
+    (c,) = run(llm, StructuredOutputsParams(choice=["zz"]), max_tokens=4, temperature=0, logprobs=5)
+    assert c.text == "zz"
+    assert c.logprobs[0].keys() >= plain.outputs[0].logprobs[0].keys() - {plain.outputs[0].token_ids[0]}
+    first = c.logprobs[0][c.token_ids[0]]
+    assert math.isfinite(first.logprob) and first.logprob <= max(x.logprob for x in plain.outputs[0].logprobs[0].values())
+
+
+def test_speculative_decoding_keeps_greedy_output(qwen3_dir, llm):
+    so = StructuredOutputsParams(regex=r"(ab ){3,8}(cd ){2,6}end")
+    want = run(llm, so, temperature=0, max_tokens=60)[0]
+    spec = LLM(qwen3_dir, warmup=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                            "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    got = run(spec, so, temperature=0, max_tokens=60)[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    assert spec.get_stats().num_accepted_tokens > 0  # drafts did go through verification
+    for seed in range(3):  # and sampled outputs stay valid when drafts are verified against the mask
+        c = run(spec, so, seed=seed, max_tokens=60)[0]
+        assert c.finish_reason == "stop" and re.fullmatch(r"(ab ){3,8}(cd ){2,6}end", c.text), c
+
+
+def test_a_grammar_is_compiled_once(llm):
+    compiler = llm.llm_engine.input_processor.grammars
+    so = StructuredOutputsParams(regex=r"q{3}")
+    run(llm, so)
+    size = len(compiler._cache)
+    for c in run(llm, StructuredOutputsParams(regex=r"q{3}"), n=3, seed=4):
+        assert c.text == "qqq" and c.finish_reason == "stop"
+    assert len(compiler._cache) == size
+
+
+def test_verification_masks_follow_the_drafts_and_leave_the_matcher_as_it_was(llm):
+    """Row j is the allowed set after drafts[:j], as a matcher advanced token by token gives it; rows after
+    a draft the grammar forbids repeat the row that forbids it; the matcher is where it was afterwards."""
+    compiler = llm.llm_engine.input_processor.grammars
+    so = StructuredOutputsParams(regex=r"(ab ){3,8}end")
+    a, b, space_a = (llm.get_tokenizer().encode(t, add_special_tokens=False) for t in ("a", "b", " a"))
+    assert len(a) == len(b) == len(space_a) == 1
+    m = compiler.matcher(so)
+    before = m.bitmasks()
+    drafts = [a[0], b[0], space_a[0], a[0], b[0]]  # "ab a" then a second "a": forbidden at index 3
+    masks = m.bitmasks(drafts)
+    assert torch.equal(m.bitmasks(), before) and torch.equal(masks[0], before[0])
+    step = compiler.matcher(so)
+    for j in range(4):
+        assert torch.equal(masks[j], step.bitmasks()[0]), j
+        if j < 3:
+            assert step.accept(drafts[j])
+    assert torch.equal(masks[4], masks[3]) and torch.equal(masks[5], masks[3])
+    assert not unpack_bitmask(masks[3:4], llm.llm_engine.spec.vocab_size)[0, drafts[3]]
+
+
+def test_no_verification_row_is_empty_after_a_draft_that_completes_the_grammar(llm):
+    compiler = llm.llm_engine.input_processor.grammars
+    (y,) = llm.get_tokenizer().encode("y", add_special_tokens=False)
+    m = compiler.matcher(StructuredOutputsParams(choice=["y"]))
+    masks = m.bitmasks([y, y, y])  # "y" completes the grammar: what follows it is never kept
+    assert all(unpack_bitmask(masks, llm.llm_engine.spec.vocab_size).any(-1)) and not m.is_complete
