@@ -33,7 +33,6 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 from transformers import PreTrainedTokenizerBase
@@ -57,7 +56,11 @@ class GrammarMatcher:
 
     def fill_bitmask(self, out: torch.Tensor) -> None:
         """out: (W,) int32 on the CPU, filled with the tokens allowed next."""
-        llguidance.torch.fill_next_token_bitmask(self._m, out[None], 0)
+        # Imported at first use, not with minivllm: llguidance.torch decorates a kernel with torch.compile when
+        # imported, which loads torch's compiler stack (~2.5 s of every start on 2 cores).
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self._m, out[None], 0)
 
     def bitmasks(self, drafts: list[int] = ()) -> torch.Tensor:
         """(1 + d, W) int32: the allowed set after the output so far and after each prefix of `drafts`.

@@ -1,0 +1,31 @@
+"""Start-up stays light: what `import minivllm; LLM(...)` must not pull in. Each of these was seconds of every
+start on 2 cores when something imported it by the way (benchmarks/startup.py measures the whole start):
+torch's compiler stack (llguidance.torch compiles a kernel at import), sympy (torch's meta reference ops, via
+`Module.to_empty`), transformers' model-loading stack (AutoTokenizer's AutoConfig: torch.distributed.tensor)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+HEAVY = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.tensor")
+
+
+def _imported_after(code: str) -> set[str]:
+    probe = textwrap.dedent(code) + f"\nimport sys\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return set(eval(done.stdout.strip().splitlines()[-1]))
+
+
+def test_import_minivllm_pulls_in_no_compiler_and_no_sympy():
+    assert _imported_after("import minivllm") == set()
+
+
+def test_an_engine_starts_without_them_once_its_tokenizer_class_is_remembered(qwen3_dir):
+    # The first start asks AutoTokenizer (which imports the config stack) and remembers the class; a second
+    # process, as every later start, loads the class directly.
+    start = f"import minivllm\nminivllm.LLM({qwen3_dir!r}, block_size=4, num_kv_blocks=32)"
+    _imported_after(start)
+    assert _imported_after(start) == set()
