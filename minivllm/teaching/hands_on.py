@@ -40,6 +40,30 @@ class AssignmentError(AssertionError):
     """A student's part broke a rule of its seam or gave the engine a wrong answer (the rule is in the message)."""
 
 
+def check_finished(who: str, outputs: list) -> None:
+    """Raise `AssignmentError` with the engine's message if a request failed (the engine fails only the
+    request whose step raised, and says why in `RequestOutput.error`)."""
+    for out in outputs:
+        if out.error:
+            raise AssignmentError(f"{who}: the engine failed request {out.request_id} because your code raised:\n  "
+                                  f"{out.error}")
+
+
+def hf_model(model_dir: str):
+    """HF transformers' model for a tiny checkpoint, fp32, without its loading bar in a grader's output."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 KERNEL_FUNCTION = "paged_attention"  # what the kernel assignment's file defines
 
 

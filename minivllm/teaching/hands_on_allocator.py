@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 
 from minivllm.engine.block_allocator import BlockAllocator, CheckedAllocator, LRUAllocator
-from minivllm.teaching.hands_on import AssignmentError
+from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model
 
 CALL_RULES = {
     "reset": "reset(n) makes blocks 0 .. n-1 free, block b freed at time b (so block 0 is taken first)",
@@ -131,15 +131,12 @@ def check_allocator_machine(make_allocator: Callable[[], BlockAllocator], max_ex
 def check_allocator_in_engine(make_allocator: Callable[[], BlockAllocator], max_tokens: int = 6) -> None:
     """A small pool (16 blocks of 4), prompts that share prefixes, one at a time so that eviction decides
     which prefixes are still cached: the tokens equal HF's and the cache hits equal the engine's LRU's."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from minivllm import LLM, SamplingParams
     from minivllm.teaching.checkpoints import make_tiny_model
     from minivllm.teaching.hf_check import assert_hf_greedy
 
     model_dir = str(make_tiny_model(tempfile.mkdtemp(), "qwen3"))
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_model(model_dir)
     rng = random.Random(0)
     stems = [[rng.randrange(3, 300) for _ in range(12)] for _ in range(3)]
     prompts = [stems[i % 3] + [rng.randrange(3, 300) for _ in range(1 + i % 4)] for i in (0, 1, 0, 2, 1, 0, 2, 2, 1)]
@@ -147,9 +144,9 @@ def check_allocator_in_engine(make_allocator: Callable[[], BlockAllocator], max_
 
     def run(allocator: BlockAllocator | None) -> tuple[list[list[int]], int]:
         llm = LLM(model_dir, dtype="float32", block_size=4, num_kv_blocks=16, warmup=False, block_allocator=allocator)
-        tokens = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
-                  for p in prompts]
-        return tokens, llm.get_stats().prefix_cache_hits
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+        check_finished(who, outs)
+        return [o.outputs[0].token_ids for o in outs], llm.get_stats().prefix_cache_hits
 
     student = make_allocator()
     who = f"{type(student).__name__} (in the engine)"

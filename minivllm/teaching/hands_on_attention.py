@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
-from minivllm.teaching.hands_on import AssignmentError
+from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model
 
 # fp32 attention over <= 64 keys of values |v| < 6: each output sums <= 64 products, so rounding stays
 # below 64 * 6 * 1.2e-7 ~ 5e-5 relative to the reference's own; 1e-4 leaves room and catches any real mistake.
@@ -113,7 +113,9 @@ def make_case(probe: Probe, head_dim: int = 16, block_size: int = 4, seed: int =
     cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
     meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64), cu, torch.tensor(ctx_lens, dtype=torch.int32),
                              block_tables, query_lens, ctx_lens, block_size)
-    q, k, v = (torch.randn(rows, h, head_dim, generator=g) for h in (Hq, Hkv, Hkv))
+    # As in the model, q, k and v are views into one projection's output: strided, not contiguous.
+    qkv = torch.randn(rows, Hq + 2 * Hkv, head_dim, generator=g)  # (T, Hq + 2 Hkv, D)
+    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=1)
     return Case(q, k, v, kv_cache, meta)
 
 
@@ -146,7 +148,9 @@ def check_backend_probes(make_backend: Callable[[int, int, int], AttentionBacken
         kv_cache = case.kv_cache.clone()
         meta = make_case(probe).meta  # a fresh copy: a backend may keep its plan in it
         backend.prepare(meta)
-        got = backend.forward(case.q.clone(), case.k.clone(), case.v.clone(), kv_cache, meta)
+        qkv = torch.cat([case.q, case.k, case.v], dim=1)  # a copy of the same strided views: yours to change
+        q, k, v = qkv.split([case.q.shape[1], case.k.shape[1], case.v.shape[1]], dim=1)
+        got = backend.forward(q, k, v, kv_cache, meta)
         if check_store and not torch.equal(kv_cache, want_cache):
             wrong = (kv_cache != want_cache).any(-1).any(-1).view(2, -1).nonzero().tolist()[:6]
             raise _fail(who, probe, STORE_RULE, f"(keys=0/values=1, flat slot) differing: {wrong}, the step's slots "
@@ -199,8 +203,6 @@ def check_backend_in_engine(make_backend: Callable[[int, int, int], AttentionBac
     """The real engine on tiny random checkpoints with the backend in charge, chunked prefill (8 tokens a
     step), prefix-cache hits and decode: every greedy token is HF transformers' argmax (teacher-forced) and
     every returned logprob equals HF's log-softmax."""
-    from transformers import AutoModelForCausalLM
-
     from minivllm import LLM, SamplingParams
     from minivllm.models.hf_config import load_model_spec
     from minivllm.teaching.checkpoints import make_tiny_model
@@ -214,10 +216,11 @@ def check_backend_in_engine(make_backend: Callable[[int, int, int], AttentionBac
         who = f"{type(backend).__name__} (in the engine, tiny random {family})"
         llm = LLM(model_dir, dtype="float32", attention_backend=backend, block_size=4, num_kv_blocks=64,
                   max_num_batched_tokens=8, warmup=False)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf = hf_model(model_dir)
         first, *rest = ENGINE_PROMPTS
         outs = llm.generate([{"prompt_token_ids": p} for p in [SHARED]], params, use_tqdm=False)
         outs += llm.generate([{"prompt_token_ids": p} for p in [first, *rest]], params, use_tqdm=False)
+        check_finished(who, outs)
         if llm.get_stats().prefix_cache_hits == 0:
             raise AssignmentError(f"{who}: no prefix-cache hit happened, so chunks after a cached prefix were "
                                   "not tested (did the backend change block_tables?)")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.layers.sampler import CheckedFilter, SamplingFilter, SamplingRow, SamplingTensors, TopKTopPMinP
-from minivllm.teaching.hands_on import AssignmentError
+from minivllm.teaching.hands_on import AssignmentError, check_finished
 
 # Probabilities of a float32 softmax over V = 64 logits: rounding stays < 64 * 1.2e-7 relative; 1e-5 is far
 # above that and far below any mistake (a token wrongly kept or dropped moves others by >= 1e-3 here).
@@ -132,14 +132,17 @@ def check_filter_in_engine(make_filter: Callable[[], SamplingFilter], max_tokens
 
     def run(**kwargs) -> list[list[int]]:
         llm = LLM(model_dir, dtype="float32", block_size=4, num_kv_blocks=64, warmup=False, **kwargs)
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        check_finished(who, outs)
+        return [o.outputs[0].token_ids for o in outs]
 
     student = make_filter()
+    who = f"{type(student).__name__} (in the engine)"
     got, want = run(sampling_filter=student), run()
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
             sp = params[i]
-            raise AssignmentError(f"{type(student).__name__} (in the engine) broke a RULE: with the same seed, the "
+            raise AssignmentError(f"{who} broke a RULE: with the same seed, the "
                                   f"engine draws the same tokens as with its own filter; request {i} (temperature "
                                   f"{sp.temperature}, top_k {sp.top_k}, top_p {sp.top_p}, min_p {sp.min_p}) drew "
                                   f"{g}, the default {w}")
