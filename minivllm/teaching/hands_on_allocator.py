@@ -56,7 +56,13 @@ def check_allocator_trace(make_allocator: Callable[[], BlockAllocator], num_trac
                 got = getattr(student, name)(*args)
                 student.check_invariants()
             except AssertionError as error:  # AllocatorContractError: the seam's own rules
-                raise AssignmentError(f"{who}: {error}\n  calls: {'; '.join(log[-12:])}") from None
+                raise AssignmentError(f"{who}: {error}\n  in {log[-1]}, whose rule is: {CALL_RULES[name]}\n  calls: "
+                                      f"{'; '.join(log[-12:])}") from None
+            except NotImplementedError:
+                raise
+            except Exception as error:  # a crash in this call: named by the call's rule
+                raise AssignmentError(f"{who} broke a RULE: {CALL_RULES[name]}.\n  {log[-1]} raised "
+                                      f"{type(error).__name__}: {error}\n  calls: {'; '.join(log[-12:])}") from error
             want = getattr(lru, name)(*args)
             if got != want or list(student) != list(lru):
                 shown = f"returned {got!r}, LRU returns {want!r}; " if name == "take" else ""

@@ -147,10 +147,15 @@ def check_backend_probes(make_backend: Callable[[int, int, int], AttentionBacken
         want_cache, want = expected(case, backend.scale)
         kv_cache = case.kv_cache.clone()
         meta = make_case(probe).meta  # a fresh copy: a backend may keep its plan in it
-        backend.prepare(meta)
         qkv = torch.cat([case.q, case.k, case.v], dim=1)  # a copy of the same strided views: yours to change
         q, k, v = qkv.split([case.q.shape[1], case.k.shape[1], case.v.shape[1]], dim=1)
-        got = backend.forward(q, k, v, kv_cache, meta)
+        try:
+            backend.prepare(meta)
+            got = backend.forward(q, k, v, kv_cache, meta)
+        except NotImplementedError:
+            raise
+        except Exception as error:  # a crash on this probe's batch: named by the probe's rule, like a wrong answer
+            raise _fail(who, probe, probe.rule, f"your code raised {type(error).__name__}: {error}") from error
         if check_store and not torch.equal(kv_cache, want_cache):
             wrong = (kv_cache != want_cache).any(-1).any(-1).view(2, -1).nonzero().tolist()[:6]
             raise _fail(who, probe, STORE_RULE, f"(keys=0/values=1, flat slot) differing: {wrong}, the step's slots "

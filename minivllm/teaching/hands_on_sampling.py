@@ -113,7 +113,13 @@ def check_filter_probes(make_filter: Callable[[], SamplingFilter], seed: int = 0
         try:
             got = checked(logits.clone(), t)
         except AssertionError as error:  # FilterContractError: the seam's own rules
-            raise AssignmentError(f"{who} broke a RULE: {KEEP_RULE}.\n  probe '{probe.name}': {error}") from None
+            raise AssignmentError(f"{who} broke a RULE: {KEEP_RULE}.\n  probe '{probe.name}' {probe.rows}, which checks that "
+                                  f"{probe.rule}: {error}") from None
+        except NotImplementedError:
+            raise
+        except Exception as error:  # a crash on this probe's rows: named by the probe's rule
+            raise AssignmentError(f"{who} broke a RULE: {probe.rule}.\n  probe '{probe.name}' {probe.rows}: your code "
+                                  f"raised {type(error).__name__}: {error}") from error
         _compare(who, probe.name, probe.rule, got.float(), reference(logits.clone(), t), probe.rows)
 
 
