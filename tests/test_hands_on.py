@@ -14,7 +14,7 @@ import pytest
 
 from minivllm.teaching.grade_hands_on import grade, main
 from minivllm.teaching.hands_on import Assignment, AssignmentError, load_student
-from minivllm.teaching.hands_on_allocator import check_allocator_machine
+from minivllm.teaching.hands_on_allocator import check_allocator_in_engine, check_allocator_machine
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = Path(__file__).resolve().parent / "hands_on_solutions"
@@ -88,6 +88,7 @@ def test_the_state_machine_alone_catches_a_leaking_allocator(tmp_path):
         check_allocator_machine(leaky)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("assignment", [Assignment.ATTENTION, Assignment.FILTER, Assignment.ALLOCATOR],
                          ids=lambda a: a.value)
 def test_the_reference_runs_in_the_engine(assignment):
@@ -113,3 +114,12 @@ def test_the_command_line_names_the_rule_and_exits_1(tmp_path, capsys):
     assert main(["filter", str(SOLUTIONS / "sampling_filter.py"), "--no-engine"]) == 0
     with pytest.raises(AssignmentError, match="define exactly one SamplingFilter subclass"):
         load_student(SOLUTIONS / "allocator.py", Assignment.FILTER)
+
+
+@pytest.mark.slow
+def test_the_engine_part_fails_an_allocator_that_evicts_the_wrong_prefix(tmp_path):
+    """Most-recently-freed first keeps the engine correct but evicts the prefixes LRU keeps: fewer cache hits."""
+    mru = load_student(planted(tmp_path, Assignment.ALLOCATOR, "block = min(self.stamps", "block = max(self.stamps"),
+                       Assignment.ALLOCATOR)
+    with pytest.raises(AssignmentError, match="hit the prefix cache for"):
+        check_allocator_in_engine(mru)

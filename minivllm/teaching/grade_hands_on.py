@@ -48,7 +48,7 @@ def grade(assignment: Assignment, student: type | Callable, *, engine: bool = Tr
         from minivllm.teaching.hands_on_sampling import FILTER_PROBES, check_filter_in_engine, check_filter_probes
 
         check_filter_probes(student)
-        print(f"✓ 1/2 {name}: {len(FILTER_PROBES)} probes and 200 random mixes against TopKTopPMinP")
+        print(f"✓ 1/2 {name}: {len(FILTER_PROBES)} probes and 100 random mixes against TopKTopPMinP")
         if engine:
             check_filter_in_engine(student)
             print(f"✓ 2/2 {name}: in the engine, seeded sampling draws the default filter's tokens")

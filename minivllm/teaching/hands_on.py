@@ -19,9 +19,11 @@ of another type beside it is fine.
 from __future__ import annotations
 
 import enum
+import functools
 import importlib.util
 import inspect
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +49,14 @@ def check_finished(who: str, outputs: list) -> None:
         if out.error:
             raise AssignmentError(f"{who}: the engine failed request {out.request_id} because your code raised:\n  "
                                   f"{out.error}")
+
+
+@functools.cache
+def tiny_model(family: str) -> str:
+    """A tiny random checkpoint of `family` in a temporary folder, built once per process (the graders share it)."""
+    from minivllm.teaching.checkpoints import make_tiny_model
+
+    return str(make_tiny_model(tempfile.mkdtemp(prefix=f"hands_on_{family}_"), family))
 
 
 def hf_model(model_dir: str):

@@ -23,11 +23,10 @@ outlives one unused for long. Three checks, cheapest first:
 from __future__ import annotations
 
 import random
-import tempfile
 from collections.abc import Callable
 
 from minivllm.engine.block_allocator import BlockAllocator, CheckedAllocator, LRUAllocator
-from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model
+from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model, tiny_model
 
 CALL_RULES = {
     "reset": "reset(n) makes blocks 0 .. n-1 free, block b freed at time b (so block 0 is taken first)",
@@ -115,7 +114,7 @@ def check_allocator_trace(make_allocator: Callable[[], BlockAllocator], num_trac
                 call("restore", back)
 
 
-def check_allocator_machine(make_allocator: Callable[[], BlockAllocator], max_examples: int = 60) -> None:
+def check_allocator_machine(make_allocator: Callable[[], BlockAllocator], max_examples: int = 40) -> None:
     """The scheduler's state machine with the allocator in the block manager (FCFS policy)."""
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
@@ -134,18 +133,17 @@ def check_allocator_machine(make_allocator: Callable[[], BlockAllocator], max_ex
                               f"{error}\n{steps}") from None
 
 
-def check_allocator_in_engine(make_allocator: Callable[[], BlockAllocator], max_tokens: int = 6) -> None:
+def check_allocator_in_engine(make_allocator: Callable[[], BlockAllocator], max_tokens: int = 4) -> None:
     """A small pool (16 blocks of 4), prompts that share prefixes, one at a time so that eviction decides
     which prefixes are still cached: the tokens equal HF's and the cache hits equal the engine's LRU's."""
     from minivllm import LLM, SamplingParams
-    from minivllm.teaching.checkpoints import make_tiny_model
     from minivllm.teaching.hf_check import assert_hf_greedy
 
-    model_dir = str(make_tiny_model(tempfile.mkdtemp(), "qwen3"))
+    model_dir = tiny_model("qwen3")
     hf = hf_model(model_dir)
     rng = random.Random(0)
     stems = [[rng.randrange(3, 300) for _ in range(12)] for _ in range(3)]
-    prompts = [stems[i % 3] + [rng.randrange(3, 300) for _ in range(1 + i % 4)] for i in (0, 1, 0, 2, 1, 0, 2, 2, 1)]
+    prompts = [stems[i % 3] + [rng.randrange(3, 300) for _ in range(1 + i % 4)] for i in (0, 1, 2, 0, 2, 1)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
     def run(allocator: BlockAllocator | None) -> tuple[list[list[int]], int]:

@@ -27,14 +27,13 @@ against. Slots no request owns hold junk (large values), as in a real pool, so r
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
-from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model
+from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model, tiny_model
 
 # fp32 attention over <= 64 keys of values |v| < 6: each output sums <= 64 products, so rounding stays
 # below 64 * 6 * 1.2e-7 ~ 5e-5 relative to the reference's own; 1e-4 leaves room and catches any real mistake.
@@ -210,12 +209,11 @@ def check_backend_in_engine(make_backend: Callable[[int, int, int], AttentionBac
     every returned logprob equals HF's log-softmax."""
     from minivllm import LLM, SamplingParams
     from minivllm.models.hf_config import load_model_spec
-    from minivllm.teaching.checkpoints import make_tiny_model
     from minivllm.teaching.hf_check import assert_hf_greedy
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
     for family in families:
-        model_dir = str(make_tiny_model(tempfile.mkdtemp(), family))
+        model_dir = tiny_model(family)
         spec = load_model_spec(model_dir)
         backend = make_backend(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
         who = f"{type(backend).__name__} (in the engine, tiny random {family})"

@@ -19,14 +19,13 @@ parameters. Then the engine runs the filter: seeded sampling must give the token
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from minivllm.layers.sampler import CheckedFilter, SamplingFilter, SamplingRow, SamplingTensors, TopKTopPMinP
-from minivllm.teaching.hands_on import AssignmentError, check_finished
+from minivllm.teaching.hands_on import AssignmentError, check_finished, tiny_model
 
 # Probabilities of a float32 softmax over V = 64 logits: rounding stays < 64 * 1.2e-7 relative; 1e-5 is far
 # above that and far below any mistake (a token wrongly kept or dropped moves others by >= 1e-3 here).
@@ -97,13 +96,13 @@ def _compare(who: str, name: str, rule: str, got: torch.Tensor, want: torch.Tens
 
 
 def check_filter_probes(make_filter: Callable[[], SamplingFilter], seed: int = 0) -> None:
-    """Each probe through the student's filter (wrapped in the engine's `CheckedFilter`), then 200 random
+    """Each probe through the student's filter (wrapped in the engine's `CheckedFilter`), then 100 random
     mixes, against the engine's `TopKTopPMinP`; raise `AssignmentError` naming the first rule broken."""
     checked, reference = CheckedFilter(make_filter()), TopKTopPMinP()
     who = type(checked.inner).__name__
     rng = torch.Generator().manual_seed(seed)
     probes = list(FILTER_PROBES)
-    for i in range(200):  # random mixes: any k, p and m, several rows at once
+    for i in range(100):  # random mixes: any k, p and m, several rows at once
         u = torch.rand(4, 2, generator=rng).tolist()  # top_p in [0.05, 1] (SamplingParams refuses 0), min_p in [0, 0.3]
         rows = tuple((int(torch.randint(0, VOCAB + 1, (), generator=rng)), round(0.05 + 0.95 * a, 2), round(0.3 * b, 2))
                      for a, b in u)
@@ -123,13 +122,12 @@ def check_filter_probes(make_filter: Callable[[], SamplingFilter], seed: int = 0
         _compare(who, probe.name, probe.rule, got.float(), reference(logits.clone(), t), probe.rows)
 
 
-def check_filter_in_engine(make_filter: Callable[[], SamplingFilter], max_tokens: int = 12) -> None:
+def check_filter_in_engine(make_filter: Callable[[], SamplingFilter], max_tokens: int = 8) -> None:
     """LLM(sampling_filter=...) on a tiny random model: seeded sampling with top-k, top-p and min-p (and a greedy
     row among them) gives exactly the default engine's tokens."""
     from minivllm import LLM, SamplingParams
-    from minivllm.teaching.checkpoints import make_tiny_model
 
-    model_dir = str(make_tiny_model(tempfile.mkdtemp(), "qwen3"))
+    model_dir = tiny_model("qwen3")
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [9] * 6, list(range(20, 37)), [40, 41, 42, 43], [3])]
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=100 + i, max_tokens=max_tokens,
                              ignore_eos=True)
