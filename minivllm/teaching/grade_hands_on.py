@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from minivllm.teaching.hands_on import Assignment, AssignmentError, load_student
+from minivllm.teaching.hands_on import Assignment, load_student
 
 
 def grade(assignment: Assignment, student: type | Callable, *, engine: bool = True) -> None:
@@ -34,16 +34,18 @@ def grade(assignment: Assignment, student: type | Callable, *, engine: bool = Tr
     `AssignmentError` (an AssertionError) naming the rule broken, or NotImplementedError if unwritten."""
     name = getattr(student, "__name__", "student")
     if assignment in (Assignment.ATTENTION, Assignment.KERNEL):
-        from minivllm.teaching.hands_on_attention import PROBES, check_backend_in_engine, check_backend_probes, kernel_backend
+        from minivllm.teaching.hands_on_attention import (PROBES, check_backend_in_engine, check_backend_probes,
+                                                          kernel_backend)
 
         make = student if assignment is Assignment.ATTENTION else kernel_backend(student)
         check_backend_probes(make, check_store=assignment is Assignment.ATTENTION)
-        print(f"✓ 1/2 {name}: {len(PROBES)} probes against naive_paged_attention ({', '.join(p.name for p in PROBES)})")
+        probes = ", ".join(p.name for p in PROBES)
+        print(f"✓ 1/2 {name}: {len(PROBES)} probes against naive_paged_attention ({probes})")
         if engine:  # Triton's interpreter runs a kernel ~100x slower than torch: one model, fewer tokens
             families = ("llama", "qwen3") if assignment is Assignment.ATTENTION else ("qwen3",)
             check_backend_in_engine(make, families, max_tokens=8 if assignment is Assignment.ATTENTION else 4)
-            print(f"✓ 2/2 {name}: in the engine, greedy tokens and logprobs equal HF's on tiny {' and '.join(families)} "
-                  "(chunked prefill, prefix-cache hits, decode)")
+            print(f"✓ 2/2 {name}: in the engine, greedy tokens and logprobs equal HF's on tiny "
+                  f"{' and '.join(families)} (chunked prefill, prefix-cache hits, decode)")
     elif assignment is Assignment.FILTER:
         from minivllm.teaching.hands_on_sampling import FILTER_PROBES, check_filter_in_engine, check_filter_probes
 

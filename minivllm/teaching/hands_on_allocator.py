@@ -65,7 +65,8 @@ def check_allocator_trace(make_allocator: Callable[[], BlockAllocator], num_trac
             want = getattr(lru, name)(*args)
             if got != want or list(student) != list(lru):
                 shown = f"returned {got!r}, LRU returns {want!r}; " if name == "take" else ""
-                raise AssignmentError(f"{who} broke a RULE: {CALL_RULES[name]}.\n  after {log[-1]}: {shown}free blocks, "
+                raise AssignmentError(f"{who} broke a RULE: {CALL_RULES[name]}.\n  after {log[-1]}: {shown}free "
+                                      f"blocks, "
                                       f"next first: {list(student)[:12]}, LRU's: {list(lru)[:12]}\n  calls: "
                                       f"{'; '.join(log[-12:])}")
             free[:] = list(lru)
@@ -160,7 +161,8 @@ def check_allocator_in_engine(make_allocator: Callable[[], BlockAllocator], max_
             assert_hf_greedy(hf, prompt, tokens)
         except AssertionError as error:
             raise AssignmentError(f"{who} broke a RULE: whichever block holds a token's K/V, the greedy tokens are "
-                                  f"HF transformers' (a block handed to two requests at once breaks this): {error}") from None
+                                  "HF transformers' (a block handed to two requests at once breaks this): "
+                                  f"{error}") from None
     if hits != lru_hits:
         raise AssignmentError(f"{who} broke a RULE: {CALL_RULES['take']}; the same requests hit the prefix cache for "
                               f"{hits} tokens, with the engine's LRU {lru_hits}")

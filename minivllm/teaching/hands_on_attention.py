@@ -38,7 +38,8 @@ from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model
 # fp32 attention over <= 64 keys of values |v| < 6: each output sums <= 64 products, so rounding stays
 # below 64 * 6 * 1.2e-7 ~ 5e-5 relative to the reference's own; 1e-4 leaves room and catches any real mistake.
 ATOL = 1e-4
-KernelFn = Callable[..., torch.Tensor]  # paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+# Assignment 2's function: paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+KernelFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ def _fail(who: str, probe: Probe, rule: str, detail: str) -> AssignmentError:
                            f"{list(probe.requests)}, heads {probe.heads}, block_size 4; {detail}")
 
 
-def check_backend_probes(make_backend: Callable[[int, int, int], AttentionBackend], *, check_store: bool = True) -> None:
+def check_backend_probes(make_backend: Callable[[int, int, int], AttentionBackend], *,
+                         check_store: bool = True) -> None:
     """Run every probe through `make_backend(num_heads, num_kv_heads, head_dim)`; raise `AssignmentError`
     naming the first rule broken."""
     for probe in PROBES:
@@ -165,8 +167,9 @@ def check_backend_probes(make_backend: Callable[[int, int, int], AttentionBacken
         diff = (got.float() - want).abs().nan_to_num(float("inf"))
         if float(diff.max()) > ATOL:
             row, col = divmod(int(diff.argmax()), want.shape[1])
+            nan = " (your output has NaN)" if bool(got.isnan().any()) else ""
             raise _fail(who, probe, probe.rule, f"largest difference {float(diff.max()):.3g} at row {row}, query "
-                        f"head {col // 16} (NaN counts as infinite)")
+                        f"head {col // 16}{nan}")
 
 
 class KernelBackend(AttentionBackend):
@@ -233,7 +236,8 @@ def check_backend_in_engine(make_backend: Callable[[int, int, int], AttentionBac
                 assert_hf_greedy(hf, prompt, tokens)
             except AssertionError as error:
                 raise AssignmentError(f"{who} broke a RULE: the engine's greedy tokens are HF transformers' argmax "
-                                      f"(teacher-forced) at every position; prompt of {len(prompt)} tokens: {error}") from None
+                                      f"(teacher-forced) at every position; prompt of {len(prompt)} tokens: "
+                                      f"{error}") from None
             with torch.no_grad():
                 ref = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
             for j, candidates in enumerate(out.outputs[0].logprobs):

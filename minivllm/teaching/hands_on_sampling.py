@@ -106,14 +106,15 @@ def check_filter_probes(make_filter: Callable[[], SamplingFilter], seed: int = 0
         u = torch.rand(4, 2, generator=rng).tolist()  # top_p in [0.05, 1] (SamplingParams refuses 0), min_p in [0, 0.3]
         rows = tuple((int(torch.randint(0, VOCAB + 1, (), generator=rng)), round(0.05 + 0.95 * a, 2), round(0.3 * b, 2))
                      for a, b in u)
-        probes.append(FilterProbe(f"random mix {i}", "the same tokens and probabilities as the engine's TopKTopPMinP", rows))
+        probes.append(FilterProbe(f"random mix {i}", "the same tokens and probabilities as the engine's TopKTopPMinP",
+                                  rows))
     for n, probe in enumerate(probes):
         logits, t = random_logits(len(probe.rows), seed + n, tie=probe.name == "top-k"), tensors_for(probe.rows)
         try:
             got = checked(logits.clone(), t)
         except AssertionError as error:  # FilterContractError: the seam's own rules
-            raise AssignmentError(f"{who} broke a RULE: {KEEP_RULE}.\n  probe '{probe.name}' {probe.rows}, which checks that "
-                                  f"{probe.rule}: {error}") from None
+            raise AssignmentError(f"{who} broke a RULE: {KEEP_RULE}.\n  probe '{probe.name}' {probe.rows}, which "
+                                  f"checks that {probe.rule}: {error}") from None
         except NotImplementedError:
             raise
         except Exception as error:  # a crash on this probe's rows: named by the probe's rule

@@ -56,7 +56,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     T, Hq, D = q.shape
     Hkv, block_size = k_cache.shape[2], k_cache.shape[1]
-    q = q.contiguous()  # the model hands q as a strided view (split from one projection); the kernel indexes rows densely
+    q = q.contiguous()  # the model hands q as a strided view (split from one projection); the kernel reads it densely
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
     query_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     row_seq = torch.repeat_interleave(torch.arange(len(query_lens), device=q.device), query_lens.long())  # (T,)
