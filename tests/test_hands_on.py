@@ -112,11 +112,11 @@ def test_every_starter_loads_and_is_reported_as_not_written_yet(assignment, caps
 
 
 def test_the_command_line_names_the_rule_and_exits_1(tmp_path, capsys):
-    path = planted(tmp_path, Assignment.FILTER, "mass_above = probs.cumsum(-1) - probs",
-                   "mass_above = probs.cumsum(-1)")
-    assert main(["filter", str(path), "--no-engine"]) == 1
-    assert "the token that crosses it included" in capsys.readouterr().out
-    assert main(["filter", str(SOLUTIONS / "sampling_filter.py"), "--no-engine"]) == 0
+    path = planted(tmp_path, Assignment.ATTENTION, "weights = scores.masked_fill(future, float(\"-inf\")).softmax(-1)",
+                   "weights = scores.softmax(-1)")
+    assert main(["attention", str(path), "--no-engine"]) == 1
+    assert "broke a RULE: causal" in capsys.readouterr().out
+    assert main(["attention", str(SOLUTIONS / "attention.py"), "--no-engine"]) == 0
     with pytest.raises(AssignmentError, match="define exactly one SamplingFilter subclass"):
         load_student(SOLUTIONS / "allocator.py", Assignment.FILTER)
 
