@@ -15,9 +15,10 @@ names the rule broken:
     2 GQA          query heads share KV heads: head h reads KV head h // (num_heads // num_kv_heads)
     3 last block   a context ending inside its last block: the slots after it are not the request's
     4 block table  blocks scattered over the pool: position p lives in block_tables[i][p // block_size]
-    5 causal       a prefill of several rows: each sees the keys up to its own position only
-    6 chunk        rows after a cached prefix: they are the LAST query_len positions of the context
-    7 batch        several requests in one flat batch: each reads its own rows and its own table
+    5 decode batch several requests, a row each: each reads its own row of q and of block_tables
+    6 causal       a prefill of several rows: each sees the keys up to its own position only
+    7 chunk        rows after a cached prefix: they are the LAST query_len positions of the context
+    8 mixed batch  prefill chunks and decode rows in one flat batch, each request its own context
 
 Each probe first checks the K/V store: the step's new k/v at `slot_mapping`, nothing else touched
 (not asked of a kernel: its `KernelBackend` stores them). The expected output is
@@ -64,13 +65,16 @@ PROBES = (
     Probe("block table", "position p's K/V live in physical block block_tables[i][p // block_size], at offset "
           "p % block_size: the blocks of a request are anywhere in the pool, in its table's order",
           ((9, 1),)),
+    Probe("decode batch", "several requests in one step: request i's rows are q[cu_seqlens_q[i]:cu_seqlens_q[i+1]] "
+          "(q is a strided view: index it by its strides, or make it contiguous), and its keys come through its own "
+          "row of block_tables", ((3, 1), (6, 1), (9, 1))),
     Probe("causal", "causal: the row at position p attends to keys 0 .. p only, never to a later row's",
           ((0, 7),)),
     Probe("chunk", "a request's rows are the LAST query_len positions of its context: row r sits at position "
           "context_len - query_len + r and attends to the cached prefix before it too (chunked prefill, "
           "prefix caching)", ((6, 5),)),
-    Probe("batch", "each request's rows (cu_seqlens_q[i] .. cu_seqlens_q[i+1]) attend to its own context "
-          "only, through its own row of block_tables", ((0, 5), (9, 1), (4, 3), (2, 1), (0, 1))),
+    Probe("mixed batch", "prefill chunks and decode rows side by side in one step: each request's rows attend to "
+          "its own context only, through its own row of block_tables", ((0, 5), (9, 1), (4, 3), (2, 1), (0, 1))),
 )
 STORE_RULE = ("forward stores each new row's k and v at its slot, meta.slot_mapping (flat slot = block * "
               "block_size + offset), in kv_cache[0] and kv_cache[1], and writes nowhere else")
