@@ -8,6 +8,9 @@
     scheduler_machine.py  the scheduler's hypothesis state machine, for any scheduling policy
     capstone.py           `grade_policy`: the capstone's grader (a scheduling policy)
     policy_behaviour.py   what a policy does under open-loop arrivals: priority, victim, bounded wait, state
+    hands_on.py           the hands-on track: assignments, a student's file loaded; grade_hands_on.py grades it
+    hands_on_attention.py the graders of a student's attention backend and Triton kernel (probes, then the engine);
+    hands_on_sampling.py  of a sampling filter; hands_on_allocator.py of a block allocator
     hf_check.py           `assert_hf_greedy`: the teacher-forced comparison with HF transformers
     tensor_parallel.py    what each rank holds and sends, asked of a running tensor-parallel engine
     step_cost.py          what a decode step costs: timed by the engine's counters, profiled op by op
