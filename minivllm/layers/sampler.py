@@ -79,7 +79,7 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
-    max_top_k: int  # the largest top_ks entry, known on the host: top-k's width without asking the device
+    max_top_k: int  # the largest top-k of the rows that set one (0: none), known on the host
 
     def select(self, rows: list[int]) -> "SamplingTensors":
         """The same parameters for a subset of the rows."""
@@ -103,7 +103,7 @@ class SamplingTensors:
             any_top_k=any(k < vocab_size for k in top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),
             any_min_p=any(p > 0.0 for p in min_ps),
-            max_top_k=max(top_ks, default=vocab_size),
+            max_top_k=max((k for k in top_ks if k < vocab_size), default=0),
         )
 
 
@@ -131,9 +131,12 @@ def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Filter (S, V) temperature-scaled logits: removed entries become -inf."""
     if t.any_top_k:
-        max_k = t.max_top_k  # the host's copy: `int(t.top_ks.max())` would wait for the GPU here
+        # The host's copy of the widest top-k (`int(t.top_ks.max())` would wait for the GPU), over the rows
+        # that set one: a row without top-k (V) would make this a sort of the whole vocabulary.
+        max_k = t.max_top_k
         top_vals = logits.topk(max_k, dim=-1).values  # (S, max_k), descending
         kth = top_vals.gather(1, (t.top_ks - 1).clamp(max=max_k - 1)[:, None])  # (S, 1)
+        kth = torch.where(t.top_ks[:, None] <= max_k, kth, float("-inf"))  # rows without top-k keep everything
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if t.any_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
