@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where cuda_check.json goes (default: $OUT, else ./cuda_check_out)")
     parser.add_argument("--budget-s", type=float, default=360, help="the whole run's wall-clock limit")
     parser.add_argument("--only", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--timeout", nargs="+", default=[], metavar="PART=S",
+                        help="a part's own timeout in seconds, e.g. kernel_tests=150 (still within the budget)")
     parser.add_argument("--dry-run", action="store_true", help="the machinery only: parts import, report nothing")
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # inside a part's process
     parser.add_argument("--model", default="", help=argparse.SUPPRESS)
@@ -245,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available() and not args.dry_run:
         raise SystemExit("no CUDA device: this script is the GPU check (pass --dry-run to check the script itself)")
+    timeouts = dict(PART_TIMEOUTS)
+    for item in args.timeout:
+        name, _, seconds = item.partition("=")
+        if name not in PARTS or not seconds.replace(".", "", 1).isdigit():
+            parser.error(f"--timeout {item!r}: write PART=SECONDS with PART one of {', '.join(PARTS)}")
+        timeouts[name] = float(seconds)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     results = []
@@ -256,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model = str(make_tiny_model(tmp, **BENCH_MODEL))
         for name in args.only:
-            timeout = part_timeout(PART_TIMEOUTS[name], args.budget_s - (time.perf_counter() - start))
+            timeout = part_timeout(timeouts[name], args.budget_s - (time.perf_counter() - start))
             if timeout is None:
                 results.append(PartResult(name, False, 0.0, skipped="the budget was spent"))
                 continue

@@ -50,10 +50,18 @@ def test_the_budget_cuts_each_timeout_and_skips_what_cannot_start():
     assert sum(cc.PART_TIMEOUTS.values()) <= 360  # the whole script within ~6 minutes
 
 
+def test_a_bad_timeout_is_refused_with_what_to_write(capsys):
+    cc = _cuda_check()
+    with pytest.raises(SystemExit):
+        cc.main(["--dry-run", "--timeout", "kernel_test=150"])
+    assert "write PART=SECONDS" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # five processes that each import torch and minivllm (~20 s on 2 cores)
 def test_a_dry_run_writes_the_summary_of_every_part(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_check.py"), "--dry-run", "--out",
-                          str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cuda_check.py"), "--dry-run", "--out", str(tmp_path),
+           "--timeout", "kernel_tests=150"]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     summary = json.loads((tmp_path / "cuda_check.json").read_text())
     cc = _cuda_check()
