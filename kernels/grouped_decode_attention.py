@@ -3,13 +3,13 @@
 Decode is memory-bound: a step reads every cached key and value of every request once and does
 ~2 flops per byte read. The two older decode kernels read more than that: `paged_attention` and
 `split_kv_decode` run one program per *query* head, so with G = Hq / Hkv query heads per KV head
-(GQA; G = 4 for Llama-3-8B, 8 for Qwen3's larger models) each KV block is fetched G times, and a
+(GQA; G = 4 for Llama-3-8B and Qwen3-8B) each KV block is fetched G times, and a
 decode row fills one of `tl.dot`'s 16 tile rows. Here the G query heads that share a KV head are the
 rows of one tile (padded up to 16, the least `tl.dot` takes), so a block is read once and the tile's
 rows do useful work:
 
     q of one request, (Hq, D), viewed as (Hkv, G, D)      K/V of KV head h: (context, D)
-         kv head h ─> rows  [q_hG, q_hG+1, .., q_hG+G-1, 0 .. 0]   (BLOCK_G = max(16, G) rows)
+         kv head h ─> rows  [q_hG, q_hG+1, .., q_hG+G-1, 0 .. 0]   (BLOCK_G = max(16, G) rows, a power of 2)
                             S = Q_h @ K_h^T : (BLOCK_G, keys)    O_h = softmax(S) @ V_h : (BLOCK_G, D)
 
 Keys are found through the request's block table, as in the other kernels, several blocks a loop
@@ -181,6 +181,8 @@ def grouped_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          "caches laid out alike (k_cache.stride() == v_cache.stride())")
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if keys_per_iter < 16 or keys_per_iter & (keys_per_iter - 1):
+        raise ValueError(f"keys_per_iter={keys_per_iter} must be a power of two >= 16 (a tl.dot side)")
     G = Hq // Hkv
     keys = max(keys_per_iter, B)  # whole blocks a loop iteration
     out = torch.empty(Bd, Hq, D, dtype=q.dtype, device=q.device)
