@@ -48,6 +48,17 @@ def test_matches_the_naive_reference(group, head_dim, block_size, dtype, num_spl
     run_case(group, head_dim, block_size, dtype, num_splits, window)
 
 
+@pytest.mark.parametrize("keys_per_iter", [16, 128])
+def test_any_number_of_keys_an_iteration_gives_the_same_answer(keys_per_iter):
+    """One block an iteration, or more keys than a split holds (the iteration masked past its split's end)."""
+    q, kc, vc, bt, cu, cl = make_batch([1] * len(CONTEXTS), CONTEXTS, 8, 2, 64, 16, torch.float32)
+    ref = naive_grouped_decode_attention(q, kc, vc, bt, cl, 0.125)
+    out = grouped_decode_attention(q, kc, vc, bt, cl, 0.125, 3, keys_per_iter=keys_per_iter)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="power of two"):
+        grouped_decode_attention(q, kc, vc, bt, cl, 0.125, 3, keys_per_iter=48)
+
+
 @pytest.mark.slow  # 80 cases, ~1 s each in the interpreter
 @pytest.mark.parametrize("group, head_dim, block_size, window",
                          list(itertools.product([1, 2, 4, 7, 8], [64, 128], [16, 32], [0, 24])))
