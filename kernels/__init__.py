@@ -3,7 +3,8 @@ reference it must match.
 
     kv_cache_write.py     store a step's new K/V into their paged slots
     paged_attention.py    one kernel for mixed batches: decode rows, prefill chunks, cached prefixes
-    split_kv_decode.py    flash-decoding for long contexts with few decode rows (+ the merge kernel)
+    grouped_decode_attention.py  decode steps: a KV head's G query heads as one tile, split-KV, one read a block
+    split_kv_decode.py    flash-decoding one query head a program (the grouped kernel's predecessor; its merge)
     sampling.py           temperature / top-k / top-p / min-p and a seeded Gumbel-max draw
     seeding.py            `noise_seed` (plain Python, no triton): the per-(seed, position) noise stream key
     rejection_sampling.py speculative decoding: accept drafts or draw from the residual distribution

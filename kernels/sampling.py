@@ -188,8 +188,9 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, cutoffs: tor
                   positions: list[int]) -> torch.Tensor:
     """Pass 2 alone: draw each row among its logits >= cutoff (temperature-scaled)."""
     S, V = logits.shape
-    keys = torch.tensor([_signed64(noise_seed(s, p)) for s, p in zip(seeds, positions)], dtype=torch.int64,
-                        device=logits.device)
+    keys = torch.tensor([_signed64(noise_seed(s, p)) for s, p in zip(seeds, positions)], dtype=torch.int64)
+    if logits.device.type == "cuda":  # from pinned memory, asynchronously: a pageable copy waits for the GPU
+        keys = keys.pin_memory().to(logits.device, non_blocking=True)
     out = torch.empty(S, dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(S,)](logits, temperatures, cutoffs, keys, out, V, logits.stride(0),
                                 BLOCK_V=min(4096, triton.next_power_of_2(V)))

@@ -19,6 +19,11 @@ and keys before ctx - W are masked; the blocks before are never read (the slidin
 
 One pass-1 program: one query row, one head, one range of blocks, with a scalar online softmax
 (one row cannot use tl.dot, which needs 16 rows, so scores are elementwise products summed over D).
+
+The step after it: grouped_decode_attention.py, what the Triton backend runs for decode steps now. Here the
+G query heads sharing a KV head each read its blocks (G reads a block), one block a loop iteration: on an
+H200 this kernel reached 5-9 % of copy bandwidth (docs/guides/benchmarks.md). The grouped kernel makes
+those G heads the rows of one tl.dot tile and reads several blocks an iteration; it reuses `_merge_kernel`.
 """
 
 from __future__ import annotations

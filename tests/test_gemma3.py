@@ -148,11 +148,15 @@ def test_the_cpu_decode_kernel_honours_the_window(gemma_dir, hf):
 
 
 @pytest.mark.slow  # ~15 s: the Triton interpreter
-def test_the_triton_kernels_honour_the_window(gemma_dir, hf):
-    """The Triton backend (the interpreter on CPU): paged attention over chunks, and split-KV decode (a context
-    of 8+ blocks with few rows), both with the window; blocks of 16 tokens, twice the window."""
+def test_the_triton_kernels_honour_the_window(gemma_dir, hf, monkeypatch):
+    """The Triton backend (the interpreter on CPU): paged attention over chunks, and the grouped decode kernel
+    cut into splits (a context of 9 blocks, few rows), both with the window; blocks of 16 tokens, twice the
+    window."""
+    from minivllm.kernels import grouped_decode_attention as gd
+
+    monkeypatch.setattr(gd, "MIN_KEYS_PER_SPLIT", 32)  # split these short contexts too (GPU: >= 128 keys a split)
     llm = gemma(gemma_dir, attention_backend="triton", block_size=16, max_num_batched_tokens=48)
-    long_prompt = varied_prompts(9, 384, seed=12)[-1] * 2  # 140 tokens: chunks, then split-KV decodes
+    long_prompt = varied_prompts(9, 384, seed=12)[-1] * 2  # 140 tokens: chunks, then split decodes
     greedy_ok(llm, hf, [long_prompt, long_prompt[:20] + [5, 6]], SamplingParams(temperature=0, max_tokens=4,
                                                                                  ignore_eos=True))
     assert llm.get_stats().prefix_cache_hits == 16

@@ -23,16 +23,17 @@ def triton_llm(model_factory):
 
 
 def test_greedy_matches_hf_with_chunks_prefix_hits_and_split_kv(triton_llm, hf_factory, monkeypatch):
-    from minivllm.kernels import split_kv_decode
+    from minivllm.kernels import grouped_decode_attention as gd
 
     calls = {"split": 0}
-    original = split_kv_decode.split_kv_decode
+    original = gd.grouped_decode_attention
 
-    def counting(*args, **kwargs):
-        calls["split"] += 1
-        return original(*args, **kwargs)
+    def counting(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, *args):
+        calls["split"] += num_splits > 1
+        return original(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, *args)
 
-    monkeypatch.setattr(split_kv_decode, "split_kv_decode", counting)
+    monkeypatch.setattr(gd, "grouped_decode_attention", counting)
+    monkeypatch.setattr(gd, "MIN_KEYS_PER_SPLIT", 32)  # split these short contexts too (GPU: >= 128 keys a split)
     long_prompt = varied_prompts(9, 384, seed=11)[-1] * 2  # 140 tokens: chunked, then split-KV decodes
     # a short request decodes while the long one prefills (mixed steps); the third hits the cache
     prompts = [[3, 4, 5], long_prompt, long_prompt[:40] + [7, 8, 9]]

@@ -11,9 +11,8 @@ its grid, its scalars. So a graph can only serve a step that
     (`input_ids`, `positions`, `slot_mapping`, `context_lens`, `block_tables`) that the graph reads;
   * has the same number of rows: one graph per size (the compiled forward's sizes), the step padded up;
   * launches nothing whose grid or scalars depend on this step's lengths. Attention reads each row's
-    context length and block table inside the kernel, so one launch serves every length: the one-pass
-    paged kernel (a tile per row), or split-KV with a split count chosen from the rows alone
-    (`TritonAttentionBackend.prepare_cuda_graph`).
+    context length and block table inside the kernel, so one launch serves every length: the grouped
+    decode kernel with a split count chosen from the rows alone (`TritonAttentionBackend.prepare_cuda_graph`).
 
     static buffers (max size N)           graph for 4 rows reads rows 0..3
     input_ids     [ t0 t1 t2 | 0 | ... ]   3 requests decode: rows 0..2 are theirs,

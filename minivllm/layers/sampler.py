@@ -16,6 +16,12 @@ whatever else is in the batch, and a recomputed (preempted) request redraws the 
 
 top-p needs a sort of the row; it runs only when some row asks for top-p < 1.
 
+On a GPU the whole call stays on the device: nothing in it reads a tensor back to the host (top-k's
+width is the host's `max_top_k`; the Gumbel streams are seeded from Python ints), so a step's one
+device-to-host copy is the sampled ids the engine reads with `.tolist()` (tests/test_sampler_syncs.py;
+benchmarks/cuda_check.py checks both samplers under torch's sync debug mode). A `sampling_filter` of
+your own is checked by `CheckedFilter`, which does read one flag back a step.
+
 Every argmax here is `argmax_rows`: on CPU, torch's argmax along a row is not vectorised (0.44 ms for
 32 x 32000 fp32 on an AMD EPYC core pair, ~3 % of a 32-row bf16 decode step) while its max is (0.05 ms).
 So the row is cut into blocks of 128: the max of each block (fast), the first block holding the row's
@@ -73,13 +79,14 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    max_top_k: int  # the largest top-k of the rows that set one (0: none), known on the host
 
     def select(self, rows: list[int]) -> "SamplingTensors":
         """The same parameters for a subset of the rows."""
         idx = torch.tensor(rows, device=self.temperatures.device)
         return SamplingTensors(self.temperatures[idx], self.top_ks[idx], self.top_ps[idx], self.min_ps[idx],
                                [self.seeds[i] for i in rows], [self.positions[i] for i in rows], self.all_greedy,
-                               self.any_top_k, self.any_top_p, self.any_min_p)
+                               self.any_top_k, self.any_top_p, self.any_min_p, self.max_top_k)
 
     @classmethod
     def from_params(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingTensors":
@@ -96,6 +103,7 @@ class SamplingTensors:
             any_top_k=any(k < vocab_size for k in top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),
             any_min_p=any(p > 0.0 for p in min_ps),
+            max_top_k=max((k for k in top_ks if k < vocab_size), default=0),
         )
 
 
@@ -123,9 +131,12 @@ def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Filter (S, V) temperature-scaled logits: removed entries become -inf."""
     if t.any_top_k:
-        max_k = int(t.top_ks.max())
+        # The host's copy of the widest top-k (`int(t.top_ks.max())` would wait for the GPU), over the rows
+        # that set one: a row without top-k (V) would make this a sort of the whole vocabulary.
+        max_k = t.max_top_k
         top_vals = logits.topk(max_k, dim=-1).values  # (S, max_k), descending
         kth = top_vals.gather(1, (t.top_ks - 1).clamp(max=max_k - 1)[:, None])  # (S, 1)
+        kth = torch.where(t.top_ks[:, None] <= max_k, kth, float("-inf"))  # rows without top-k keep everything
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if t.any_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)

@@ -28,15 +28,15 @@ def graphed(model_factory):
 def test_decode_steps_replay_graphs_and_match_hf(graphed, hf_factory, monkeypatch):
     """Three requests of different lengths: a long prompt's chunks run beside the others' decodes (mixed
     steps: no graph), then decodes of 3 rows (padded to 4), 2 and 1 replay their graphs, each size
-    recorded once. Padding rows sit in rows real requests used in earlier steps. The graphs of 1 and 2
-    rows use split-KV (few rows x heads), that of 4 rows the one-pass kernel."""
-    from minivllm.kernels import split_kv_decode
+    recorded once. Padding rows sit in rows real requests used in earlier steps. Each graph runs the grouped
+    decode kernel with its split count from the rows alone (8 "SMs" on CPU, 2 KV heads: 8, 4 and 2 splits)."""
+    from minivllm.kernels import grouped_decode_attention as gd
 
     graphs = graphed.llm_engine.model_runner.cuda_graphs
-    split_rows = []
-    original = split_kv_decode.split_kv_decode
-    monkeypatch.setattr(split_kv_decode, "split_kv_decode",
-                        lambda q, *args: split_rows.append(q.shape[0]) or original(q, *args))
+    splits = {}  # rows -> split counts seen
+    original = gd.grouped_decode_attention
+    monkeypatch.setattr(gd, "grouped_decode_attention", lambda q, kc, vc, bt, cl, scale, n, *args:
+                        splits.setdefault(q.shape[0], set()).add(n) or original(q, kc, vc, bt, cl, scale, n, *args))
     long_prompt = varied_prompts(9, 384, seed=11)[-1]  # 70 tokens: two chunks
     prompts = [[3, 4, 5], [6, 7, 8, 9], long_prompt]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 7, 10)]
@@ -45,11 +45,11 @@ def test_decode_steps_replay_graphs_and_match_hf(graphed, hf_factory, monkeypatc
         assert_hf_greedy(hf_factory("qwen3"), p, o.outputs[0].token_ids)
     assert sorted(graphs.graphs) == [1, 2, 4]
     assert graphs.num_replays >= 5
-    assert set(split_rows) == {1, 2}  # never for 4 rows, nor in the eager (short-context) steps
-    # A real graph reads the tensors of its metadata and plan where they were when it was recorded: the
-    # runner keeps them (on an H200 the freed tile lists of the 4-row plan were reused: illegal access).
+    assert splits == {1: {8}, 2: {4}, 4: {2}}  # eager decode-only steps never ran: every one replayed
+    # A real graph reads the tensors of its metadata where they were when it was recorded: the runner keeps
+    # them (on an H200 the freed tile lists of a 4-row plan were reused: illegal access).
     four = graphs.metadata[4]
-    assert four.plan.tiles is not None and four.plan.tiles[0].tolist() == [0, 1, 2, 3]
+    assert four.plan.tiles is None and four.plan.num_splits == 2
     assert sorted(graphs.metadata) == [1, 2, 4] and four.block_tables.data_ptr() == graphs.block_tables.data_ptr()
     assert graphed.get_stats().num_mixed_steps > 0
 
@@ -99,13 +99,13 @@ def _padded_triton_llm(model_factory, max_num_batched_tokens: int = 64) -> LLM:
 
 
 def test_split_kv_decode_skips_padding_rows_without_graphs(model_factory, hf_factory, monkeypatch):
-    """Three long decodes padded to 4 rows take split-KV outside a graph: the kernel must see only the
-    3 requests' rows (the padding row has no block table or length; reading them was out of bounds)."""
-    from minivllm.kernels import split_kv_decode
+    """Three long decodes padded to 4 rows take the grouped split-KV kernel outside a graph: the kernel must see
+    only the 3 requests' rows (the padding row has no block table or length; reading them was out of bounds)."""
+    from minivllm.kernels import grouped_decode_attention as gd
 
     rows = []
-    original = split_kv_decode.split_kv_decode
-    monkeypatch.setattr(split_kv_decode, "split_kv_decode",
+    original = gd.grouped_decode_attention
+    monkeypatch.setattr(gd, "grouped_decode_attention",
                         lambda q, *args: rows.append(q.shape[0]) or original(q, *args))
     prompts = [[(7 * i + 5 * j) % 380 + 3 for j in range(130 + i)] for i in range(3)]  # 9 blocks each: split-KV
     assert min(map(len, prompts)) >= 129

@@ -19,6 +19,7 @@ import torch
 LAUNCHERS = {
     "minivllm.kernels.paged_attention": ("paged_attention",),
     "minivllm.kernels.split_kv_decode": ("split_kv_decode",),
+    "minivllm.kernels.grouped_decode_attention": ("grouped_decode_attention",),
     "minivllm.kernels.kv_cache_write": ("kv_cache_write",),
     "minivllm.kernels.sampling": ("compute_cutoffs", "gumbel_argmax", "triton_sample"),
     "minivllm.kernels.rejection_sampling": ("triton_rejection_sample",),
