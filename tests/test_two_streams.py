@@ -30,9 +30,9 @@ def greedy(n: int) -> SamplingParams:
 
 
 def test_the_second_joins_while_the_first_decodes(async_engine):
-    result = asyncio.run(two_streams(async_engine, PROMPTS, (greedy(12), greedy(12)), join_after=3))
+    result = asyncio.run(two_streams(async_engine, PROMPTS, (greedy(40), greedy(8)), join_after=3))
     assert result.joined_while_decoding and result.first_tokens_at_join >= 3
-    assert result.tokens("first")[-1] == 12 and result.tokens("second")[-1] == 12
+    assert result.tokens("first")[-1] == 40 and result.tokens("second")[-1] == 8
     first_after_join = [i for i, e in enumerate(result.events) if e.caller == "first" and e.tokens > 3]
     assert any(e.caller == "second" for e in result.events[:first_after_join[-1]])  # interleaved
     assert "joined while first was decoding" in result.describe()
