@@ -108,8 +108,9 @@ def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY, wait
             shutil.rmtree(leftover, ignore_errors=True)
         staging = root / f"{name}.building-{os.getpid()}"
         staging.mkdir()
-        with _progress(f"minivllm: compiling the C++ CPU kernels for this CPU (first use with these sources; "
-                       f"~20-70 s on 2 cores, later starts load them at once) into {build_dir}"):
+        # Short lines: a notebook that happens to build them shows this message on the docs site.
+        with _progress(f"minivllm: compiling the C++ CPU kernels for this CPU (first use with these\n"
+                       f"  sources; ~20-70 s on 2 cores, later starts load them at once)\n  into {build_dir}"):
             _load(name, cflags, library, staging)
         staging.rename(build_dir)
 

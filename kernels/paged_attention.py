@@ -73,10 +73,16 @@ def naive_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_q_ptr, ctx_ptr, tile_seq_ptr, tile_start_ptr,
-    scale, stride_bt,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr, out_ptr,  # (T, Hq, D): the step's flat query rows, and where their outputs go
+    k_cache_ptr, v_cache_ptr,  # (num_blocks, BLOCK_SIZE, Hkv, D): the paged pool
+    block_tables_ptr, stride_bt,  # (num_seqs, max_blocks) int32, and its row stride
+    cu_q_ptr, ctx_ptr,  # cu_seqlens_q (num_seqs + 1,) and context_lens (num_seqs,)
+    tile_seq_ptr, tile_start_ptr,  # (num_tiles,): each tile's request and first row (plan_tiles)
+    scale,  # the softmax scale, head_dim ** -0.5
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,  # D, and D padded to a power of two
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,  # keys per KV block; query rows per tile
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (exact), "tf32" for 16-bit inputs
     WINDOW: tl.constexpr,  # > 0: a row sees its last WINDOW keys only (a sliding-window layer)
 ):
     tile = tl.program_id(0)
@@ -109,9 +115,11 @@ def _paged_attention_kernel(
     for j in range(j_lo, tl.cdiv(kv_end, BLOCK_SIZE)):
         # --- block table -> physical block -> (BLOCK_SIZE, D) keys and values ---
         phys = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
-        kv_offs = ((phys * BLOCK_SIZE + slots)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
+        kv_offs = (((phys * BLOCK_SIZE + slots)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM
+                   + d[None, :])  # (BLOCK_SIZE, D): the block's slots, head kv_head
         k_pos = j * BLOCK_SIZE + slots
-        # slots past the context are never read: a stale NaN there would survive a weight of 0 (0 * NaN)
+        # slots past the context are never read: a stale NaN there would survive a weight of 0
+        # (0 * NaN = NaN)
         kv_ok = (k_pos < ctx)[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_ok, other=0.0)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_ok, other=0.0)
@@ -132,7 +140,8 @@ def _paged_attention_kernel(
 
     # --- normalise and store ---
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 def plan_tiles(query_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
@@ -165,8 +174,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if tile_seq.numel() == 0:
         return out
     _paged_attention_kernel[(tile_seq.numel(), Hq)](
-        q.contiguous(), k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, tile_seq, tile_start,
-        scale, block_tables.stride(0),
+        q.contiguous(), out, k_cache, v_cache, block_tables, block_tables.stride(0), cu_seqlens_q, context_lens,
+        tile_seq, tile_start, scale,
         NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_DIM_P=max(16, triton.next_power_of_2(D)),
         BLOCK_SIZE=B, BLOCK_M=block_m, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WINDOW=window,

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -157,6 +159,20 @@ def test_site_has_every_section(site):
         assert "data:image/png;base64" in html, f"{nb.stem} rendered no figure"
         # tqdm.auto's warning without ipywidgets (filtered in each notebook's first cell)
         assert "Please update jupyter and ipywidgets" not in html, f"{nb.stem} shows tqdm's IProgress warning"
+
+
+MAX_PRINTED_LINE = 100  # what an output block shows at the site's width without scrolling
+_OUTPUT_TEXT = re.compile(r'<div class="jp-RenderedText jp-OutputArea-output"[^>]*>\s*<pre>(.*?)</pre>', re.S)
+
+
+def test_printed_lines_fit_the_site(site):
+    """Every line a notebook printed (stdout, stderr, a cell's value), as executed by the build."""
+    for nb in NOTEBOOKS:
+        html = (site / "notebooks" / nb.stem / "index.html").read_text()
+        printed = [unescape(re.sub(r"<[^>]+>", "", block)) for block in _OUTPUT_TEXT.findall(html)]
+        assert printed, f"{nb.stem}: no printed output found (has the site's HTML changed?)"
+        wide = [line for block in printed for line in block.splitlines() if len(line) > MAX_PRINTED_LINE]
+        assert not wide, f"{nb.stem}: printed lines over {MAX_PRINTED_LINE} characters scroll on the site: {wide[:2]}"
 
 
 def _chromium() -> str | None:

@@ -15,6 +15,9 @@
     tensor_parallel.py    what each rank holds and sends, asked of a running tensor-parallel engine
     step_cost.py          what a decode step costs: timed by the engine's counters, profiled op by op
     cost_viz.py           pictures of those costs: the step split, the costliest ops, the roofline
+    measured_words.py     sentences from measured numbers: a share in words, how busy the machine is
+    kernel_walkthrough.py the paged-attention kernel's source in pieces, its online softmax replayed
+    two_streams.py        notebook 10's two streaming callers, every wait bounded
 
 The dependency goes one way: this package imports the engine, the engine never imports it (checked
 by tests/test_layering.py; the one exception is the `minivllm bench` command, which times a tiny

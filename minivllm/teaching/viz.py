@@ -259,10 +259,11 @@ def plot_distributions(series: Mapping[str, Sequence[float]], labels: Sequence[s
 
 def plot_weight_shards(shapes: Mapping[str, tuple[int, int]], slices: Mapping[str, Sequence[WeightSlice | None]],
                        ax: Any = None, title: str = "") -> Any:
-    """Weight matrices side by side, drawn to scale (rows = output features, columns = input
-    features), each part coloured by the rank that holds it. `slices[name][r]` is rank r's
-    `WeightSlice` (`ShardLayout.checkpoint_slice`); None, or the same slice on every rank, is drawn
-    as held by every rank (replicated)."""
+    """Weight matrices side by side, drawn to scale (a linear layer's rows are its output features and
+    its columns its input features; an embedding's rows are token ids and its columns the hidden
+    size: a table looked up, not multiplied), each part coloured by the rank that holds it.
+    `slices[name][r]` is rank r's `WeightSlice` (`ShardLayout.checkpoint_slice`); None, or the same
+    slice on every rank, is drawn as held by every rank (replicated)."""
     everyone = "0.75"
     gap = 0.6 * max(cols for _, cols in shapes.values())
     width = sum(cols for _, cols in shapes.values()) + gap * (len(shapes) - 1)
@@ -287,8 +288,8 @@ def plot_weight_shards(shapes: Mapping[str, tuple[int, int]], slices: Mapping[st
         x += cols + gap
     ax.set(xlim=(-gap / 4, width + gap / 4), ylim=(tallest * 1.02, -head), aspect="equal", xticks=[], yticks=[])
     ax.spines[:].set_visible(False)  # no frame: each matrix has its own edge
-    ax.set_xlabel("columns = input features (every matrix to the same scale)", fontsize=10)
-    ax.set_ylabel("rows = output features", fontsize=10)
+    ax.set_xlabel("columns: input features; an embedding's: the hidden size (all to one scale)", fontsize=10)
+    ax.set_ylabel("rows: output features;\nan embedding's: token ids", fontsize=10)
     handles = [_patch(_TAB10[r % 10]) for r in range(ranks)] + ([_patch(everyone)] if replicated else [])
     labels = [f"rank {r}" for r in range(ranks)] + (["every rank (replicated)"] if replicated else [])
     _legend_below(ax, handles, labels)
