@@ -46,10 +46,10 @@ def test_greedy_matches_hf_with_chunks_mixed_batches_and_preemption(hybrid_dir, 
     assert pool.num_free == pool.num_pairs  # every slot released
 
 
-def test_prefix_caching_is_off_and_speculation_refused(hybrid_dir, capsys):
+def test_prefix_caching_is_on_and_speculation_refused(hybrid_dir, capsys):
     llm = hybrid(hybrid_dir)
-    assert not llm.llm_engine.config.enable_prefix_caching
-    assert "prefix caching is off" in capsys.readouterr().err
+    assert llm.llm_engine.config.enable_prefix_caching  # with state snapshots (tests/test_hybrid_prefix_cache.py)
+    assert "a state snapshot every" in capsys.readouterr().err
     with pytest.raises(ValueError, match="speculative"):
         hybrid(hybrid_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 

@@ -196,10 +196,14 @@ class ModelRunner:
         if pool is None:
             return None
         seqs = [s.seq for s in plan.scheduled]
+        # prefix caching: which states the step keeps (at the stride's prompt positions), and where
+        offsets, staging = pool.cache.step_snapshots(plan.scheduled) if pool.cache else ([() for _ in seqs], [])
         return LinearAttnSlots(
             state_slots=torch.tensor([pool.read_slot(s) for s in seqs], dtype=torch.int64, device=dev),
             has_initial_state=torch.tensor([s.start > 0 for s in plan.scheduled], device=dev),
-            write_slots=torch.tensor([pool.write_slot(s) for s in seqs], dtype=torch.int64, device=dev))
+            write_slots=torch.tensor([pool.write_slot(s) for s in seqs], dtype=torch.int64, device=dev),
+            snapshot_slots=torch.tensor(staging, dtype=torch.int64, device=dev),
+            snapshot_offsets=offsets)
 
     # --- 2. forward (every rank) ---------------------------------------------------------------
     @torch.inference_mode()
@@ -214,9 +218,11 @@ class ModelRunner:
         if meta.sliding is not None:
             self.backend.prepare(meta.sliding)
         if self.state_pool is not None:  # hybrid: linear-attention layers read/write state slots
-            slots = inputs.linear_attn
+            slots, cache = inputs.linear_attn, self.state_pool.cache
             state = LinearAttnMetadata(slots.state_slots, slots.has_initial_state, self.state_pool.conv_pools,
-                                       self.state_pool.recurrent_pools, slots.write_slots)
+                                       self.state_pool.recurrent_pools, slots.write_slots,
+                                       [list(o) for o in slots.snapshot_offsets], slots.snapshot_slots,
+                                       cache.conv_pools if cache else [], cache.recurrent_pools if cache else [])
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches, self.backend, state)
         elif self.cuda_graphs is not None and self.cuda_graphs.can_run(len(inputs.input_ids), meta):
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, meta, self._forward)  # a decode replayed

@@ -20,7 +20,11 @@ goes through the step's undo log like the blocks.
     pair p = physical slots (2p, 2p + 1);  published = 2p + current[p];  staging = the other one
 
 A request with n > 1 reserves n pairs at admission; its forked children take them at the fork, and
-their published state is a copy of the parent's (the only copy ever made).
+their published state is a copy of the parent's.
+
+Prefix caching (engine/state_cache.py): a request admitted with a cached prefix starts from the
+snapshot at the prefix's end, copied into the published slot of its new pair at admission (the pair
+was free: nobody reads that slot, and a rollback frees the pair again).
 """
 
 from __future__ import annotations
@@ -29,12 +33,15 @@ import torch
 
 from minivllm.engine.kv_cache import zeros
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.state_cache import StateCache
+from minivllm.engine.step_types import ScheduledSequence
 from minivllm.engine.undo_log import UndoLog
 from minivllm.models.hf_config import ModelSpec
 
 
 class StatePool:
-    def __init__(self, spec: ModelSpec, num_pairs: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, num_pairs: int, dtype: torch.dtype, device: torch.device,
+                 cache: StateCache | None = None) -> None:
         la = spec.linear_attn
         assert la is not None, "only hybrid models have linear-attention state"
         n = 2 * num_pairs  # physical slots
@@ -48,6 +55,7 @@ class StatePool:
         self.current = [0] * num_pairs  # which slot of each pair holds the published state
         self.free: list[int] = list(range(num_pairs - 1, -1, -1))  # a stack: pop() takes pair 0 first
         self.undo: UndoLog | None = None  # the scheduler's open transaction, if any
+        self.cache = cache  # prefix caching's snapshots (None: prefix caching off)
 
     @property
     def num_free(self) -> int:
@@ -68,6 +76,8 @@ class StatePool:
             return
         self._record(seq)
         seq.state_slots = [self.free.pop() for _ in range(1 + seq.num_forks_pending)]
+        if seq.num_computed_tokens:  # a prefix hit (the block manager checked a snapshot is there)
+            self.cache.load(seq, self.conv_pools, self.recurrent_pools, self.read_slot(seq), self.undo)
 
     def release(self, seq: Sequence) -> None:
         if seq.state_slots is None:
@@ -94,6 +104,11 @@ class StatePool:
         """Commit: the state the step wrote into the staging slot becomes the published one."""
         pair = seq.state_slots[0]
         self.current[pair] ^= 1
+
+    def publish_snapshots(self, scheduled: list[ScheduledSequence]) -> None:
+        """Commit: the states the step kept at its stride positions join the prefix cache (if on)."""
+        if self.cache is not None:
+            self.cache.publish(scheduled)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Hand the child one of the pairs its parent reserved, holding a copy of the parent's state."""

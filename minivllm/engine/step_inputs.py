@@ -4,7 +4,8 @@
     attn_metadata                   where their K/V go and what each row attends to (layers/attention.py)
     logits_indices         (S + P,) the hidden rows that get logits: the S sampled rows, then the P
                                     prompt rows whose logprobs were asked (engine/sampling_metadata.py)
-    linear_attn            hybrid models: each row group's state slots (engine/state_pool.py)
+    linear_attn            hybrid models: each row group's state slots (engine/state_pool.py) and the
+                           snapshots the step keeps (engine/state_cache.py)
     attn_metadata.sliding  models with sliding-window layers: their group's slots and tables
                                     (`sliding_metadata`, engine/kv_cache_groups.py)
 
@@ -36,6 +37,12 @@ class LinearAttnSlots(NamedTuple):
     state_slots: torch.Tensor  # (B,) int64: the published slot it reads
     has_initial_state: torch.Tensor  # (B,) bool: False where the request starts now (nothing to read)
     write_slots: torch.Tensor  # (B,) int64: the staging slot its new state goes to
+    snapshot_slots: torch.Tensor  # (K,) int64: the state cache's staging slots for the step's snapshots
+    snapshot_offsets: tuple[tuple[int, ...], ...]  # per row group: rows after which a snapshot is kept
+
+    def to(self, device: torch.device) -> "LinearAttnSlots":
+        return LinearAttnSlots(self.state_slots.to(device), self.has_initial_state.to(device),
+                               self.write_slots.to(device), self.snapshot_slots.to(device), self.snapshot_offsets)
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class StepInputs:
         if here.type == device.type and device.index in (None, here.index):  # "cuda" names cuda:0 too
             return self
         meta = _metadata_to(self.attn_metadata, device)
-        slots = LinearAttnSlots(*(t.to(device) for t in self.linear_attn)) if self.linear_attn is not None else None
+        slots = self.linear_attn.to(device) if self.linear_attn is not None else None
         return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, self.logits_indices.to(device),
                           self.num_sampled, slots)
 

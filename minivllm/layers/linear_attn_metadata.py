@@ -19,11 +19,17 @@ into each request's STAGING slot — the other slot of its pair (engine/state_po
 commit makes that slot the published one by flipping a bit. A failed or rolled-back step leaves
 every published state as it was (the KV cache's "uncomputed slots" trick does not apply: a state is
 overwritten, not appended to). Without `write_slots` the new states are only returned.
+
+Snapshots (prefix caching, engine/state_cache.py). `snapshot_offsets[i]` asks for request i's states
+after that many of its rows (the prompt positions that are multiples of the cache's stride); each
+layer hands them to `store_snapshots`, which writes them into the state cache's STAGING slots
+`snapshot_slots`, in order (request by request). The commit copies them into the cache proper, so a
+failed step changes nothing there either.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -43,12 +49,24 @@ class LinearAttnMetadata:
     conv_pools: list[torch.Tensor]  # per linear-attention layer, in layer order: (num_slots, conv_dim, K-1)
     recurrent_pools: list[torch.Tensor]  # per linear-attention layer: (num_slots, Hv, Dk, Dv)
     write_slots: torch.Tensor | None = None  # (B,) int64, where the new states go (never a read slot)
+    snapshot_offsets: list[list[int]] | None = None  # per request: row counts after which to keep the state
+    snapshot_slots: torch.Tensor | None = None  # (K,) int64, the K snapshots' staging slots, in order
+    snapshot_conv_pools: list[torch.Tensor] = field(default_factory=list)  # per layer: (S, conv_dim, K-1)
+    snapshot_recurrent_pools: list[torch.Tensor] = field(default_factory=list)  # per layer: (S, Hv, Dk, Dv)
 
     def store(self, layer: int, new: LinearAttnState) -> None:
         """Write the `layer`-th linear-attention layer's new states into the staging slots."""
         if self.write_slots is not None:
             self.conv_pools[layer][self.write_slots] = new.conv.to(self.conv_pools[layer].dtype)
             self.recurrent_pools[layer][self.write_slots] = new.recurrent.to(self.recurrent_pools[layer].dtype)
+
+    def store_snapshots(self, layer: int, snapshots: LinearAttnState) -> None:
+        """Write the `layer`-th linear-attention layer's K snapshots (conv (K, conv_dim, K-1), recurrent
+        (K, Hv, Dk, Dv)) into their staging slots."""
+        if self.snapshot_slots is not None and len(self.snapshot_slots):
+            conv, recurrent = self.snapshot_conv_pools[layer], self.snapshot_recurrent_pools[layer]
+            conv[self.snapshot_slots] = snapshots.conv.to(conv.dtype)
+            recurrent[self.snapshot_slots] = snapshots.recurrent.to(recurrent.dtype)
 
     def initial_state(self, layer: int) -> LinearAttnState:
         """The starting states of the `layer`-th linear-attention layer, gathered for the batch. Indexing
