@@ -73,7 +73,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if spec.linear_attn:  # (before the executor: on a GPU the KV pool is sized from what is left)
         cache = (StateCache(resolved.state_cache, spec, c.block_size, resolved.dtype, resolved.device)
                  if resolved.state_cache is not None else None)
-        state_pool = StatePool(spec, c.max_num_seqs, resolved.dtype, resolved.device, cache)
+        state_pool = StatePool(spec, c.max_num_seqs, resolved.dtype, resolved.device, cache,
+                               resolved.num_speculative_tokens)
     executor = MultiprocExecutor(resolved) if c.tensor_parallel_size > 1 else UniProcExecutor(resolved, state_pool)
     try:
         runner = executor.runner

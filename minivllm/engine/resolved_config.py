@@ -10,7 +10,8 @@ turns it into what this engine will do, with the checkpoint and the machine at h
                         prefill); a larger value is refused with what to lower
     prefix caching      a hybrid model's needs its state cache (`StateCacheConfig`: stride, snapshots,
                         bytes; engine/state_cache.py), sized here with a line saying what it reserves
-    speculative_config  parsed and checked (`SpeculativeConfig`); refused for a hybrid model
+    speculative_config  parsed and checked (`SpeculativeConfig`); a hybrid model's state pool keeps a
+                        candidate state per draft (engine/state_pool.py)
     eos_token_ids       the checkpoint's and the tokenizer's
     batch_invariant     refused where "auto" chose CUDA, and for a hybrid model (its chunked linear
                         attention sums in an order set by the chunking)
@@ -56,7 +57,7 @@ def resolve_config(config: EngineConfig, spec: ModelSpec, tokenizer_eos_token_id
     eos = set(spec.eos_token_ids)
     if tokenizer_eos_token_id is not None:
         eos.add(tokenizer_eos_token_id)
-    config = _limits(_hybrid_limits(config, spec), spec)
+    config = _limits(config, spec)
     speculative = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config is not None else None
     state_cache = None
     if spec.linear_attn is not None and config.enable_prefix_caching:
@@ -90,17 +91,6 @@ def _check_batch_invariant(config: EngineConfig, spec: ModelSpec, device: torch.
         raise ValueError(f"batch_invariant=True with {spec.architecture}: its linear-attention layers run the chunked "
                          "gated delta rule, whose sums depend on how the prompt was chunked; use a Llama, Qwen2 or "
                          "Qwen3 model, or batch_invariant=False")
-
-
-def _hybrid_limits(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
-    """What a hybrid model (linear-attention layers with a recurrent state) cannot do here."""
-    if spec.linear_attn is None:
-        return config
-    if config.speculative_config is not None:
-        raise ValueError(f"{spec.architecture} has linear-attention layers: speculative decoding would have to "
-                         "roll their recurrent state back past rejected drafts, which minivllm does not do; "
-                         "drop speculative_config")
-    return config
 
 
 def _limits(config: EngineConfig, spec: ModelSpec) -> EngineConfig:

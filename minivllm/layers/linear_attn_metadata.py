@@ -20,11 +20,13 @@ commit makes that slot the published one by flipping a bit. A failed or rolled-b
 every published state as it was (the KV cache's "uncomputed slots" trick does not apply: a state is
 overwritten, not appended to). Without `write_slots` the new states are only returned.
 
-Snapshots (prefix caching, engine/state_cache.py). `snapshot_offsets[i]` asks for request i's states
-after that many of its rows (the prompt positions that are multiples of the cache's stride); each
-layer hands them to `store_snapshots`, which writes them into the state cache's STAGING slots
-`snapshot_slots`, in order (request by request). The commit copies them into the cache proper, so a
-failed step changes nothing there either.
+Kept states. `snapshot_offsets[i]` asks for request i's states after that many of its rows; each
+layer hands them to `store_snapshots`, request by request, which writes each where `to_cache` says:
+  * a prompt position that is a multiple of the state cache's stride (prefix caching,
+    engine/state_cache.py): into the cache's STAGING slots `snapshot_slots`; the commit copies them
+    into the cache proper, so a failed step changes nothing there either;
+  * a verification's draft rows (speculative decoding, engine/state_pool.py): into the request's
+    CANDIDATE slots; the commit publishes the one after the last accepted draft.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ class LinearAttnMetadata:
     recurrent_pools: list[torch.Tensor]  # per linear-attention layer: (num_slots, Hv, Dk, Dv)
     write_slots: torch.Tensor | None = None  # (B,) int64, where the new states go (never a read slot)
     snapshot_offsets: list[list[int]] | None = None  # per request: row counts after which to keep the state
-    snapshot_slots: torch.Tensor | None = None  # (K,) int64, the K snapshots' staging slots, in order
+    to_cache: torch.Tensor | None = None  # (K,) bool: kept state k is a prompt snapshot (else a candidate)
+    snapshot_slots: torch.Tensor | None = None  # (K1,) int64, the snapshots' slots in the cache pools, in order
+    candidate_slots: torch.Tensor | None = None  # (K2,) int64, the candidates' slots in the pools above
     snapshot_conv_pools: list[torch.Tensor] = field(default_factory=list)  # per layer: (S, conv_dim, K-1)
     snapshot_recurrent_pools: list[torch.Tensor] = field(default_factory=list)  # per layer: (S, Hv, Dk, Dv)
 
@@ -60,13 +64,17 @@ class LinearAttnMetadata:
             self.conv_pools[layer][self.write_slots] = new.conv.to(self.conv_pools[layer].dtype)
             self.recurrent_pools[layer][self.write_slots] = new.recurrent.to(self.recurrent_pools[layer].dtype)
 
-    def store_snapshots(self, layer: int, snapshots: LinearAttnState) -> None:
-        """Write the `layer`-th linear-attention layer's K snapshots (conv (K, conv_dim, K-1), recurrent
-        (K, Hv, Dk, Dv)) into their staging slots."""
-        if self.snapshot_slots is not None and len(self.snapshot_slots):
-            conv, recurrent = self.snapshot_conv_pools[layer], self.snapshot_recurrent_pools[layer]
-            conv[self.snapshot_slots] = snapshots.conv.to(conv.dtype)
-            recurrent[self.snapshot_slots] = snapshots.recurrent.to(recurrent.dtype)
+    def store_snapshots(self, layer: int, kept: LinearAttnState) -> None:
+        """Write the `layer`-th linear-attention layer's K kept states (conv (K, conv_dim, K-1), recurrent
+        (K, Hv, Dk, Dv)): prompt snapshots into the cache's staging slots, candidates into theirs."""
+        if self.to_cache is None:
+            return
+        for rows, slots, conv, recurrent in (
+                (self.to_cache, self.snapshot_slots, self.snapshot_conv_pools, self.snapshot_recurrent_pools),
+                (~self.to_cache, self.candidate_slots, self.conv_pools, self.recurrent_pools)):
+            if slots is not None and len(slots):
+                conv[layer][slots] = kept.conv[rows].to(conv[layer].dtype)
+                recurrent[layer][slots] = kept.recurrent[rows].to(recurrent[layer].dtype)
 
     def initial_state(self, layer: int) -> LinearAttnState:
         """The starting states of the `layer`-th linear-attention layer, gathered for the batch. Indexing
