@@ -4,7 +4,8 @@ teaching/scheduler_machine.py drives the scheduler alone, with made-up tokens. T
 real `LLMEngine` on a tiny model, where the bugs of the last reviews lived: forks (n > 1) with drafts,
 chunk boundaries, a pool under pressure (preemption, a fork with no block to copy into), failed steps
 (a request to blame, or none), failed commits, a proposer that fails, aborts, a hybrid model's
-state pool and its prefix caching (state snapshots: hits, evictions, rollbacks), and a sliding-window model's second KV-cache group (Gemma 3, window 8: blocks given back
+state pool with its prefix caching (state snapshots: hits, evictions, rollbacks) and drafts (candidate
+states), and a sliding-window model's second KV-cache group (Gemma 3, window 8: blocks given back
 as they leave the window, prefix hits that need the window's blocks). hypothesis picks an engine
 configuration and a sequence of actions:
 
@@ -18,9 +19,9 @@ configuration and a sequence of actions:
     beam       a beam search (minivllm/beam_search.py): each step's beams join the load as one-token
                requests; a step whose beam failed or was aborted ends the search and aborts its siblings
 
-After every action: every sequence the scheduler holds belongs to a live request that knows it, blocks
-and state pairs (and a hybrid's snapshot slots) are conserved, no more than max_num_seqs sequences run (forks included), no step's
-transaction is left open, and a draft model keeps nothing for a sequence that left. At the end
+After every action: every sequence the scheduler holds belongs to a live request that knows it, blocks,
+state pairs and a hybrid's snapshot slots are conserved, no more than max_num_seqs sequences run (forks
+included), no step's transaction is left open, and a draft model keeps nothing for a sequence that left. At the end
 every request has exactly one final output, every block and state pair is free, and every completion
 of a greedy request is what a lone run gives: each token HF's argmax, teacher-forced (within 1e-3, so
 that a near-tie may go either way). A beam search that finished has beam_width beams of max_tokens
