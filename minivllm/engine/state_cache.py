@@ -72,8 +72,9 @@ def snapshot_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     return len(spec.linear_attention_layers) * (conv + math.prod(la.recurrent_state_shape) * 4)
 
 
-def resolve_state_cache(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> StateCacheConfig | None:
-    """The state cache a hybrid model gets (None: prefix caching off), with a line saying what it holds."""
+def resolve_state_cache(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype) -> StateCacheConfig:
+    """The state cache a hybrid model with prefix caching gets (the formula of the module docstring), with a
+    line on stderr saying what it reserves. A budget of fewer than 4 snapshots is refused."""
     each = snapshot_bytes(spec, dtype)
     budget = config.state_cache_bytes
     num_slots = min(budget // each, MAX_SNAPSHOTS)
@@ -112,13 +113,13 @@ def snapshot_points(scheduled: Seq[ScheduledSequence], stride: int, limit: int) 
     return points[:limit]
 
 
+@dataclass(slots=True)
 class Snapshot:
     """One entry: where it lives, its key, when it was last used (what the undo log records)."""
 
-    __slots__ = ("slot", "key", "last_used")
-
-    def __init__(self, slot: int, key: bytes, last_used: int) -> None:
-        self.slot, self.key, self.last_used = slot, key, last_used
+    slot: int
+    key: bytes
+    last_used: int
 
 
 class StateCache:
