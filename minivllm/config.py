@@ -46,6 +46,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Hybrid models' prefix caching (engine/state_cache.py): the linear-attention state is kept every
+    # `state_cache_stride` prompt tokens (a multiple of block_size; None: the smallest multiple of
+    # lcm(block_size, 64) whose snapshots of one max_model_len prompt fit), in at most
+    # `state_cache_bytes` (and at most 1024 snapshots).
+    state_cache_stride: int | None = None
+    state_cache_bytes: int = 1 << 30
     # "auto" (Triton on CUDA, PyTorch elsewhere), "torch", "triton", or an AttentionBackend instance
     # (layers/attention_interface.py), with the model's head counts; one rank only.
     attention_backend: str | AttentionBackend = "auto"
@@ -123,6 +129,12 @@ class EngineConfig:
             positive("max_model_len")
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
+        positive("state_cache_bytes")
+        if self.state_cache_stride is not None:
+            positive("state_cache_stride")
+            if self.state_cache_stride % self.block_size:
+                raise ValueError(f"state_cache_stride={self.state_cache_stride} must be a multiple of block_size="
+                                 f"{self.block_size} (a snapshot is keyed by the block ending at it)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         t = self.distributed_timeout_s

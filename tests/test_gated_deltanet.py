@@ -146,3 +146,31 @@ def test_causal_conv_varlen_batch_equals_each_alone_and_keeps_its_inputs():
         torch.testing.assert_close(new_windows[i], alone_window[0])
     # a request of 1 row keeps 2 inputs of its old window: [old[1], old[2], x]
     torch.testing.assert_close(new_windows[1], torch.cat([windows[1, :, 1:], x[5:6].t()], dim=-1))
+
+
+def test_the_chunked_rule_and_the_conv_hand_back_the_states_at_given_offsets():
+    """Prefix caching's snapshots: the state after o rows of a request is what a pass over those o rows
+    alone ends with; the chunk cuts follow each request's own positions (`starts`), outputs unchanged."""
+    lengths, starts, offsets = [150, 40], [0, 37], [[5, 64, 128, 150], [27, 40]]
+    q, k, v, g, beta, state, cu = make_inputs(lengths, seed=3)
+    snaps: list[torch.Tensor] = []
+    out, final = chunk_gated_delta_rule(q, k, v, g, beta, state, cu, starts=starts, snapshot_offsets=offsets,
+                                        snapshots=snaps)
+    plain, plain_final = chunk_gated_delta_rule(q, k, v, g, beta, state, cu)
+    torch.testing.assert_close(out, plain, **TOL)
+    torch.testing.assert_close(final, plain_final, **TOL)
+    expected = []
+    for i, s in enumerate(cu[:-1]):
+        for o in offsets[i]:
+            rows = slice(s, s + o)
+            expected.append(recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                                       state[i:i + 1], [0, o])[1][0])
+    assert len(snaps) == len(expected)
+    for got, want in zip(snaps, expected):
+        torch.testing.assert_close(got, want, **TOL)
+    x, weight, cu = conv_inputs([9, 4], seed=4)
+    windows, conv_snaps = torch.randn(2, 12, 3), []
+    causal_conv1d(x, weight, windows, cu, [[1, 2, 9], [4]], conv_snaps)
+    for got, (i, o) in zip(conv_snaps, [(0, 1), (0, 2), (0, 9), (1, 4)]):
+        rows = slice(cu[i], cu[i] + o)
+        torch.testing.assert_close(got, causal_conv1d(x[rows], weight, windows[i:i + 1], [0, o])[1][0])

@@ -46,12 +46,13 @@ def test_greedy_matches_hf_with_chunks_mixed_batches_and_preemption(hybrid_dir, 
     assert pool.num_free == pool.num_pairs  # every slot released
 
 
-def test_prefix_caching_is_off_and_speculation_refused(hybrid_dir, capsys):
+def test_prefix_caching_is_on_and_speculation_accepted(hybrid_dir, capsys):
     llm = hybrid(hybrid_dir)
-    assert not llm.llm_engine.config.enable_prefix_caching
-    assert "prefix caching is off" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="speculative"):
-        hybrid(hybrid_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert llm.llm_engine.config.enable_prefix_caching  # with state snapshots (tests/test_hybrid_prefix_cache.py)
+    assert "a state snapshot every" in capsys.readouterr().err
+    spec = hybrid(hybrid_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    pool = spec.llm_engine.state_pool  # a candidate slot per draft (tests/test_hybrid_spec_decode.py)
+    assert pool.num_speculative_tokens == 2 and len(pool.recurrent_pools[0]) == 4 * pool.num_pairs
 
 
 def test_a_failed_step_leaves_every_published_state_as_it_was(hybrid_dir):

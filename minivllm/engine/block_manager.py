@@ -35,12 +35,15 @@ hand the allocator back the blocks that were free with the stamps they had (`Blo
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from minivllm.engine.block_allocator import BlockAllocator, get_allocator
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.block_transactions import BlockTransactions
 from minivllm.engine.undo_log import UndoLog
+
+if TYPE_CHECKING:
+    from minivllm.engine.state_cache import StateCache
 
 
 def hash_block(parent: bytes | None, token_bytes: bytes) -> bytes:
@@ -85,6 +88,7 @@ class BlockManager(BlockTransactions):
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of which found cached
         self.undo: UndoLog | None = None  # the open step's log (None outside a transaction)
+        self.state_cache: StateCache | None = None  # a hybrid model's: a hit needs a state snapshot too
 
     # --- which table of a sequence this manager keeps (a KV-cache group's: engine/kv_cache_groups.py) ---
     def table(self, seq: Sequence) -> list[int]:
@@ -127,11 +131,14 @@ class BlockManager(BlockTransactions):
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return PrefixMatch([], 0)  # prompt logprobs need logits at every prompt position
         blocks: list[int] = []
-        for h in self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size):  # leave >= 1 token
+        hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)  # leave >= 1 token
+        for h in hashes:
             block = self.hash_to_block.get(h)
             if block is None:
                 break
             blocks.append(block)
+        if self.state_cache is not None:  # back to the last position with a state snapshot
+            blocks = blocks[:self.state_cache.hit_tokens(hashes, len(blocks) * self.block_size) // self.block_size]
         return PrefixMatch(blocks, len(blocks) * self.block_size)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> bool:

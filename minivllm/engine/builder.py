@@ -5,7 +5,8 @@
     executor        this rank's model and KV pool, and the workers' under tensor parallelism
                     (`UniProcExecutor` / `MultiprocExecutor`, engine/executor/); rank 0's sampler gets
                     the caller's `sampling_filter`, if any (checked on every call: `CheckedFilter`)
-    state pool      hybrid models: a recurrent-state slot pair per running request
+    state pool      hybrid models: a recurrent-state slot pair per running request, and with prefix
+                    caching the state snapshots' cache (engine/state_cache.py)
     block manager   the KV pool's bookkeeping, sized by the executor (every rank agreed on it), with the
                     caller's `block_allocator`, if any (wrapped in `CheckedAllocator`)
     speculator      the proposer `speculative_config` asks for (a draft model loads here)
@@ -36,6 +37,7 @@ from minivllm.engine.resolved_config import ResolvedConfig, resolve_config
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.scheduling_policy import get_policy
 from minivllm.engine.spec_decode.speculator import Speculator, build_proposer
+from minivllm.engine.state_cache import StateCache
 from minivllm.engine.state_pool import StatePool
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.models.hf_config import load_model_spec
@@ -67,7 +69,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     resolved = resolve_config(config, spec, tokenizer.eos_token_id)
     c = resolved.engine
     input_processor = InputProcessor(tokenizer, spec, c, resolved.device, resolved.eos_token_ids)
-    state_pool = StatePool(spec, c.max_num_seqs, resolved.dtype, resolved.device) if spec.linear_attn else None
+    state_pool = None
+    if spec.linear_attn:  # (before the executor: on a GPU the KV pool is sized from what is left)
+        cache = (StateCache(resolved.state_cache, spec, c.block_size, resolved.dtype, resolved.device)
+                 if resolved.state_cache is not None else None)
+        state_pool = StatePool(spec, c.max_num_seqs, resolved.dtype, resolved.device, cache,
+                               resolved.num_speculative_tokens)
     executor = MultiprocExecutor(resolved) if c.tensor_parallel_size > 1 else UniProcExecutor(resolved, state_pool)
     try:
         runner = executor.runner
@@ -86,6 +93,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         raise
     block_manager: KVBlockManager = BlockManager(runner.num_blocks, c.block_size, c.enable_prefix_caching,
                                                  c.block_allocator)
+    if state_pool is not None:
+        block_manager.state_cache = state_pool.cache  # a hybrid's hit needs a state snapshot too
     if runner.num_sliding_blocks:  # a second KV-cache group, with a pool (and an LRU allocator) of its own
         block_manager = KVCacheCoordinator(block_manager, SlidingWindowBlockManager(
             runner.num_sliding_blocks, c.block_size, spec.sliding_window, c.enable_prefix_caching))

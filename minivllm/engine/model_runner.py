@@ -42,7 +42,7 @@ from minivllm.engine.kv_cache import allocate_kv_cache
 from minivllm.engine.sampling_metadata import SamplingBatch, gather_logprobs
 from minivllm.engine.spec_decode.rejection_sampler import RejectionSampler, TritonRejectionSampler, verify_drafts
 from minivllm.engine.state_pool import StatePool
-from minivllm.engine.step_inputs import LinearAttnSlots, StepInputs, sliding_metadata
+from minivllm.engine.step_inputs import StepInputs, linear_attn_slots, sliding_metadata
 from minivllm.engine.step_types import ModelRunnerOutput, PromptLogprob, RowGroupOutput, SchedulerOutput
 from minivllm.engine.warmup import measure_cpu_kernels, warmup_batch
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
@@ -187,19 +187,10 @@ class ModelRunner:
             input_ids=torch.frombuffer(input_ids, dtype=torch.int32).long().to(dev),
             positions=torch.frombuffer(positions, dtype=torch.int64).to(dev), attn_metadata=meta,
             logits_indices=torch.tensor(sb.logits_indices + sb.prompt_indices, dtype=torch.int64, device=dev),
-            num_sampled=len(sb.sampled), linear_attn=self._linear_attn_slots(plan))
+            num_sampled=len(sb.sampled),
+            linear_attn=linear_attn_slots(plan.scheduled, self.state_pool, dev) if self.state_pool else None)
         sampling = SamplingTensors.from_params(sb.rows, self.spec.vocab_size, dev) if sb.rows else None
         return StepBatch(inputs, sb, sampling)
-
-    def _linear_attn_slots(self, plan: SchedulerOutput) -> LinearAttnSlots | None:
-        pool, dev = self.state_pool, self.device
-        if pool is None:
-            return None
-        seqs = [s.seq for s in plan.scheduled]
-        return LinearAttnSlots(
-            state_slots=torch.tensor([pool.read_slot(s) for s in seqs], dtype=torch.int64, device=dev),
-            has_initial_state=torch.tensor([s.start > 0 for s in plan.scheduled], device=dev),
-            write_slots=torch.tensor([pool.write_slot(s) for s in seqs], dtype=torch.int64, device=dev))
 
     # --- 2. forward (every rank) ---------------------------------------------------------------
     @torch.inference_mode()
@@ -214,9 +205,12 @@ class ModelRunner:
         if meta.sliding is not None:
             self.backend.prepare(meta.sliding)
         if self.state_pool is not None:  # hybrid: linear-attention layers read/write state slots
-            slots = inputs.linear_attn
+            slots, cache = inputs.linear_attn, self.state_pool.cache
             state = LinearAttnMetadata(slots.state_slots, slots.has_initial_state, self.state_pool.conv_pools,
-                                       self.state_pool.recurrent_pools, slots.write_slots)
+                                       self.state_pool.recurrent_pools, slots.write_slots,
+                                       [list(o) for o in slots.kept_offsets], slots.to_cache, slots.cache_slots,
+                                       slots.candidate_slots, cache.conv_pools if cache else [],
+                                       cache.recurrent_pools if cache else [])
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches, self.backend, state)
         elif self.cuda_graphs is not None and self.cuda_graphs.can_run(len(inputs.input_ids), meta):
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, meta, self._forward)  # a decode replayed

@@ -8,8 +8,10 @@ turns it into what this engine will do, with the checkpoint and the machine at h
                         natively                                               (loading.resolve_dtype)
     max_model_len       None: the model's max_position_embeddings (and the token budget without chunked
                         prefill); a larger value is refused with what to lower
-    prefix caching      off for a hybrid model (a cached prefix would need its recurrent state)
-    speculative_config  parsed and checked (`SpeculativeConfig`); refused for a hybrid model
+    prefix caching      a hybrid model's needs its state cache (`StateCacheConfig`: stride, snapshots,
+                        bytes; engine/state_cache.py), sized here with a line saying what it reserves
+    speculative_config  parsed and checked (`SpeculativeConfig`); a hybrid model's state pool keeps a
+                        candidate state per draft (engine/state_pool.py)
     eos_token_ids       the checkpoint's and the tokenizer's
     batch_invariant     refused where "auto" chose CUDA, and for a hybrid model (its chunked linear
                         attention sums in an order set by the chunking)
@@ -28,6 +30,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.engine.loading import resolve_device, resolve_dtype
 from minivllm.engine.spec_decode.config import SpeculativeConfig
+from minivllm.engine.state_cache import StateCacheConfig, resolve_state_cache
 from minivllm.models.hf_config import ModelSpec
 
 
@@ -39,6 +42,7 @@ class ResolvedConfig:
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
     speculative: SpeculativeConfig | None
+    state_cache: StateCacheConfig | None = None  # a hybrid model with prefix caching: its state snapshots
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -53,9 +57,12 @@ def resolve_config(config: EngineConfig, spec: ModelSpec, tokenizer_eos_token_id
     eos = set(spec.eos_token_ids)
     if tokenizer_eos_token_id is not None:
         eos.add(tokenizer_eos_token_id)
-    config = _limits(_hybrid_limits(config, spec), spec)
+    config = _limits(config, spec)
     speculative = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config is not None else None
-    return ResolvedConfig(config, spec, device, dtype, frozenset(eos), speculative)
+    state_cache = None
+    if spec.linear_attn is not None and config.enable_prefix_caching:
+        state_cache = resolve_state_cache(config, spec, dtype)
+    return ResolvedConfig(config, spec, device, dtype, frozenset(eos), speculative, state_cache)
 
 
 def _say_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
@@ -84,22 +91,6 @@ def _check_batch_invariant(config: EngineConfig, spec: ModelSpec, device: torch.
         raise ValueError(f"batch_invariant=True with {spec.architecture}: its linear-attention layers run the chunked "
                          "gated delta rule, whose sums depend on how the prompt was chunked; use a Llama, Qwen2 or "
                          "Qwen3 model, or batch_invariant=False")
-
-
-def _hybrid_limits(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
-    """What a hybrid model (linear-attention layers with a recurrent state) cannot do here."""
-    if spec.linear_attn is None:
-        return config
-    if config.speculative_config is not None:
-        raise ValueError(f"{spec.architecture} has linear-attention layers: speculative decoding would have to "
-                         "roll their recurrent state back past rejected drafts, which minivllm does not do; "
-                         "drop speculative_config")
-    if config.enable_prefix_caching:
-        # A cached prefix is only usable with the recurrent state at its end, which is not kept.
-        print(f"minivllm: prefix caching is off for {spec.architecture}: a cached prefix would need the "
-              "linear-attention state at its end, which minivllm does not keep", file=sys.stderr)
-        config = config.replace(enable_prefix_caching=False)
-    return config
 
 
 def _limits(config: EngineConfig, spec: ModelSpec) -> EngineConfig:

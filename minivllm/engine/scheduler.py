@@ -21,9 +21,9 @@ Starvation: a request passed over for lack of blocks or seats counts `num_admiss
 are refused before they get here (`InputProcessor.unservable_reason`), so the loop cannot hang.
 
 The commit, `update_from_output`, is the one place a step's results land, request by request (an
-exception fails only its request): computed counts advance, full blocks reach the prefix cache, a
-done prompt forks its n - 1 children, tokens (accepted drafts, then the target's) are appended through
-the stop rules (`StopChecker`), unused draft slots and finished sequences' blocks go back.
+exception fails only its request): computed counts advance, full blocks (and a hybrid's state
+snapshots) reach the prefix cache, a done prompt forks its n - 1 children, tokens (accepted drafts,
+then the target's) go through the stop rules (`StopChecker`), unused draft slots and finished blocks go back.
 
 Mapping onto the small teaching API of MinivLLM (github.com/Wenyueh/MinivLLM — a separate study
 project built on nano-vllm, whose guide writes a scheduler with these method names; not this project):
@@ -197,8 +197,7 @@ class Scheduler:
         self.released.append(seq.request_id)
 
     def take_released(self) -> list[str]:
-        """The ids released since the last call (see `released`)."""
-        released, self.released = self.released, []
+        released, self.released = self.released, []  # the ids released since the last call
         return released
 
     # --- the commit ------------------------------------------------------------------------------
@@ -229,14 +228,16 @@ class Scheduler:
                     self.fail(s, f"committing this request's token failed: {type(error).__name__}: {error}")
             if not seq.is_finished:  # slots of rejected (or never proposed) drafts go back
                 self.block_manager.trim(seq, seq.num_tokens)
+        if self.state_pool is not None:  # prefix caching: the states the step kept join the cache
+            self.state_pool.publish_snapshots(plan.scheduled)
         return result
 
     def _advance(self, sched: ScheduledSequence, out: RowGroupOutput) -> None:
         """What the forward computed is the sequence's now: K/V (and a hybrid model's state) up to the
         verified tokens, full blocks published, prompt logprobs recorded; its drafts are used up."""
         seq = sched.seq
-        if self.state_pool is not None:
-            self.state_pool.publish(seq)
+        if self.state_pool is not None:  # after a verification: the state after the accepted drafts
+            self.state_pool.publish(seq, sched.num_spec_tokens, max(0, len(out.tokens) - 1))
         seq.num_computed_tokens = sched.start + sched.num_new_tokens - sched.num_spec_tokens
         seq.clear_drafts()
         seq.prompt_logprobs.extend(out.prompt_logprobs)
@@ -294,7 +295,6 @@ class Scheduler:
         if first and seq.index == 0:
             result.num_prompt_tokens += seq.num_prompt_tokens
 
-    def fail(self, seq: Sequence, error: str) -> None:
-        """A commit that raised: the sequence (unless it finished already) ends with the error."""
+    def fail(self, seq: Sequence, error: str) -> None:  # a commit that raised: unless finished, it ends so
         if not seq.is_finished:
             self.finish(seq, FinishReason.ERROR, error=error)

@@ -42,6 +42,11 @@ class EngineStats:
     # with sliding-window layers: engine/kv_cache_groups.py); num_free_blocks counts every group's free blocks.
     kv_blocks_in_use: dict[str, int] = field(default_factory=dict)
     acceptance_per_position: tuple[float, ...] = ()
+    # A hybrid model's prefix caching (engine/state_cache.py): bytes reserved for state snapshots, how
+    # many are cached now, and how many admissions resumed from one (0 when off).
+    state_cache_bytes: int = 0
+    state_snapshots_cached: int = 0
+    state_snapshot_hits: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -100,6 +105,10 @@ def engine_stats(c: EngineCounters, bm: KVBlockManager, scheduler: Scheduler, sp
                     num_draft_tokens=sp.num_draft_tokens, num_accepted_tokens=sp.num_accepted_tokens,
                     num_accepted_tokens_per_pos=tuple(a for _, a in sp.per_position),
                     acceptance_per_position=sp.acceptance_per_position)
+    cache = scheduler.state_pool.cache if scheduler.state_pool is not None else None
+    if cache is not None:
+        spec.update(state_cache_bytes=cache.cfg.reserved_bytes, state_snapshots_cached=len(cache.entries),
+                    state_snapshot_hits=cache.num_hits)
     return EngineStats(
         num_steps=c.num_steps, num_prefill_tokens=c.num_prefill_tokens, num_decode_tokens=c.num_decode_tokens,
         num_mixed_steps=c.num_mixed_steps, num_preemptions=scheduler.num_preemptions,

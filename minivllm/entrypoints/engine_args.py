@@ -41,7 +41,11 @@ HELP: dict[str, str] = {
     "max_model_len": "longest prompt + output in tokens (None: the model's max_position_embeddings)",
     "num_kv_blocks": "KV-cache blocks in the pool (None: sized from --gpu-memory-utilization or "
                      "--cpu-kv-cache-bytes)",
-    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes already computed",
+    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes already computed (hybrid models: with state "
+                             "snapshots)",
+    "state_cache_stride": "hybrid models' prefix caching: keep the linear-attention state every this many prompt "
+                          "tokens (a multiple of block_size; None: from state_cache_bytes and max_model_len)",
+    "state_cache_bytes": "hybrid models' prefix caching: memory for the state snapshots, in bytes",
     "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
     "attention_backend": "auto, torch or triton (an AttentionBackend of your own: from Python, LLM(...))",
     "seed": "the engine's seed: a request without a seed gets one derived from it (reproducible runs)",

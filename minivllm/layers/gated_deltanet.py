@@ -44,6 +44,12 @@ linearly, so all of them solve one lower-triangular system:
 This is algebra, not an approximation: only S crosses a chunk boundary, so a prompt cut into chunks of
 any size, with S carried between them, gives what one pass gives (up to rounding). Chunked prefill in
 the engine relies on exactly that. Ratios of Gamma are computed as exp(difference), never divided.
+Chunks end at multiples of chunk_size in the request's own positions (`starts`), so a prompt resumed
+at such a multiple is cut exactly as one pass over it would be.
+
+Snapshots (prefix caching, engine/state_cache.py): S at a chunk's end is the state after that token,
+so asking for the states at some offsets only adds those offsets to the cuts. The engine asks for
+multiples of its `state_cache_stride`, which is a multiple of chunk_size: no extra cut in practice.
 
 Invariant: nothing here writes into a tensor it was given. New states are returned as new tensors;
 the engine publishes them into its pool only when the step commits. All arithmetic is in float32.
@@ -130,11 +136,15 @@ def _chunk(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: list[int],
-                           chunk_size: int = 64, scale: float | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_size: int = 64, scale: float | None = None, starts: list[int] | None = None,
+                           snapshot_offsets: list[list[int]] | None = None,
+                           snapshots: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form over a varlen batch: a loop over requests, then over chunks of each request
     (the last chunk may be short; there is no padding). Same arguments and results as
-    `recurrent_gated_delta_rule`; for prefill chunks."""
+    `recurrent_gated_delta_rule`; for prefill chunks. `starts[i]`: the position of request i's first
+    row (default 0), which places the chunk cuts. With `snapshot_offsets`, the state after the first
+    o rows of request i, for each o in snapshot_offsets[i] (1 <= o <= its rows), is appended to
+    `snapshots` as an (Hv, Dk, Dv) float32 tensor, request by request, offsets in order."""
     Hv = v.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q = _expand_heads(q.float() * scale, Hv).transpose(0, 1)  # (Hv, T, Dk): heads first for batched matmuls
@@ -144,21 +154,28 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     finals = []
     for i, (s, e) in enumerate(_group_bounds(cu_seqlens)):
         state = initial_state[i].float()  # (Hv, Dk, Dv)
-        for c in range(s, e, chunk_size):
-            c_end = min(c + chunk_size, e)
-            out[:, c:c_end], state = _chunk(state, q[:, c:c_end], k[:, c:c_end], v32[:, c:c_end],
-                                            g[:, c:c_end], beta[:, c:c_end])
+        first_cut = s + chunk_size - (starts[i] if starts else 0) % chunk_size  # the next multiple of chunk_size
+        keep = {s + o for o in snapshot_offsets[i]} if snapshot_offsets else set()
+        lo = s
+        for hi in sorted({*range(first_cut, e, chunk_size), *keep, e}):
+            out[:, lo:hi], state = _chunk(state, q[:, lo:hi], k[:, lo:hi], v32[:, lo:hi], g[:, lo:hi],
+                                          beta[:, lo:hi])
+            if hi in keep:
+                snapshots.append(state)
+            lo = hi
         finals.append(state)
     return out.transpose(0, 1).to(v.dtype), torch.stack(finals)
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: list[int]
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: list[int],
+                  snapshot_offsets: list[list[int]] | None = None, snapshots: list[torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution + SiLU over a varlen batch, continuing each request's window.
     Output row t of a request mixes its inputs t-K+1 .. t; the K-1 inputs before the first row come
     from `conv_state` (zeros for a new request), so cutting a prompt into chunks changes nothing.
     x (T, C); weight (C, K); conv_state (N, C, K-1) -> out (T, C), new conv_state (N, C, K-1):
-    each request's last K-1 inputs, reaching into the old window when it has fewer new rows than K-1."""
+    each request's last K-1 inputs, reaching into the old window when it has fewer new rows than K-1.
+    `snapshot_offsets` / `snapshots`: as in `chunk_gated_delta_rule`, the (C, K-1) window after o rows."""
     K = weight.shape[-1]
     out = torch.empty_like(x)
     new_states = []
@@ -167,6 +184,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         y = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0]  # (C, n), no padding
         out[s:e] = F.silu(y).t()
         new_states.append(window[:, -(K - 1):])
+        for o in snapshot_offsets[i] if snapshot_offsets else ():  # window column K-1+r holds row r
+            snapshots.append(window[:, o:o + K - 1])
     return out, torch.stack(new_states)
 
 

@@ -19,11 +19,19 @@ into each request's STAGING slot — the other slot of its pair (engine/state_po
 commit makes that slot the published one by flipping a bit. A failed or rolled-back step leaves
 every published state as it was (the KV cache's "uncomputed slots" trick does not apply: a state is
 overwritten, not appended to). Without `write_slots` the new states are only returned.
+
+Kept states. `snapshot_offsets[i]` asks for request i's states after that many of its rows; each
+layer hands them to `store_snapshots`, request by request, which writes each where `to_cache` says:
+  * a prompt position that is a multiple of the state cache's stride (prefix caching,
+    engine/state_cache.py): into the cache's STAGING slots `snapshot_slots`; the commit copies them
+    into the cache proper, so a failed step changes nothing there either;
+  * a verification's draft rows (speculative decoding, engine/state_pool.py): into the request's
+    CANDIDATE slots; the commit publishes the one after the last accepted draft.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -43,12 +51,30 @@ class LinearAttnMetadata:
     conv_pools: list[torch.Tensor]  # per linear-attention layer, in layer order: (num_slots, conv_dim, K-1)
     recurrent_pools: list[torch.Tensor]  # per linear-attention layer: (num_slots, Hv, Dk, Dv)
     write_slots: torch.Tensor | None = None  # (B,) int64, where the new states go (never a read slot)
+    snapshot_offsets: list[list[int]] | None = None  # per request: row counts after which to keep the state
+    to_cache: torch.Tensor | None = None  # (K,) bool: kept state k is a prompt snapshot (else a candidate)
+    snapshot_slots: torch.Tensor | None = None  # (K1,) int64, the snapshots' slots in the cache pools, in order
+    candidate_slots: torch.Tensor | None = None  # (K2,) int64, the candidates' slots in the pools above
+    snapshot_conv_pools: list[torch.Tensor] = field(default_factory=list)  # per layer: (S, conv_dim, K-1)
+    snapshot_recurrent_pools: list[torch.Tensor] = field(default_factory=list)  # per layer: (S, Hv, Dk, Dv)
 
     def store(self, layer: int, new: LinearAttnState) -> None:
         """Write the `layer`-th linear-attention layer's new states into the staging slots."""
         if self.write_slots is not None:
             self.conv_pools[layer][self.write_slots] = new.conv.to(self.conv_pools[layer].dtype)
             self.recurrent_pools[layer][self.write_slots] = new.recurrent.to(self.recurrent_pools[layer].dtype)
+
+    def store_snapshots(self, layer: int, kept: LinearAttnState) -> None:
+        """Write the `layer`-th linear-attention layer's K kept states (conv (K, conv_dim, K-1), recurrent
+        (K, Hv, Dk, Dv)): prompt snapshots into the cache's staging slots, candidates into theirs."""
+        if self.to_cache is None:
+            return
+        for rows, slots, conv, recurrent in (
+                (self.to_cache, self.snapshot_slots, self.snapshot_conv_pools, self.snapshot_recurrent_pools),
+                (~self.to_cache, self.candidate_slots, self.conv_pools, self.recurrent_pools)):
+            if slots is not None and len(slots):
+                conv[layer][slots] = kept.conv[rows].to(conv[layer].dtype)
+                recurrent[layer][slots] = kept.recurrent[rows].to(recurrent[layer].dtype)
 
     def initial_state(self, layer: int) -> LinearAttnState:
         """The starting states of the `layer`-th linear-attention layer, gathered for the batch. Indexing

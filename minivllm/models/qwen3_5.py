@@ -102,18 +102,25 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(la.head_v_dim, spec.rms_norm_eps)
         self.out_proj = Linear(la.value_dim, spec.hidden_size, False, plan)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearAttnState
-                ) -> tuple[torch.Tensor, LinearAttnState]:  # (T, hidden) -> (T, hidden), new state
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearAttnState,
+                snapshot_offsets: list[list[int]] | None = None
+                ) -> tuple[torch.Tensor, LinearAttnState, LinearAttnState | None]:
+        """(T, hidden) -> (T, hidden), the new state, and the states after `snapshot_offsets` (K of them,
+        request by request; None when none is asked)."""
         la, T = self.la, x.shape[0]
         cu_seqlens = [0]
         for n in meta.query_lens:  # the same row groups as attention's
             cu_seqlens.append(cu_seqlens[-1] + n)
+        starts = [c - n for c, n in zip(meta.context_lens_host, meta.query_lens)]  # each request's first position
+        offsets = snapshot_offsets if snapshot_offsets and any(snapshot_offsets) else None
+        conv_snaps: list[torch.Tensor] = []
+        rec_snaps: list[torch.Tensor] = []
         weight = self.conv1d.weight[:, 0]  # (conv_dim, K)
         decode = all(n == 1 for n in meta.query_lens)  # one token per request: vectorised single steps
         if decode:
             mixed, conv_state = causal_conv1d_update(self.in_proj_qkv(x), weight, state.conv)  # (T, conv_dim)
         else:
-            mixed, conv_state = causal_conv1d(self.in_proj_qkv(x), weight, state.conv, cu_seqlens)
+            mixed, conv_state = causal_conv1d(self.in_proj_qkv(x), weight, state.conv, cu_seqlens, offsets, conv_snaps)
         q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
         q = l2norm(q.reshape(T, la.num_k_heads, la.head_k_dim).float())  # (T, Hk, Dk)
         k = l2norm(k.reshape(T, la.num_k_heads, la.head_k_dim).float())
@@ -121,11 +128,20 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()  # (T, Hv)
         # g <= 0: the state is multiplied by exp(g) each token (float32: exp(A_log) overflows fp16)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (T, Hv)
-        rule = recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
-        o, recurrent = rule(q, k, v, g, beta, state.recurrent, cu_seqlens)  # (T, Hv, Dv), (B, Hv, Dk, Dv)
+        if decode:
+            o, recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent, cu_seqlens)
+        else:  # (T, Hv, Dv), (B, Hv, Dk, Dv)
+            o, recurrent = chunk_gated_delta_rule(q, k, v, g, beta, state.recurrent, cu_seqlens, starts=starts,
+                                                  snapshot_offsets=offsets, snapshots=rec_snaps)
         o = self.norm(o, self.in_proj_z(x).view(T, la.num_v_heads, la.head_v_dim))  # per head, gated
         new_state = LinearAttnState(conv_state.to(state.conv.dtype), recurrent.to(state.recurrent.dtype))
-        return self.out_proj(o.reshape(T, la.value_dim)), new_state
+        snaps = None
+        if offsets is not None and decode:  # a one-row chunk's only offset is 1: its state after the step
+            rows = [i for i, offs in enumerate(offsets) if offs]
+            snaps = LinearAttnState(new_state.conv[rows], new_state.recurrent[rows])
+        elif offsets is not None:
+            snaps = LinearAttnState(torch.stack(conv_snaps), torch.stack(rec_snaps))
+        return self.out_proj(o.reshape(T, la.value_dim)), new_state, snaps
 
 
 class DecoderLayer(nn.Module):
@@ -189,8 +205,11 @@ class Qwen3_5ForCausalLM(CausalLM):
         for layer in self.model.layers:
             x = layer.input_layernorm(h)
             if layer.is_linear:
-                x, new_state = layer.linear_attn(x, meta, state.initial_state(num_linear))
+                x, new_state, snaps = layer.linear_attn(x, meta, state.initial_state(num_linear),
+                                                        state.snapshot_offsets)
                 state.store(num_linear, new_state)  # into the staging slots, if the engine gave them
+                if snaps is not None:  # prefix caching: the states at the stride's positions
+                    state.store_snapshots(num_linear, snaps)
                 num_linear += 1
             else:
                 x = layer.self_attn(cos_sin, x, next(full_layer_caches), meta, backend)

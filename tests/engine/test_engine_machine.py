@@ -4,7 +4,8 @@ teaching/scheduler_machine.py drives the scheduler alone, with made-up tokens. T
 real `LLMEngine` on a tiny model, where the bugs of the last reviews lived: forks (n > 1) with drafts,
 chunk boundaries, a pool under pressure (preemption, a fork with no block to copy into), failed steps
 (a request to blame, or none), failed commits, a proposer that fails, aborts, a hybrid model's
-state pool, and a sliding-window model's second KV-cache group (Gemma 3, window 8: blocks given back
+state pool with its prefix caching (state snapshots: hits, evictions, rollbacks) and drafts (candidate
+states), and a sliding-window model's second KV-cache group (Gemma 3, window 8: blocks given back
 as they leave the window, prefix hits that need the window's blocks). hypothesis picks an engine
 configuration and a sequence of actions:
 
@@ -18,9 +19,9 @@ configuration and a sequence of actions:
     beam       a beam search (minivllm/beam_search.py): each step's beams join the load as one-token
                requests; a step whose beam failed or was aborted ends the search and aborts its siblings
 
-After every action: every sequence the scheduler holds belongs to a live request that knows it, blocks
-and state pairs are conserved, no more than max_num_seqs sequences run (forks included), no step's
-transaction is left open, and a draft model keeps nothing for a sequence that left. At the end
+After every action: every sequence the scheduler holds belongs to a live request that knows it, blocks,
+state pairs and a hybrid's snapshot slots are conserved, no more than max_num_seqs sequences run (forks
+included), no step's transaction is left open, and a draft model keeps nothing for a sequence that left. At the end
 every request has exactly one final output, every block and state pair is free, and every completion
 of a greedy request is what a lone run gives: each token HF's argmax, teacher-forced (within 1e-3, so
 that a near-tie may go either way). A beam search that finished has beam_width beams of max_tokens
@@ -33,6 +34,7 @@ from __future__ import annotations
 import collections
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
@@ -43,6 +45,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from minivllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from minivllm.beam_search import BeamSearch, new_search, step_sampling_params
 from minivllm.engine.kv_cache_groups import KVCacheCoordinator
+from minivllm.engine.state_cache import StateCache, snapshot_bytes
+from minivllm.models.hf_config import load_model_spec
 from minivllm.layers.logits_processors import unpack_bitmask
 from minivllm.engine.spec_decode.proposer import Draft, Proposer
 from minivllm.teaching.checkpoints import make_tiny_model
@@ -96,6 +100,7 @@ class Setup:
     spec: str | None = None  # None, "ngram", "noisy" (NoisyProposer), "draft" (the model drafts for itself)
     engine: dict = field(default_factory=dict)
     sliding: bool = False  # Gemma 3: a sliding-window KV-cache group beside the full one
+    snapshots: int | None = None  # a hybrid's state cache: room for this many snapshots (engine/state_cache.py)
 
     @property
     def model(self) -> str:
@@ -114,6 +119,16 @@ SETUPS = [
     Setup("hybrid", hybrid=True, engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=12, max_num_seqs=4)),
     Setup("hybrid-small", hybrid=True, engine=dict(block_size=2, num_kv_blocks=24, max_num_batched_tokens=8,
                                                    max_num_seqs=3)),
+    # prefix caching with a state snapshot every block and room for 8: hits, evictions, loads under rollback
+    Setup("hybrid-prefix", hybrid=True, snapshots=8, engine=dict(block_size=4, num_kv_blocks=20,
+                                                                 max_num_batched_tokens=12, max_num_seqs=4,
+                                                                 state_cache_stride=4)),
+    # drafts verified by a hybrid (candidate states, rejections roll the state back), with and without prefix caching
+    Setup("hybrid-ngram", hybrid=True, spec="ngram", snapshots=6,
+          engine=dict(block_size=2, num_kv_blocks=28, max_num_batched_tokens=8, max_num_seqs=4, state_cache_stride=2)),
+    Setup("hybrid-draft", hybrid=True, spec="draft", engine=dict(block_size=4, num_kv_blocks=24,
+                                                                 max_num_batched_tokens=16, max_num_seqs=4,
+                                                                 enable_prefix_caching=False)),
     Setup("sliding", sliding=True, engine=dict(block_size=2, num_kv_blocks=24, max_num_batched_tokens=8,
                                                max_num_seqs=4)),
     Setup("sliding-ngram", sliding=True, spec="ngram", engine=dict(block_size=4, num_kv_blocks=16,
@@ -148,8 +163,12 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                     "noisy": {"proposer": NoisyProposer(), "num_speculative_tokens": 3},
                     "draft": {"model": paths["qwen3"], "num_speculative_tokens": 2},
                     None: None}[setup.spec]
+            cache = {}
+            if setup.snapshots is not None:
+                each = snapshot_bytes(load_model_spec(Path(paths[setup.model])), torch.float32)
+                cache = dict(state_cache_bytes=setup.snapshots * each)
             self.llm = LLM(paths[setup.model], warmup=False, speculative_config=spec,
-                           seed=seed, **setup.engine)
+                           seed=seed, **setup.engine, **cache)
             self.engine = engine = self.llm.llm_engine
             self.requests: dict[str, Request] = {}
             self.beam_runs: list[BeamRun] = []
@@ -291,6 +310,8 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             if pool is not None:
                 held = [p for s in live if s.state_slots is not None for p in s.state_slots]
                 assert sorted(held + pool.free) == list(range(pool.num_pairs)), "state pairs lost or shared"
+                if pool.cache is not None:  # snapshot slots: each free or one entry's, never lost
+                    pool.cache.check_invariants()
             if self.setup.spec == "draft":
                 kept = set(engine.speculator.proposer.computed)
                 assert kept <= {s.request_id for s in live}, f"the draft model keeps {kept} for sequences gone"
@@ -320,6 +341,11 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             assert stats.num_free_blocks == stats.num_total_blocks
             if self.engine.state_pool is not None:
                 assert self.engine.state_pool.num_free == self.engine.state_pool.num_pairs
+                cache = self.engine.state_pool.cache
+                if cache is not None and cache.num_hits:
+                    reach["state snapshot hit"] += 1
+                if cache is not None and cache.num_evictions:
+                    reach["state snapshot evicted"] += 1
             hf = hf_models[self.setup.model]
             self._check_beams(hf, reach)
             for rid, r in self.requests.items():
@@ -389,9 +415,16 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             groups = list(bm.groups.values()) if isinstance(bm, KVCacheCoordinator) else [bm]  # every pool
             hashes = {(i, h): b for i, g in enumerate(groups) for h, b in g.hash_to_block.items()}
             return (seqs, [(list(g.ref_counts), list(g.free_blocks)) for g in groups], sorted(engine.requests),
-                    None if pool is None else (list(pool.free), list(pool.current)), hashes)
+                    None if pool is None else (list(pool.free), list(pool.current), _cache_state(pool.cache)), hashes)
 
     return EngineMachine
+
+
+def _cache_state(cache: StateCache | None) -> tuple | None:
+    """What a failed step must leave as it was in a hybrid's state cache."""
+    if cache is None:
+        return None
+    return {k: (e.slot, e.last_used) for k, e in cache.entries.items()}, list(cache.free), cache.clock, cache.num_hits
 
 
 @pytest.fixture(scope="module")
@@ -426,6 +459,7 @@ def test_engine_machine(models, which, examples):
     # nothing about them.
     wanted = ["forked", "preempted", "rolled back", "mixed steps", "a request failed on its own", "beam search",
               "structured"]
-    wanted += ["drafts accepted", "prefix hit"] if which != "hybrid" else []
+    wanted += ["drafts accepted", "prefix hit"]
+    wanted += ["state snapshot hit", "state snapshot evicted"] if which == "hybrid" else []
     wanted += [f"setup {s.name}" for s in setups]  # each setup's paths (e.g. batch-invariant's) were crossed
     assert all(reach[w] for w in wanted), dict(reach)

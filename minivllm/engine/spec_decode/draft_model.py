@@ -51,6 +51,9 @@ class DraftModelProposer(Proposer):
         if spec.sliding_window is not None:  # its runner would need the sliding group's tables too
             raise ValueError(f"the draft model ({spec.architecture}) has sliding-window layers, which minivllm does "
                              "not run as a draft; use a Llama, Qwen2 or Qwen3 draft")
+        if spec.linear_attn is not None:  # its runner would need a state pool of its own
+            raise ValueError(f"the draft model ({spec.architecture}) has linear-attention layers, which minivllm "
+                             "does not run as a draft; use a Llama, Qwen2 or Qwen3 draft (the target may be hybrid)")
         if spec.max_position_embeddings < max_model_len:
             raise ValueError(f"the draft model handles {spec.max_position_embeddings} positions but "
                              f"max_model_len={max_model_len}; lower max_model_len")
