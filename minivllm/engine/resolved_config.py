@@ -11,6 +11,7 @@ turns it into what this engine will do, with the checkpoint and the machine at h
     prefix caching      off for a hybrid model (a cached prefix would need its recurrent state)
     speculative_config  parsed and checked (`SpeculativeConfig`); refused for a hybrid model
     eos_token_ids       the checkpoint's and the tokenizer's
+    reasoning           the reasoning parser's think-token ids, found in the tokenizer (refused without them)
     batch_invariant     refused where "auto" chose CUDA, and for a hybrid model (its chunked linear
                         attention sums in an order set by the chunking)
 
@@ -24,11 +25,13 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
 from minivllm.engine.loading import resolve_device, resolve_dtype
 from minivllm.engine.spec_decode.config import SpeculativeConfig
 from minivllm.models.hf_config import ModelSpec
+from minivllm.reasoning import ReasoningConfig
 
 
 @dataclass(frozen=True)
@@ -39,13 +42,17 @@ class ResolvedConfig:
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
     speculative: SpeculativeConfig | None
+    reasoning: ReasoningConfig | None = None  # the reasoning parser and its think tokens (None: no parser)
 
     @property
     def num_speculative_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
 
-def resolve_config(config: EngineConfig, spec: ModelSpec, tokenizer_eos_token_id: int | None) -> ResolvedConfig:
+def resolve_config(config: EngineConfig, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> ResolvedConfig:
+    tokenizer_eos_token_id = tokenizer.eos_token_id
+    reasoning = (ReasoningConfig.from_tokenizer(config.reasoning_parser, tokenizer)
+                 if config.reasoning_parser is not None else None)  # before any weight is loaded
     device = resolve_device(config)
     dtype = resolve_dtype(config, spec, device)
     _check_batch_invariant(config, spec, device)
@@ -55,7 +62,7 @@ def resolve_config(config: EngineConfig, spec: ModelSpec, tokenizer_eos_token_id
         eos.add(tokenizer_eos_token_id)
     config = _limits(_hybrid_limits(config, spec), spec)
     speculative = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config is not None else None
-    return ResolvedConfig(config, spec, device, dtype, frozenset(eos), speculative)
+    return ResolvedConfig(config, spec, device, dtype, frozenset(eos), speculative, reasoning)
 
 
 def _say_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
