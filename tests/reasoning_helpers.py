@@ -13,7 +13,7 @@ from minivllm.teaching.checkpoints import make_tiny_model, make_tokenizer
 QWEN3_THINKING_TEMPLATE = (
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 
 
 def make_thinking_qwen3(path: str | Path, vocab_size: int = 384) -> tuple[str, int, int]:
