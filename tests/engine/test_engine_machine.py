@@ -45,6 +45,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from minivllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from minivllm.beam_search import BeamSearch, new_search, step_sampling_params
 from minivllm.engine.kv_cache_groups import KVCacheCoordinator
+from minivllm.engine.sequence import SequenceStatus
 from minivllm.layers.logits_processors import unpack_bitmask
 from minivllm.reasoning import ReasoningPhase
 from minivllm.engine.spec_decode.proposer import Draft, Proposer
@@ -257,6 +258,13 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             except Injected:
                 reach["rolled back"] += 1
                 after = self._snapshot()  # rolled back: nothing moved but an overwritten cached block's hash
+                kept = {s.request_id for s in self.engine.scheduler.transaction.kept_preemptions}
+                if kept:  # a preemption whose blocks the failed step gave another sequence stands (undo_log.py)
+                    reach["preemption kept"] += 1
+                    assert all(s[1:4] == (SequenceStatus.WAITING, 0, []) for s in after[0] if s[0] in kept), after[0]
+                    before, after = ([s for s in x[0] if s[0] not in kept] for x in (before, after))
+                    assert after == before, "a failed step left a trace"
+                    return
                 assert after[:-1] == before[:-1], "a failed step left a trace"
                 assert after[-1].items() <= before[-1].items()
                 return
