@@ -32,7 +32,7 @@ def thinking(tmp_path_factory):
 
 
 def served(path: str, **options) -> AsyncLLMEngine:
-    return AsyncLLMEngine(LLMEngine(EngineConfig(model=path, max_model_len=256, num_kv_blocks=64, **options)))
+    return AsyncLLMEngine(LLMEngine(EngineConfig(model=path, max_model_len=512, num_kv_blocks=96, **options)))
 
 
 def extra(message_or_delta, name: str):
@@ -83,6 +83,15 @@ def test_reasoning_apart_from_the_content_whole_and_streamed(thinking):
             message = cut.choices[0].message
             assert cut.choices[0].finish_reason == "length" and message.content is None
             assert extra(message, "reasoning_content")
+
+            call, tool = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>', {"type": "function", "function": {
+                "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+            force = {"regex": call.replace("{", "\\{").replace("}", "\\}")}  # the answer after </think> is a call
+            r = client.chat.completions.create(**{**ask, "max_tokens": 120}, tools=[tool], extra_body={
+                **CONTINUE, "structured_outputs": force})
+            (choice,) = r.choices  # the calls are parsed from the content, never from the reasoning
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "f"
+            assert extra(choice.message, "reasoning_content") is not None and not choice.message.content
 
             off = client.chat.completions.create(model="tiny", messages=OPENED[:1], max_tokens=8, temperature=1.0,
                                                  seed=0, extra_body={**DIGITS, "chat_template_kwargs":
