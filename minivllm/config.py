@@ -28,6 +28,7 @@ from minivllm.engine.scheduling_policy import SchedulingPolicy, get_policy
 from minivllm.layers.attention_interface import AttentionBackend
 from minivllm.layers.sampler import SamplingFilter
 from minivllm.layers.tuner import TUNING_MODES, Tuning
+from minivllm.reasoning import ReasoningParserName
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
@@ -106,6 +107,10 @@ class EngineConfig:
     # was chunked (vLLM's VLLM_BATCH_INVARIANT): matmuls in fixed 16-row tiles, attention one row at a
     # time, fixed norm/RoPE/argmax paths, eager (docs/concepts/batch-invariance.md). CPU, one rank.
     batch_invariant: bool = False
+    # A thinking model's <think>…</think> block (minivllm/reasoning.py): "qwen3" or "deepseek_r1" (vLLM's
+    # names). Structured outputs then apply after </think> only, and the server returns the reasoning apart
+    # (message.reasoning_content). The tokenizer must have both think tokens. None: no reasoning parser.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -162,6 +167,8 @@ class EngineConfig:
         if self.tuning not in TUNING_MODES:
             raise ValueError(f"tuning={self.tuning!r} is invalid: choose one of {TUNING_MODES}")
         get_policy(self.scheduling_policy)  # raises, naming the choices
+        if self.reasoning_parser is not None:
+            ReasoningParserName.parse(self.reasoning_parser)  # raises, naming the choices
         self._check_seams()
         self._check_batch_invariant()
 

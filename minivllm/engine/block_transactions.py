@@ -54,7 +54,12 @@ class BlockTransactions:
         undo.undo_seqs_and_attrs()  # includes _clock and the hit counters
         was_free = [(b, r.free_stamp) for b, r in undo.blocks.items() if r.was_free]
         self.free_blocks.restore(sorted(was_free, key=lambda pair: pair[1]))  # oldest first
-        for b in written_blocks:
+        self.forget_overwritten(written_blocks)
+
+    def forget_overwritten(self, blocks: set[int], sliding_blocks: set[int] = frozenset()) -> None:
+        """Blocks whose K/V a failed step may have overwritten: each one that is free loses its hash, so it is
+        never served from the prefix cache. (`sliding_blocks`: another group's, for the coordinator.)"""
+        for b in blocks:
             if self.block_hash[b] is not None and self.ref_counts[b] == 0:
                 self._forget_hash(b)
 

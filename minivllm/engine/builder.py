@@ -66,9 +66,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     spec = load_model_spec(model_dir)
     check_shardable(spec, config.tensor_parallel_size)  # before any process is started
     tokenizer = get_tokenizer(config.tokenizer or config.model)
-    resolved = resolve_config(config, spec, tokenizer.eos_token_id)
+    resolved = resolve_config(config, spec, tokenizer)
     c = resolved.engine
-    input_processor = InputProcessor(tokenizer, spec, c, resolved.device, resolved.eos_token_ids)
+    input_processor = InputProcessor(tokenizer, spec, c, resolved.device, resolved.eos_token_ids, resolved.reasoning)
     state_pool = None
     if spec.linear_attn:  # (before the executor: on a GPU the KV pool is sized from what is left)
         cache = (StateCache(resolved.state_cache, spec, c.block_size, resolved.dtype, resolved.device)

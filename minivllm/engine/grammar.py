@@ -3,7 +3,7 @@
     StructuredOutputsParams ──GrammarCompiler.compile──> grammar (cached by (kind, spec))
         at the request's boundary (InputProcessor), before it is queued: invalid -> ValueError
     grammar ──GrammarCompiler.matcher──> GrammarMatcher, owned by the Sequence
-    each step, for each sampled row:  matcher ──fill_bitmask──> (V/32,) int32, bit t = token t allowed
+    each step, for each sampled row:  matcher ──row_masks──> (V/32,) int32, bit t = token t allowed
         applied as the LAST logits-processing stage (layers/logits_processors.py), so both samplers and
         draft verification draw only allowed tokens; logprobs are taken before, from the raw logits
     at commit (Scheduler.update_from_output): matcher.accept(token) — the only place it advances
@@ -23,6 +23,13 @@ Invariants:
   * n > 1: each child gets a copy of its parent's matcher when it forks (`copy`).
   * JSON is compact (no free whitespace between tokens: `{"a":1,"b":[2]}`): with free whitespace a
     small model can emit newlines until max_tokens, and every valid value has a compact spelling.
+  * With a reasoning parser (minivllm/reasoning.py) the grammar governs the answer only. The matcher
+    carries the sequence's `ReasoningPhase`: INSIDE, its rows are unconstrained (None) and it consumes
+    nothing until the </think> token, which it skips; MAY_OPEN, the first row allows the grammar's
+    tokens and <think>. A verification step's rows switch where a draft crosses the boundary:
+
+        phase INSIDE, drafts [a, </think>, {, "]  rows: None  None  mask()  mask({)  mask({")
+                                                        (a)   (</think>)  ({)      (")
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch
 from llguidance.gbnf_to_lark import any_to_lark
 from transformers import PreTrainedTokenizerBase
 
+from minivllm.reasoning import ReasoningConfig, ReasoningPhase
 from minivllm.structured_outputs import StructuredOutputKind, StructuredOutputsParams
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (most recently used), by (kind, spec)
@@ -49,10 +57,12 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar (wraps an `llguidance.LLMatcher`)."""
+    """One sequence's position in its grammar (wraps an `llguidance.LLMatcher`), and in its reasoning."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, reasoning: ReasoningConfig | None = None,
+                 phase: ReasoningPhase = ReasoningPhase.ENDED) -> None:
         self._m, self.vocab_size = matcher, vocab_size
+        self.reasoning, self.phase = reasoning, phase  # ENDED: the grammar applies (always, without a parser)
 
     def fill_bitmask(self, out: torch.Tensor) -> None:
         """out: (W,) int32 on the CPU, filled with the tokens allowed next."""
@@ -62,8 +72,32 @@ class GrammarMatcher:
 
         fill_next_token_bitmask(self._m, out[None], 0)
 
+    def row_masks(self, drafts: list[int] = ()) -> list[torch.Tensor | None]:
+        """1 + d rows: the allowed set after the output so far and after each prefix of `drafts`, each a (W,)
+        int32 mask, or None where the row is inside reasoning (anything allowed). What the sampler applies."""
+        rows: list[torch.Tensor | None] = []
+        phase = self.phase
+        for j in range(len(drafts) + 1):
+            if phase is ReasoningPhase.INSIDE:
+                rows.append(None)
+                if j < len(drafts) and drafts[j] == self.reasoning.end_token_id:
+                    phase = ReasoningPhase.ENDED  # the rows after it are the answer's
+                continue
+            if phase is ReasoningPhase.MAY_OPEN and j < len(drafts) and drafts[j] == self.reasoning.start_token_id:
+                rows.append(self.bitmasks([])[0])  # the grammar's first row, which also allows <think>
+                _allow(rows[-1], self.reasoning.start_token_id)
+                phase = ReasoningPhase.INSIDE
+                continue
+            masks = self.bitmasks(drafts[j:])  # ENDED, or MAY_OPEN answering at once: the grammar's rows
+            if phase is ReasoningPhase.MAY_OPEN:
+                _allow(masks[0], self.reasoning.start_token_id)
+            rows.extend(masks)
+            break
+        return rows
+
     def bitmasks(self, drafts: list[int] = ()) -> torch.Tensor:
-        """(1 + d, W) int32: the allowed set after the output so far and after each prefix of `drafts`.
+        """(1 + d, W) int32: the grammar's allowed set after the output so far and after each prefix of `drafts`
+        (the grammar's own rows, whatever the reasoning phase).
         Rows after a draft the grammar forbids repeat the row that forbids it (verification stops there);
         rows after a draft that completes the grammar repeat the last row too (the commit stops there)."""
         masks = torch.zeros(1 + len(drafts), bitmask_width(self.vocab_size), dtype=torch.int32)
@@ -85,20 +119,30 @@ class GrammarMatcher:
         return masks
 
     def accept(self, token_id: int) -> bool:
-        """Advance by a committed token; False if the grammar forbids it (the matcher is then spent)."""
+        """Advance by a committed token; False if the grammar forbids it (the matcher is then spent). Inside
+        reasoning only </think> changes anything: the grammar starts after it."""
+        if self.phase is ReasoningPhase.INSIDE:
+            if token_id == self.reasoning.end_token_id:
+                self.phase = ReasoningPhase.ENDED
+            return True
+        if self.phase is ReasoningPhase.MAY_OPEN:
+            opens = token_id == self.reasoning.start_token_id
+            self.phase = ReasoningPhase.INSIDE if opens else ReasoningPhase.ENDED
+            if opens:
+                return True
         return self._m.consume_token(token_id)
 
     @property
     def is_complete(self) -> bool:
         """The grammar can take no further token: the output is done."""
-        return self._m.is_stopped()
+        return self.phase is ReasoningPhase.ENDED and self._m.is_stopped()
 
     @property
     def error(self) -> str:
         return self._m.get_error()
 
     def copy(self) -> "GrammarMatcher":
-        return GrammarMatcher(self._m.deep_copy(), self.vocab_size)
+        return GrammarMatcher(self._m.deep_copy(), self.vocab_size, self.reasoning, self.phase)
 
 
 class GrammarCompiler:
@@ -123,9 +167,11 @@ class GrammarCompiler:
                                                                   eos_token=eos)
             return self._ll_tokenizer
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher for `params`: a copy of the cached one at the start of its grammar. Compiles the
-        grammar on a cache miss; raises ValueError naming what is wrong with an invalid one."""
+    def matcher(self, params: StructuredOutputsParams, reasoning: ReasoningConfig | None = None,
+                phase: ReasoningPhase = ReasoningPhase.ENDED) -> GrammarMatcher:
+        """A fresh matcher for `params`: a copy of the cached one at the start of its grammar, in reasoning
+        `phase` (reasoning.py). Compiles the grammar on a cache miss; raises ValueError naming what is wrong
+        with an invalid one."""
         key = (params.kind, params.spec)
         with self._lock:
             template = self._cache.get(key)
@@ -137,7 +183,7 @@ class GrammarCompiler:
                 self._cache[key] = template
                 while len(self._cache) > GRAMMAR_CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return GrammarMatcher(template.deep_copy(), self.vocab_size)
+        return GrammarMatcher(template.deep_copy(), self.vocab_size, reasoning, phase)
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         grammar = to_llguidance_grammar(params.kind, params.spec)
@@ -148,6 +194,12 @@ class GrammarCompiler:
         if m.is_error():
             raise ValueError(f"structured_outputs.{params.kind.value} is invalid: {m.get_error()}")
         return m
+
+
+def _allow(mask: torch.Tensor, token_id: int) -> None:
+    """Set token_id's bit in a (W,) int32 mask (bit 31 is the int32's sign bit)."""
+    bit = token_id % 32
+    mask[token_id // 32] |= (1 << bit) if bit < 31 else -(1 << 31)
 
 
 def to_llguidance_grammar(kind: StructuredOutputKind, spec: str) -> str:

@@ -3,7 +3,8 @@
 Everything a request carries is checked here, before it can reach a step (see
 docs/concepts/failures.md): the prompt (non-empty, token ids inside the vocabulary, numpy integers
 accepted), every token-id field of its `SamplingParams`, logprobs within `max_logprobs`, its
-structured-outputs grammar (compiled here, off the engine's step: engine/grammar.py), and whether
+structured-outputs grammar (compiled here, off the engine's step: engine/grammar.py; with a reasoning
+parser, it starts where the prompt leaves the reasoning: minivllm/reasoning.py), and whether
 it can ever run at all (`unservable_reason`: more completions than max_num_seqs, longer than
 max_model_len, or needing more KV blocks than the whole pool). Messages say which limit to change.
 """
@@ -25,6 +26,7 @@ from minivllm.engine.kv_cache_groups import KVBlockManager
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.logits_processors import RequestLogitRules, bad_words_token_ids
 from minivllm.models.hf_config import ModelSpec
+from minivllm.reasoning import ReasoningConfig, ReasoningPhase
 from minivllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -47,8 +49,9 @@ class PromptTooLong(ValueError):
 
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: ModelSpec, config: EngineConfig, device: torch.device,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), reasoning: ReasoningConfig | None = None) -> None:
         self.tokenizer, self.spec, self.config, self.device = tokenizer, spec, config, device
+        self.reasoning = reasoning  # a grammar applies after the reasoning ends (minivllm/reasoning.py)
         self._max_token_bytes: int | None = None
         # structured outputs: grammars compiled here, at the boundary, once per (kind, spec)
         self.grammars = GrammarCompiler(tokenizer, spec.vocab_size, eos_token_ids)
@@ -111,7 +114,8 @@ class InputProcessor:
         seq.logit_rules = rules
         if sp.structured_outputs is not None:  # compiled (or found in the cache) now: invalid -> ValueError
             try:
-                seq.grammar = self.grammars.matcher(sp.structured_outputs)
+                phase = self.reasoning.prompt_phase(ids) if self.reasoning is not None else ReasoningPhase.ENDED
+                seq.grammar = self.grammars.matcher(sp.structured_outputs, self.reasoning, phase)
             except ValueError as e:
                 raise ValueError(f"request {request_id!r}: {e}") from None
         return seq

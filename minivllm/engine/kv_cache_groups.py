@@ -162,6 +162,10 @@ class KVCacheCoordinator:
         self.sliding.rollback()  # its log holds its blocks and hashes only
         self.full.rollback(written_blocks)  # the step's log: blocks, sequences (both tables), the queues
 
+    def forget_overwritten(self, blocks: set[int], sliding_blocks: set[int] = frozenset()) -> None:
+        self.full.forget_overwritten(blocks)
+        self.sliding.forget_overwritten(sliding_blocks)
+
     # --- proof ---------------------------------------------------------------------------------
     def check_invariants(self, live_seqs: list[Sequence]) -> None:
         for g in self.groups.values():

@@ -13,6 +13,7 @@ turns it into what this engine will do, with the checkpoint and the machine at h
     speculative_config  parsed and checked (`SpeculativeConfig`); a hybrid model's state pool keeps a
                         candidate state per draft (engine/state_pool.py)
     eos_token_ids       the checkpoint's and the tokenizer's
+    reasoning           the reasoning parser's think-token ids, found in the tokenizer (refused without them)
     batch_invariant     refused where "auto" chose CUDA, and for a hybrid model (its chunked linear
                         attention sums in an order set by the chunking)
 
@@ -26,12 +27,14 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
 from minivllm.engine.loading import resolve_device, resolve_dtype
 from minivllm.engine.spec_decode.config import SpeculativeConfig
 from minivllm.engine.state_cache import StateCacheConfig, resolve_state_cache
 from minivllm.models.hf_config import ModelSpec
+from minivllm.reasoning import ReasoningConfig
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,17 @@ class ResolvedConfig:
     eos_token_ids: frozenset[int]
     speculative: SpeculativeConfig | None
     state_cache: StateCacheConfig | None = None  # a hybrid model with prefix caching: its state snapshots
+    reasoning: ReasoningConfig | None = None  # the reasoning parser and its think tokens (None: no parser)
 
     @property
     def num_speculative_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
 
-def resolve_config(config: EngineConfig, spec: ModelSpec, tokenizer_eos_token_id: int | None) -> ResolvedConfig:
+def resolve_config(config: EngineConfig, spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> ResolvedConfig:
+    tokenizer_eos_token_id = tokenizer.eos_token_id
+    reasoning = (ReasoningConfig.from_tokenizer(config.reasoning_parser, tokenizer)
+                 if config.reasoning_parser is not None else None)  # before any weight is loaded
     device = resolve_device(config)
     dtype = resolve_dtype(config, spec, device)
     _check_batch_invariant(config, spec, device)
@@ -62,7 +69,7 @@ def resolve_config(config: EngineConfig, spec: ModelSpec, tokenizer_eos_token_id
     state_cache = None
     if spec.linear_attn is not None and config.enable_prefix_caching:
         state_cache = resolve_state_cache(config, spec, dtype)
-    return ResolvedConfig(config, spec, device, dtype, frozenset(eos), speculative, state_cache)
+    return ResolvedConfig(config, spec, device, dtype, frozenset(eos), speculative, state_cache, reasoning)
 
 
 def _say_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:

@@ -59,7 +59,7 @@ class SamplingBatch:
     def add_sampled(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int]) -> None:
         """The sampled row(s) of a chunk that reaches the end of `seq`."""
         sp = seq.sampling_params
-        mask = seq.grammar.bitmasks()[0] if seq.grammar is not None else None  # children share the parent's
+        mask = seq.grammar.row_masks()[0] if seq.grammar is not None else None  # children share the parent's
         processing = row_processing(seq, eos_token_ids, grammar_bitmask=mask)
         for child in range(1 + seq.num_forks_pending):
             self.logits_indices.append(hidden_row)
@@ -77,7 +77,7 @@ class SamplingBatch:
         sp, drafts = seq.sampling_params, seq.spec_token_ids[:num_drafts]
         probs = seq.draft_probs[:num_drafts] if seq.draft_probs is not None else None
         self.spec_groups.append(SpecGroup(entry, len(self.sampled), drafts, probs))
-        masks = seq.grammar.bitmasks(drafts) if seq.grammar is not None else None  # (1 + d, W)
+        masks = seq.grammar.row_masks(drafts) if seq.grammar is not None else None  # 1 + d of (W,) or None
         for j in range(len(drafts) + 1):
             self.logits_indices.append(hidden_row + j)
             self.sampled.append(SampledRow(entry, False, sp.logprobs))

@@ -16,6 +16,13 @@ Only the FIRST record of each thing in a step is kept: that is the value to go b
 
 `StepTransaction` opens a log for the scheduler, the block manager and the state pool together
 (`begin`), and drops it (`commit`) or writes it back (`rollback`).
+
+One thing a rollback cannot write back: K/V. A preemption frees its victim's blocks so that another
+sequence can take them in the same step, and that step's forward writes the taker's K/V into them. If
+the step then fails, giving the victim its blocks back would hand it (and the prefix cache, through
+their hashes) someone else's K/V. So the log finds such victims before it is written back
+(`UndoLog.reused`), and the rollback keeps their preemption: they recompute, and the reused blocks, free
+again, lose their hashes. Every other change is undone exactly.
 """
 
 from __future__ import annotations
@@ -50,6 +57,14 @@ class SeqUndo(NamedTuple):
     spec_token_ids: list[int]
     draft_probs: torch.Tensor | None
     state_slots: list[int] | None
+
+
+class Reused(NamedTuple):
+    """Blocks that one sequence gave up in a step and another took (per KV-cache group), and the givers."""
+
+    victims: list[Sequence]
+    blocks: set[int]  # the full-attention group's
+    sliding_blocks: set[int]  # a sliding-window group's
 
 
 class AttrUndo(NamedTuple):
@@ -102,6 +117,24 @@ class UndoLog:
         for a in self.attrs.values():
             setattr(a.obj, a.name, a.value)
 
+    def reused(self) -> Reused:
+        """Before the sequences are written back: which of them gave up a block that another one took in
+        this step (a block now in a table that did not hold it, gone from a table that did), per group."""
+        victims: list[Sequence] = []
+        per_group: list[set[int]] = []
+        for now, then in ((lambda s: s.seq.block_table, lambda s: s.block_table),
+                          (lambda s: s.seq.sliding_block_table, lambda s: s.sliding_block_table)):
+            taken = {b for s in self.seqs.values() for b in set(now(s)) - set(then(s)) if b >= 0}  # -1: NULL_BLOCK
+            group: set[int] = set()
+            for s in self.seqs.values():
+                lost = (set(then(s)) - set(now(s))) & taken
+                if lost:
+                    group |= lost
+                    if all(v is not s.seq for v in victims):
+                        victims.append(s.seq)
+            per_group.append(group)
+        return Reused(victims, *per_group)
+
     @property
     def size(self) -> int:
         """How many things the step touched (what a commit or rollback costs)."""
@@ -116,6 +149,7 @@ class StepTransaction:
         self.block_manager = block_manager
         self.state_pool = state_pool
         self.log: UndoLog | None = None  # the open step's log
+        self.kept_preemptions: list[Sequence] = []  # the last rollback's victims (module docstring)
 
     def begin(self) -> None:
         """What changes from here on can be rolled back. The queues are copied (their size is the
@@ -136,13 +170,20 @@ class StepTransaction:
         if self.state_pool is not None:
             self.state_pool.undo = None
 
-    def rollback(self, written_blocks: set[int] = frozenset()) -> None:
-        """Undo everything since `begin()` (see `BlockManager.rollback` for `written_blocks`)."""
+    def rollback(self, written_blocks: set[int] = frozenset()) -> list[Sequence]:
+        """Undo everything since `begin()` (see `BlockManager.rollback` for `written_blocks`), except a
+        preemption whose blocks another sequence took (module docstring); returns those victims, preempted."""
         assert self.log is not None, "no transaction is open"
-        self.log = None
+        log, self.log = self.log, None
+        reused = log.reused() if written_blocks else Reused([], set(), set())  # nothing ran: nothing written
         self.block_manager.rollback(written_blocks)  # also restores the sequences and the state pool's list
         if self.state_pool is not None:
             self.state_pool.undo = None
+        for seq in reused.victims:  # outside the transaction now: this stands
+            self.owner.preempt(seq)
+        self.block_manager.forget_overwritten(reused.blocks, reused.sliding_blocks)
+        self.kept_preemptions = reused.victims
+        return reused.victims
 
     def record_seq(self, seq: Sequence) -> None:
         if self.log is not None:

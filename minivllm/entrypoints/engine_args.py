@@ -62,6 +62,9 @@ HELP: dict[str, str] = {
                        "None: top-k, top-p, min-p",
     "tuning": "the CPU kernels' choices: cached (measure once per machine, dtype and shapes, then reuse; in "
               "$MINIVLLM_CACHE/tuning), remeasure (time again and save) or off (fixed rules, nothing timed)",
+    "reasoning_parser": "qwen3 or deepseek_r1: a thinking model's <think>...</think> is returned as "
+                        "reasoning_content, apart from the content, and structured outputs apply after it (the "
+                        "tokenizer must have <think> and </think>); none by default",
     "block_allocator": "a BlockAllocator object, so from Python only: LLM(model, block_allocator=...); "
                        "None: least recently freed first",
 }

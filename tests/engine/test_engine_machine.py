@@ -11,7 +11,9 @@ configuration and a sequence of actions:
 
     add        a request: shared prefixes (prefix hits), n in 1..3, greedy or seeded sampling, or
                "poisoned" (its first chunk fails the forward: bisection must blame it alone), or
-               structured (a regex: every token allowed where drawn, "stop" exactly when complete)
+               structured (a regex: every token allowed where drawn, "stop" exactly when complete); with
+               the reasoning parser (setup "reasoning"), its prompt may open or close a <think> block, and
+               the regex holds on what follows </think> only
     step       one engine step; an injected failure must leave the engine exactly as it was
     arm_*      the next step fails: a batch of two rows (no single culprit: rolled back, re-raised),
                a sequence's commit (that sequence fails, its siblings go on), the proposer
@@ -47,10 +49,13 @@ from minivllm.beam_search import BeamSearch, new_search, step_sampling_params
 from minivllm.engine.kv_cache_groups import KVCacheCoordinator
 from minivllm.engine.state_cache import StateCache, snapshot_bytes
 from minivllm.models.hf_config import load_model_spec
+from minivllm.engine.sequence import SequenceStatus
 from minivllm.layers.logits_processors import unpack_bitmask
+from minivllm.reasoning import ReasoningPhase
 from minivllm.engine.spec_decode.proposer import Draft, Proposer
 from minivllm.teaching.checkpoints import make_tiny_model
 from minivllm.teaching.hf_check import assert_hf_greedy
+from reasoning_helpers import make_thinking_qwen3
 
 POISON = 3  # a prompt that starts with it fails the forward of its first chunk, alone or not
 PREFIXES = [[], list(range(20, 32)), [7, 8, 9, 10, 7, 8, 9]]  # shared: prefix-cache hits; repeats: n-gram drafts
@@ -60,7 +65,7 @@ REQUESTS = st.fixed_dictionaries(dict(
     prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(5, 40), min_size=1, max_size=9),
     n=st.sampled_from([1, 1, 2, 3]), greedy=st.booleans(), max_tokens=st.sampled_from([1, 3, 6, 9, 12, 12]),
     poisoned=st.sampled_from([False] * 8 + [True]), restricted=st.sampled_from([False] * 3 + [True]),
-    structured=st.sampled_from([False] * 3 + [True])))
+    structured=st.sampled_from([False] * 3 + [True]), think=st.sampled_from([None, "open", "open", "closed"])))
 # A structured request's output matches this (structured outputs: engine/grammar.py); it may end early, "stop"
 STRUCTURED = StructuredOutputsParams(regex=r"[a-e ]{1,24}\.?")
 ALLOWED = list(range(5, 200))  # a restricted (sampled) request draws only these; never a bad word's last token
@@ -101,10 +106,11 @@ class Setup:
     engine: dict = field(default_factory=dict)
     sliding: bool = False  # Gemma 3: a sliding-window KV-cache group beside the full one
     snapshots: int | None = None  # a hybrid's state cache: room for this many snapshots (engine/state_cache.py)
+    reasoning: bool = False  # the tiny Qwen3 with <think> tokens (tests/reasoning_helpers.py), reasoning_parser on
 
     @property
     def model(self) -> str:
-        return "hybrid" if self.hybrid else "gemma3" if self.sliding else "qwen3"
+        return "hybrid" if self.hybrid else "gemma3" if self.sliding else "thinking" if self.reasoning else "qwen3"
 
 
 SETUPS = [
@@ -133,6 +139,8 @@ SETUPS = [
                                                max_num_seqs=4)),
     Setup("sliding-ngram", sliding=True, spec="ngram", engine=dict(block_size=4, num_kv_blocks=16,
                                                                    max_num_batched_tokens=12, max_num_seqs=3)),
+    Setup("reasoning", reasoning=True, spec="ngram", engine=dict(block_size=4, num_kv_blocks=20, max_num_seqs=4,
+                                                                 max_num_batched_tokens=12, reasoning_parser="qwen3")),
 ]
 
 
@@ -205,12 +213,18 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             self.add(**request)
 
         def add(self, prefix: list[int], extra: list[int], n: int, greedy: bool, max_tokens: int,
-                poisoned: bool, restricted: bool, structured: bool) -> None:
+                poisoned: bool, restricted: bool, structured: bool, think: str | None) -> None:
+            reasoning = self.engine.resolved.reasoning
+            if reasoning is not None and think is not None:  # the prompt opens (or closes) a <think> block
+                prefix = prefix + [reasoning.start_token_id if think == "open" else reasoning.end_token_id]
             prompt = ([POISON] if poisoned else []) + prefix + extra
             rules = dict(allowed_token_ids=ALLOWED, logit_bias={7: 3.0, 150: -5.0}, bad_words=["ab", "cd e"])
+            rules = rules if restricted else {}
+            if reasoning is not None and not restricted and not greedy:  # a push towards </think> (not for
+                rules = dict(logit_bias={reasoning.end_token_id: 5.0})  # greedy: checked against HF's argmax)
             params = SamplingParams(n=n, temperature=0 if greedy and not restricted else 0.9,
                                     seed=None if greedy else len(self.requests), max_tokens=max_tokens,
-                                    ignore_eos=True, **(rules if restricted else {}),
+                                    ignore_eos=True, **rules,
                                     structured_outputs=STRUCTURED if structured else None)
             rid = f"r{len(self.requests)}"
             self.requests[rid] = Request(prompt, params, poisoned)
@@ -263,6 +277,13 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             except Injected:
                 reach["rolled back"] += 1
                 after = self._snapshot()  # rolled back: nothing moved but an overwritten cached block's hash
+                kept = {s.request_id for s in self.engine.scheduler.transaction.kept_preemptions}
+                if kept:  # a preemption whose blocks the failed step gave another sequence stands (undo_log.py)
+                    reach["preemption kept"] += 1
+                    assert all(s[1:4] == (SequenceStatus.WAITING, 0, []) for s in after[0] if s[0] in kept), after[0]
+                    before, after = ([s for s in x[0] if s[0] not in kept] for x in (before, after))
+                    assert after == before, "a failed step left a trace"
+                    return
                 assert after[:-1] == before[:-1], "a failed step left a trace"
                 assert after[-1].items() <= before[-1].items()
                 return
@@ -376,13 +397,26 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             """A structured completion walked through a fresh matcher: every token allowed where it was
             drawn, the grammar complete iff it ended with "stop"; the allowed set at each token, (V,) bool."""
             reach["structured"] += 1
-            matcher = self.engine.input_processor.grammars.matcher(r.params.structured_outputs)
-            vocab = self.engine.spec.vocab_size
+            matcher = self.engine.input_processor.grammars.matcher(r.params.structured_outputs)  # the grammar alone
+            vocab, reasoning = self.engine.spec.vocab_size, self.engine.resolved.reasoning
+            phase = reasoning.prompt_phase(r.prompt) if reasoning is not None else ReasoningPhase.ENDED
             masks = []
-            for tok in c.token_ids:
+            for tok in c.token_ids:  # inside reasoning anything goes; the grammar starts after </think>
+                if phase is ReasoningPhase.INSIDE:
+                    masks.append(torch.ones(vocab, dtype=torch.bool))
+                    if tok == reasoning.end_token_id:
+                        phase = ReasoningPhase.ENDED
+                        reach["reasoning ended"] += 1
+                    continue
                 masks.append(unpack_bitmask(matcher.bitmasks()[:1], vocab)[0])
+                if phase is ReasoningPhase.MAY_OPEN:  # the first token may open the reasoning instead
+                    masks[-1][reasoning.start_token_id] = True
+                    phase = ReasoningPhase.INSIDE if tok == reasoning.start_token_id else ReasoningPhase.ENDED
+                    if phase is ReasoningPhase.INSIDE:
+                        continue
                 assert masks[-1][tok] and matcher.accept(tok), (c.token_ids, tok)
-            assert matcher.is_complete == (c.finish_reason == "stop"), (c, matcher.is_complete)
+            complete = phase is ReasoningPhase.ENDED and matcher.is_complete
+            assert complete == (c.finish_reason == "stop"), (c, complete)
             return masks
 
         @torch.no_grad()
@@ -432,19 +466,21 @@ def models(tmp_path_factory, model_factory, hf_factory):
     from transformers import AutoModelForCausalLM
 
     hybrid = str(make_tiny_model(tmp_path_factory.mktemp("machine_qwen3_5"), family="qwen3_5", num_layers=4))
+    thinking = make_thinking_qwen3(tmp_path_factory.mktemp("machine_thinking"))[0]  # qwen3's weights, <think> tokens
     gemma = str(make_tiny_model(tmp_path_factory.mktemp("machine_gemma3"), family="gemma3", num_layers=4))
-    paths = {"qwen3": model_factory("qwen3"), "hybrid": hybrid, "gemma3": gemma}
-    hf = {"qwen3": hf_factory("qwen3"),
+    paths = {"qwen3": model_factory("qwen3"), "hybrid": hybrid, "gemma3": gemma, "thinking": thinking}
+    hf = {"qwen3": hf_factory("qwen3"), "thinking": AutoModelForCausalLM.from_pretrained(thinking, dtype=torch.float32).eval(),
           "hybrid": AutoModelForCausalLM.from_pretrained(hybrid, dtype=torch.float32).eval(),
           "gemma3": AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32).eval()}
     return paths, hf
 
 
-@pytest.mark.parametrize("which,examples", [("attention", 150), ("hybrid", 80), ("sliding", 40)])
+@pytest.mark.parametrize("which,examples", [("attention", 150), ("hybrid", 80), ("sliding", 40), ("reasoning", 40)])
 def test_engine_machine(models, which, examples):
     from hypothesis.stateful import run_state_machine_as_test
 
-    setups = [s for s in SETUPS if {"qwen3": "attention", "hybrid": "hybrid", "gemma3": "sliding"}[s.model] == which]
+    setups = [s for s in SETUPS if {"qwen3": "attention", "thinking": "reasoning", "hybrid": "hybrid",
+                                    "gemma3": "sliding"}[s.model] == which]
     reach: collections.Counter[str] = collections.Counter()
     machine = engine_machine(*models, setups, reach)
     threads = torch.get_num_threads()
@@ -461,5 +497,7 @@ def test_engine_machine(models, which, examples):
               "structured"]
     wanted += ["drafts accepted", "prefix hit"]
     wanted += ["state snapshot hit", "state snapshot evicted"] if which == "hybrid" else []
+    if which == "reasoning":  # one setup, fewer runs: its own paths (a structured output crossed </think>)
+        wanted = ["forked", "rolled back", "structured", "reasoning ended", "drafts accepted"]
     wanted += [f"setup {s.name}" for s in setups]  # each setup's paths (e.g. batch-invariant's) were crossed
-    assert all(reach[w] for w in wanted), dict(reach)
+    assert all(reach[w] for w in wanted), ([w for w in wanted if not reach[w]], dict(reach))

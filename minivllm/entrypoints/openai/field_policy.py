@@ -60,7 +60,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prediction": ((), "predicted outputs are not implemented"),
     "reasoning_effort": ((), "reasoning control is not implemented; a template's switch (e.g. Qwen3's "
                              "enable_thinking) can be set through chat_template_kwargs"),
-    "include_reasoning": ((True,), "there is no reasoning parser: reasoning stays in the content"),
     "web_search_options": ((), "web search is not implemented"),
     "verbosity": ((), "verbosity control is not implemented"),
 }

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.beam_search import BeamSearchParams
 from minivllm.entrypoints.openai.field_policy import RequestError, check_undeclared
+from minivllm.entrypoints.openai.reasoning import ReasoningFields
 from minivllm.entrypoints.openai.structured import structured_outputs_params
 from minivllm.entrypoints.openai.tool_calls import ToolCallingFields
 from minivllm.sampling_params import SamplingParams
@@ -249,7 +250,7 @@ def _encodable(text: str, where: str) -> str:
     return text
 
 
-class ChatCompletionRequest(ToolCallingFields, _Common):  # tools: tool_calls.py
+class ChatCompletionRequest(ToolCallingFields, ReasoningFields, _Common):  # tools: tool_calls.py; reasoning.py
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
