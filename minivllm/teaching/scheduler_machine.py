@@ -29,7 +29,7 @@ from typing import Any
 from minivllm.engine.block_allocator import BlockAllocator
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.scheduling_policy import CheckedPolicy, FCFSPolicy, PolicyContractError, SchedulingPolicy
+from minivllm.engine.scheduling_policy import CheckedPolicy, FCFSPolicy, SchedulingPolicy
 from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
 

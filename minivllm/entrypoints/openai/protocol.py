@@ -3,8 +3,7 @@
 The models below declare every request field minivllm implements: each one reaches SamplingParams,
 the prompt or the answer. A field they do not declare is refused, accepted without effect, or
 ignored and logged, by field_policy.py. vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
-`prompt_logprobs`, ...) are top-level fields, which is where the openai client's `extra_body` puts
-them.
+`prompt_logprobs`, ...) are top-level fields, which is where the openai client's `extra_body` puts them.
 
 Fields left out fall back to the model's `generation_config.json` (temperature, top_p, top_k, min_p,
 repetition_penalty), then to OpenAI's defaults. Types are strict (pydantic's strict mode): an integer
