@@ -30,26 +30,26 @@ def timings(monkeypatch) -> list[tuple[str, ...]]:
 def test_the_clear_cases_are_sized_from_sys_and_time_nothing(timings):
     small = weights_in_cache(128 << 10, CPU, "cached")
     assert (small.chosen, small.speedups) == (IN_CACHE, {}) and "L2" in small.source
-    large = weights_in_cache(2 << 20, CPU, "cached")
+    large = weights_in_cache(1 << 20, CPU, "cached")  # half the last level: too close to call, timed as streamed
     assert (large.chosen, large.speedups) == (STREAMED, {}) and "last-level" in large.source
-    assert weights_in_cache(1 << 20, CPU, "off").source == "tuning off"
+    assert weights_in_cache(512 << 10, CPU, "off").source == "tuning off"
     assert not timings
 
 
 def test_between_them_it_is_measured_once_and_every_later_process_reads_the_same_answer(timings):
-    first = weights_in_cache(1 << 20, CPU, "cached")
+    first = weights_in_cache(512 << 10, CPU, "cached")
     assert first.source == "measured" and first.chosen in (STREAMED, IN_CACHE) and set(first.speedups) == {IN_CACHE}
-    again = weights_in_cache(1 << 20, CPU, "cached")
+    again = weights_in_cache(512 << 10, CPU, "cached")
     assert (again.chosen, again.speedups, again.source) == (first.chosen, first.speedups, "cached")
     assert timings == [(STREAMED, IN_CACHE)]
-    assert weights_in_cache(1 << 20, CPU, "remeasure").source == "measured" and len(timings) == 2
+    assert weights_in_cache(512 << 10, CPU, "remeasure").source == "measured" and len(timings) == 2
     assert "matmul weights between steps" in str(first)
 
 
 @pytest.mark.parametrize("speedup, chosen", [(1 + RESIDENT_MARGIN + 0.5, IN_CACHE), (1 + RESIDENT_MARGIN - 0.2, STREAMED)])
 def test_only_rereads_clearly_faster_than_memory_count_as_in_cache(monkeypatch, speedup, chosen):
     monkeypatch.setattr(tuner, "time_candidates", lambda candidates, probes, repeats=5: {IN_CACHE: speedup})
-    assert weights_in_cache(1 << 20, CPU, "remeasure").chosen == chosen
+    assert weights_in_cache(512 << 10, CPU, "remeasure").chosen == chosen
 
 
 @pytest.mark.parametrize("resident, timed", [(IN_CACHE, False), (STREAMED, True)])
