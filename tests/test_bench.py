@@ -118,8 +118,11 @@ def _vs_vllm():
 
 def test_vs_vllm_table_gives_medians_beside_the_best_and_dashes_for_systems_not_run():
     vs = _vs_vllm()
-    [fp32, _compiled, *single] = vs.plan("tiny", "smol", ["float32"], single_stream=True, requests=4)
+    [fp32, _compiled, *single] = vs.plan("tiny", "smol", ["float32"], list(vs.SINGLE_STREAM_VARIANTS), requests=4)
     assert len(single) == 4 and len({row.hf for row in single}) == 1  # one HF run shared by four rows
+    # the options that shorten a session: eager throughput only, the chosen single-stream settings
+    [eager, default] = vs.plan("tiny", "smol", ["float32"], ["defaults"], requests=4, compiled_throughput=False)
+    assert eager.minivllm.engine == () and "defaults" in default.label
     results = vs.Results()
     for hf, mini in ((10.0, 30.0), (20.0, 20.0), (15.0, 60.0)):  # three rounds; a busy one for minivllm
         results.add(fp32.hf, hf)

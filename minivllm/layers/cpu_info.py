@@ -19,6 +19,7 @@ class CpuInfo:
     avx512_bf16: bool
     last_level_cache_bytes: int
     vnni: bool = False  # int8 dot products summed in 32 bits (avx512_vnni / avx_vnni): fbgemm's int8 kernels
+    l2_cache_bytes: int = 1 << 20  # one core's own: unlike the last level, a VM guest's is not the host's share
 
     @property
     def native_bf16(self) -> bool:
@@ -40,8 +41,9 @@ class CpuInfo:
                     break  # the first processor is enough
         except OSError:
             pass
-        return cls(name, "amx_tile" in flags, "avx512_bf16" in flags, _last_level_cache_bytes(),
-                   vnni=bool(flags & {"avx512_vnni", "avx_vnni"}))
+        return cls(name, "amx_tile" in flags, "avx512_bf16" in flags, _cache_bytes(),
+                   vnni=bool(flags & {"avx512_vnni", "avx_vnni"}),
+                   l2_cache_bytes=_cache_bytes(level=2, default=1 << 20))
 
     def __str__(self) -> str:
         yes_no = {True: "yes", False: "no"}
@@ -49,12 +51,15 @@ class CpuInfo:
                 f"last-level cache {self.last_level_cache_bytes >> 20} MiB)")
 
 
-def _last_level_cache_bytes(default: int = 32 << 20) -> int:
+def _cache_bytes(level: int | None = None, default: int = 32 << 20) -> int:
+    """The largest cache of cpu0 (of that `level` if given), from /sys; `default` where it cannot be read."""
     sizes = []
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             size = (index / "size").read_text().strip()  # e.g. "32768K"
-        except OSError:
+            if level is not None and int((index / "level").read_text()) != level:
+                continue
+        except (OSError, ValueError):
             continue
         scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
         sizes.append(int(size.rstrip("KM")) * scale)
