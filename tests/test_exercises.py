@@ -22,7 +22,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.teaching.capstone import check_policy_matches_hf, grade_policy
 from minivllm.teaching.exercises import REFERENCES, RULES, check
 from minivllm.teaching.policy_behaviour import PolicyBehaviourError
-from minivllm.teaching.scheduler_machine import PolicyContractError
+from minivllm.engine.scheduling_policy import PolicyContractError
 
 CAPSTONE = Path(__file__).resolve().parent.parent / "exercises" / "capstone"
 
