@@ -30,15 +30,15 @@ from torch import nn
 
 from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
-from minivllm.layers.linear import Linear, LinearPlan, linear
+from minivllm.layers.linear import Linear, LinearPlan
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm_variants import ZeroCenteredRMSNorm
 from minivllm.layers.parallel_linear import VocabParallelEmbedding
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
-from minivllm.layers.tuner import Tuning
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.interface import CausalLM
+from minivllm.models.lm_head import LMHeadMixin
 
 
 class Gemma3Attention(nn.Module):
@@ -96,7 +96,7 @@ class Gemma3Model(nn.Module):
         self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
-class Gemma3ForCausalLM(CausalLM):
+class Gemma3ForCausalLM(LMHeadMixin, CausalLM):
     """Also the text decoder of Gemma3ForConditionalGeneration."""
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -136,18 +136,3 @@ class Gemma3ForCausalLM(CausalLM):
             h = h + layer.post_attention_layernorm(layer.self_attn.o_proj(o))
             h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
         return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, V)
-        return linear(hidden, self.lm_head_weight, plan=self.matmul_plan)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:  # (V, hidden)
-        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-
-    def plan_matmuls(self, tuning: Tuning = "cached") -> LinearPlan:
-        """Time the CPU matmul forms over this model's weights, as Llama does (layers/matmul_plan.py)."""
-        if self.matmul_plan.measured_with_threads is None:
-            weights = [m.weight for m in self.model.layers.modules() if isinstance(m, Linear)]
-            self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,),
-                                     tuning=tuning)
-        return self.matmul_plan

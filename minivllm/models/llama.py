@@ -32,7 +32,7 @@ from torch import nn
 from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.layers.batch_invariance import BatchInvariance
-from minivllm.layers.linear import Linear, LinearPlan, linear
+from minivllm.layers.linear import Linear, LinearPlan
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.norm_rope_kernels import NormRopeKernels
@@ -43,6 +43,7 @@ from minivllm.models.compiled_forward import Attend, CompiledForward
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.interface import CausalLM
+from minivllm.models.lm_head import LMHeadMixin
 from minivllm.models.sharding import ShardLayout
 
 
@@ -112,7 +113,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(LMHeadMixin, CausalLM):
     """Also serves Qwen2 and Qwen3 (their switches live in `spec`)."""
 
     supports_compile = True
@@ -167,22 +168,7 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (S, hidden) -> (S, V)
         """The logits of the rows in `hidden`; under tensor parallelism on rank 0 only (None elsewhere):
         each rank computes its vocabulary slice (S, V/N), gathered on rank 0, which samples."""
-        return self.tp.gather_last_dim(linear(hidden, self.lm_head_weight, plan=self.matmul_plan))
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:  # (V / N, hidden): this rank's rows
-        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-
-    def plan_matmuls(self, tuning: Tuning = "cached") -> LinearPlan:
-        """Time the CPU matmul forms over this model's weights, in forward order, and keep the
-        fastest per shape and row bucket (once; a GPU model keeps F.linear; batch-invariant: nothing
-        to time). Called at warm-up."""
-        if isinstance(self.matmul_plan, MatmulPlan) and self.matmul_plan.measured_with_threads is None:
-            # In forward order; an int8 layer (layers/quantization.py) is no `Linear`: nothing to time.
-            weights = [m.weight for m in self.model.layers.modules() if isinstance(m, Linear)]
-            self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,),
-                                     tuning=tuning)
-        return self.matmul_plan
+        return self.tp.gather_last_dim(super().compute_logits(hidden))
 
     def choose_norm_rope_kernels(self, tuning: Tuning = "cached") -> NormRopeKernels:
         """Time this model's norms and RoPE both ways on this CPU and keep the faster (layers/norm_rope_kernels.py).

@@ -29,14 +29,14 @@ from torch import nn
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.layers.gated_deltanet import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, l2norm,
                                             recurrent_gated_delta_rule)
-from minivllm.layers.linear import Linear, linear
+from minivllm.layers.linear import Linear
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata, LinearAttnState
 from minivllm.layers.matmul_plan import MatmulPlan
-from minivllm.layers.tuner import Tuning
 from minivllm.layers.norm_variants import GatedRMSNorm, ZeroCenteredRMSNorm
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.interface import CausalLM
+from minivllm.models.lm_head import LMHeadMixin
 from minivllm.models.llama import MLP
 
 
@@ -165,7 +165,7 @@ class DecoderModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
-class Qwen3_5ForCausalLM(CausalLM):
+class Qwen3_5ForCausalLM(LMHeadMixin, CausalLM):
     """The text decoder of Qwen3.5 checkpoints (`Qwen3_5ForCausalLM`, and the `model.language_model`
     part of `Qwen3_5ForConditionalGeneration`). Eager only: its linear-attention layers are not compiled."""
 
@@ -216,18 +216,3 @@ class Qwen3_5ForCausalLM(CausalLM):
             h = h + x
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, hidden) -> (S, V)
-        return linear(hidden, self.lm_head_weight, plan=self.matmul_plan)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:  # (V, hidden)
-        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-
-    def plan_matmuls(self, tuning: Tuning = "cached") -> MatmulPlan:
-        """As `LlamaForCausalLM.plan_matmuls`: time the CPU matmul forms over every Linear, once."""
-        if self.matmul_plan.measured_with_threads is None:
-            weights = [m.weight for m in self.model.modules() if isinstance(m, Linear)]  # in forward order
-            self.matmul_plan.measure(weights + [self.lm_head_weight], decode_only=(self.lm_head_weight,),
-                                     tuning=tuning)
-        return self.matmul_plan
