@@ -133,7 +133,7 @@ def test_figures_are_readable_at_the_site_width():
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
+def site(tmp_path_factory, pytestconfig) -> Path:
     """The built site: $MINIVLLM_SITE_DIR if CI built it already, else built here (executes notebooks)."""
     prebuilt = os.environ.get("MINIVLLM_SITE_DIR")
     if prebuilt and (Path(prebuilt) / "index.html").is_file():
@@ -142,7 +142,22 @@ def site(tmp_path_factory) -> Path:
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=ROOT,
                        capture_output=True, text=True, timeout=3600)  # only a hang: 6 min here, 3x that busy
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    show_notebook_times(r.stdout + r.stderr, pytestconfig)
     return out
+
+
+def show_notebook_times(build_log: str, config: pytest.Config) -> None:
+    """The syllabus's times are checked in every build (docs/hooks/notebook_times.py logs one line a
+    notebook); pytest captures the build's log, so those lines are written to the test run's own output."""
+    times = [line.split("notebook ", 1)[1] for line in build_log.splitlines() if "-  notebook notebooks/" in line]
+    assert len(times) == len(NOTEBOOKS), f"the build logged {len(times)} notebook times for {len(NOTEBOOKS)} notebooks"
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # a fixture's output is otherwise captured, then dropped
+            reporter.write_line("")
+            for line in times:
+                reporter.write_line(f"docs build: {line}")
 
 
 def test_site_has_every_section(site):
