@@ -17,6 +17,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from minivllm.layers import tuner  # noqa: E402
 from minivllm.teaching.checkpoints import make_tiny_model  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -68,3 +69,16 @@ def hf_factory(model_factory):
         return AutoModelForCausalLM.from_pretrained(model_factory(name), dtype=torch.float32).eval()
 
     return load
+
+
+@pytest.fixture
+def timings(monkeypatch) -> list[tuple[str, ...]]:
+    """Every call of the tuner's timing function, by candidates; the timings themselves still run."""
+    calls, real = [], tuner.time_candidates
+
+    def counted(candidates, probes, repeats=5):
+        calls.append(tuple(candidates))
+        return real(candidates, probes, repeats)
+
+    monkeypatch.setattr(tuner, "time_candidates", counted)
+    return calls

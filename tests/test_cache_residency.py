@@ -14,18 +14,6 @@ from minivllm.layers.matmul_plan import MatmulPlan
 CPU = CpuInfo("a test CPU", amx=False, avx512_bf16=False, last_level_cache_bytes=2 << 20, l2_cache_bytes=256 << 10)
 
 
-@pytest.fixture
-def timings(monkeypatch) -> list[tuple[str, ...]]:
-    """Every call of the tuner's timing function, by candidates; the timings themselves still run."""
-    calls, real = [], tuner.time_candidates
-
-    def counted(candidates, probes, repeats=5):
-        calls.append(tuple(candidates))
-        return real(candidates, probes, repeats)
-
-    monkeypatch.setattr(tuner, "time_candidates", counted)
-    return calls
-
 
 def test_the_clear_cases_are_sized_from_sys_and_time_nothing(timings):
     small = weights_in_cache(128 << 10, CPU, "cached")

@@ -28,18 +28,6 @@ needs_kernels = pytest.mark.skipif(not load_cpu_kernels().available, reason=load
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def timings(monkeypatch) -> list[tuple[str, ...]]:
-    """Every call of the tuner's timing function, by candidates; the timings themselves still run."""
-    calls, real = [], tuner.time_candidates
-
-    def counted(candidates, probes, repeats=5):
-        calls.append(tuple(candidates))
-        return real(candidates, probes, repeats)
-
-    monkeypatch.setattr(tuner, "time_candidates", counted)
-    return calls
-
 
 def fast_b(name: str) -> None:  # a probe where candidate "b" is clearly faster than the default "a"
     sum(range(20000 if name == "a" else 10))
