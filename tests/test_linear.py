@@ -10,6 +10,7 @@ from helpers import force_cpu_kernels, varied_prompts
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.layers import matmul_plan
 from minivllm.layers.linear import Linear, linear
 from minivllm.layers.matmul_forms import MatmulForm, matmul
 from minivllm.layers.matmul_plan import MARGIN, PREFILL_BUCKET, ROW_BUCKETS, CpuInfo, MatmulKey, MatmulPlan, row_bucket
@@ -95,13 +96,43 @@ def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
     assert all(f"{o} x {i} {str(dtype).removeprefix('torch.')}" in summary for o, i in set(shapes))
 
 
-def test_weights_that_fit_in_cache_are_not_timed_and_keep_f_linear():
+@pytest.fixture
+def plan_timings(monkeypatch) -> list[int]:
+    """The number of weights each matmul-plan timing pass was given (the timings themselves still run)."""
+    calls, real = [], matmul_plan._measure_speedups
+
+    def counted(sample, *args):
+        calls.append(len(sample))
+        return real(sample, *args)
+
+    monkeypatch.setattr(matmul_plan, "_measure_speedups", counted)
+    return calls
+
+
+def test_weights_within_one_cores_l2_are_not_timed_and_keep_f_linear(plan_timings):
     weights = [torch.randn(64, 32) for _ in range(4)]
     plan = MatmulPlan()
     plan.measure(weights, cache_bytes=1 << 20)
     assert plan.measured_with_threads is not None and plan.forms == {} and plan.weight_bytes == 4 * 64 * 32 * 4
-    assert plan.form_for(weights[0], 1) is MatmulForm.LINEAR
-    assert "nothing to stream faster" in plan.summary() and "in cache" in plan.summary()
+    assert plan.form_for(weights[0], 1) is MatmulForm.LINEAR and not plan_timings
+    assert "nothing timed" in plan.summary() and "within one core's L2 of 1024 KiB" in plan.summary()
+
+
+def test_weights_above_l2_are_timed_even_where_the_last_level_cache_would_hold_them(monkeypatch, plan_timings):
+    # Staying in cache does not make the forms equal (bf16 on AMX: F.linear re-lays the weight out every
+    # call): a CPU whose last level holds these weights many times over still times them.
+    big_l3 = CpuInfo("a CPU with a large L3", amx=True, avx512_bf16=True, last_level_cache_bytes=1 << 30,
+                     l2_cache_bytes=16 << 10)
+    monkeypatch.setattr(CpuInfo, "read", classmethod(lambda cls: big_l3))
+    weights = [torch.randn(64, 32) for _ in range(4)]  # 32 KiB: above this L2, far below the L3
+    plan = MatmulPlan()
+    plan.measure(weights, repeats=1, tuning="remeasure")
+    assert plan.source == "measured" and len(plan.forms) == len(ROW_BUCKETS) and plan_timings == [4]
+
+
+def test_cpu_info_reads_a_per_core_cache_no_larger_than_the_last_level():
+    info = CpuInfo.read()
+    assert 0 < info.l2_cache_bytes <= info.last_level_cache_bytes
 
 
 def test_cpu_info_reads_a_name_and_a_cache_size():

@@ -16,9 +16,14 @@ per set of weight shapes: later starts read it back and time nothing. `summary()
 chosen, why, and whether it was measured now or read from the cache.
 
 Invariants:
-  * Unmeasured means LINEAR. No warm-up, tuning='off', a GPU, or weights that stay in cache between
-    steps (nothing to stream, only noise to time; measured by cache_residency.py, since a VM reports its
-    host's last-level cache): `form_for` answers LINEAR.
+  * Unmeasured means LINEAR. No warm-up, tuning='off', a GPU, or weights that fit in one core's L2
+    (microsecond products: timing them would measure the other processes more than the forms):
+    `form_for` answers LINEAR.
+  * Weights larger than that are timed, whether or not they stay in the last-level cache between steps.
+    Staying in cache does not make the forms equal: on a Sapphire Rapids guest whose 56 MiB of bf16
+    weights did stay in its L3, F.linear still re-laid each plain bf16 weight out for the AMX tiles on
+    every call, and PACKED (laid out once) was 1.2-1.7x faster at 5-64 rows, SKINNY 1.8-3.0x at one
+    row; a rule that skipped the timing for cached weights left that bf16 throughput on the table.
   * Prefill-sized products (more than 64 rows) are one bucket, timed at 65 and 512 rows and used for
     every larger count too: there the forms compete on compute, not on streaming, and PACKED was
     1.08-1.31x faster than F.linear in fp32 at those two ends, within 5 % in bf16 (2 AMD EPYC cores).
@@ -56,10 +61,9 @@ import torch
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.skinny_gemm import can_pack_skinny
-from minivllm.layers.cache_residency import IN_CACHE, STREAMED, SUBJECT as RESIDENCY, weights_in_cache
 from minivllm.layers.cpu_info import CpuInfo  # also imported from here (quantization.py, engine/loading.py)
 from minivllm.layers.matmul_forms import MatmulForm, can_pack, matmul, pack, pack_skinny
-from minivllm.layers.tuner import MARGIN, Choice, Tuning, choose_many, untimed
+from minivllm.layers.tuner import MARGIN, Tuning, choose_many
 
 
 class RowBucket(NamedTuple):
@@ -97,8 +101,8 @@ class MatmulPlan:
     speedups: dict[MatmulKey, float] = field(default_factory=dict)  # LINEAR time / fastest other form's
     measured_with_threads: int | None = None  # None: not measured (yet)
     weight_bytes: int = 0  # of the weights `measure` was given
-    source: str = "not measured"  # "measured", "cached" (by an earlier process), "tuning off" or "fits in cache"
-    residency: Choice | None = None  # whether the weights stay in cache between steps (cache_residency.py)
+    source: str = "not measured"  # "measured", "cached" (by an earlier process), "tuning off" or "fits in L2"
+    l2_cache_bytes: int = 0  # the per-core cache the weights were held against (below it nothing is timed)
 
     def form_for(self, weight: torch.Tensor, rows: int) -> MatmulForm:
         key = MatmulKey(weight.shape[0], weight.shape[1], weight.dtype, row_bucket(rows))
@@ -110,26 +114,22 @@ class MatmulPlan:
         """Time the forms over `weights` (the model's, in forward order) for each bucket and keep the
         fastest, through the tuner (tuner.py: with tuning='cached' a plan measured before for these
         weights' shapes on this machine is read back, nothing timed; 'off' keeps LINEAR). CPU weights
-        only: on a GPU the plan stays empty (LINEAR). Weights that stay in cache between steps are not
-        timed and keep LINEAR: there the decode buckets have nothing to stream faster, and timing
-        microsecond matmuls on a shared machine measures the other processes more than the forms.
-        Whether they stay is measured (cache_residency.py; /sys's last-level cache size can be a VM
-        host's), unless `cache_bytes` is given: then weights below it count as in cache (tests).
+        only: on a GPU the plan stays empty (LINEAR). Weights that fit in one core's L2 (`cache_bytes`,
+        read from /sys unless given: tests pass 0 to time tiny weights) are not timed and keep LINEAR.
         Weights in `decode_only` (the LM head: it multiplies sampled rows, a few per request) are not
         timed at prefill sizes."""
         weights = [w for w in weights if w.device.type == "cpu" and w.dim() == 2]
         if not weights:
             return
         self.weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-        self.forms, self.speedups, self.source = {}, {}, "tuning off" if tuning == "off" else "fits in cache"
-        if cache_bytes is None:
-            cpu = CpuInfo.read()
-            self.residency, cache_bytes = weights_in_cache(self.weight_bytes, cpu, tuning), cpu.last_level_cache_bytes
-        else:
-            self.residency = untimed(STREAMED if self.weight_bytes >= cache_bytes else IN_CACHE,
-                                     f"a cache of {cache_bytes} bytes given").about(RESIDENCY)
-        if tuning != "off" and self.residency.chosen == STREAMED:
-            sample = _cache_flushing_sample(weights, 2 * cache_bytes)
+        self.forms, self.speedups = {}, {}
+        cpu = CpuInfo.read()
+        self.l2_cache_bytes = cpu.l2_cache_bytes if cache_bytes is None else cache_bytes
+        self.source = "tuning off" if tuning == "off" else "fits in L2"
+        if tuning != "off" and self.weight_bytes > self.l2_cache_bytes:
+            # Time over at least twice the reported last level (or every weight, if the model is smaller):
+            # between two timings of one weight the others pass through the cache, as in a real step.
+            sample = _cache_flushing_sample(weights, 2 * max(cpu.last_level_cache_bytes, self.l2_cache_bytes))
             skinny_built = load_cpu_kernels().available
             decode_shapes = {_shape(w) for w in decode_only}
             shapes = list(dict.fromkeys(_shape(w) for w in sample))
@@ -162,10 +162,11 @@ class MatmulPlan:
             return f"{cpu}\n{everywhere} (not measured: no CPU warm-up)"
         if self.source == "tuning off":
             return f"{cpu}\n{everywhere} (tuning off: the fixed rule, nothing timed)"
-        residency = f"weights {self.weight_bytes / 2**20:.1f} MiB, {self.residency}"
+        sizes = f"weights {self.weight_bytes / 2**20:.1f} MiB"
         if not self.forms:
-            return f"{cpu}\n{everywhere}: nothing to stream faster ({residency})"
-        lines = [str(cpu), residency,
+            return (f"{cpu}\n{everywhere}: nothing timed ({sizes}, within one core's L2 of "
+                    f"{self.l2_cache_bytes >> 10} KiB)")
+        lines = [str(cpu), sizes,
                  f"matmul form by measurement ({self.source}, {self.measured_with_threads} threads; above "
                  f"{ROW_BUCKETS[-1].hi} rows as at {ROW_BUCKETS[-1]}); speed-up = time of "
                  f"{MatmulForm.LINEAR.value} / time of the fastest other form ({MatmulForm.WEIGHT_LEFT.value}, "
