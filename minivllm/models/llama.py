@@ -95,13 +95,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
 
     # A layer is the code before attention and the code after it; between them, attention is the backend
-    # (eager) or an opaque op (compiled: models/compiled_forward.py).
-    def pre_attention(self, rope: RopeTables, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.self_attn.project(rope, self.input_layernorm(h))  # q (T, Hq, D), k, v (T, Hkv, D)
+    # (eager) or an opaque op (compiled: models/compiled_forward.py). The residual stream travels beside the
+    # hidden state, as in vLLM: each residual add happens inside the next RMSNorm (`fused_add_rms_norm`, one
+    # pass), so a layer runs no add of its own (the MLP's output is added by the next layer's input norm).
+    def pre_attention(self, rope: RopeTables, h: torch.Tensor, residual: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h (T, hidden), the last layer's MLP output (the embedding for layer 0, with residual None)
+        -> q (T, Hq, D), k, v (T, Hkv, D) and the residual stream h + residual."""
+        if residual is None:
+            normed, residual = self.input_layernorm(h), h
+        else:
+            normed, residual = self.input_layernorm(h, residual=residual)
+        return (*self.self_attn.project(rope, normed), residual)
 
-    def post_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:  # o (T, Hq*D) -> h (T, hidden)
-        normed, h = self.post_attention_layernorm(self.self_attn.o_proj(o), residual=h)  # h += o_proj(o), normed
-        return h + self.mlp(normed)
+    def post_attention(self, residual: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o (T, Hq*D) -> (the MLP's output, the residual stream with o_proj(o) added), each (T, hidden)."""
+        normed, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual=residual)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -155,10 +165,11 @@ class LlamaForCausalLM(LMHeadMixin, CausalLM):
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
         # once per step, shared by all layers (the C++ RoPE kernel reads the tables itself: no lookup)
         rope = self.rotary.lookup(positions, h.dtype, kernel=self.norm_rope_kernels.active(h))
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.pre_attention(rope, h)
-            h = layer.post_attention(h, attend(i, q, k, v))  # attention: (T, Hq*D)
-        return self.model.norm(h)
+            q, k, v, residual = layer.pre_attention(rope, h, residual)
+            h, residual = layer.post_attention(residual, attend(i, q, k, v))  # attention: (T, Hq*D)
+        return self.model.norm(h, residual=residual)[0]  # the last residual add, inside the final norm
 
     def compile_forward(self, sizes: tuple[int, ...]) -> None:
         """From now on, steps of exactly one of `sizes` tokens run one compiled graph (the model runner
