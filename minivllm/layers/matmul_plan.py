@@ -31,7 +31,7 @@ Invariants:
     shape: a product that size is bound by compute, not by streaming the weight. Weights that only
     ever multiply sampled rows (`decode_only`: the LM head) are not timed there, and neither is a
     dtype oneDNN cannot pack (fp16): those keep LINEAR, shown as "not timed".
-  * Another form must beat LINEAR by `MARGIN` at BOTH ends of a bucket (e.g. 17 and 64 rows), so one
+  * Another form must beat LINEAR by `MARGIN` at BOTH ends of a bucket (e.g. 17 and 32 rows), so one
     lucky row count cannot make a whole bucket slow; ties and noise keep the default.
   * A packed copy is kept (as `weight.packed`, and `weight.skinny` for SKINNY's layout) only for the
     weights of a shape that form won in some bucket; the plain weight stays too (the other buckets,
