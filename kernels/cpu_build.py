@@ -6,6 +6,7 @@
     greedy_argmax.cpp           each row's argmax, straight from bf16 or fp32 logits
     rms_norm.cpp                RMSNorm (and the residual add before it) in one pass over each row
     rotary_embedding.cpp        RoPE over a step's heads, reading the cos / sin tables at each position
+    silu_and_mul.cpp            the MLP's silu(gate) * up in one pass
 
 They share the float32 / bfloat16 helpers of cpu_simd.h and register their ops under one library,
 `torch.ops.minivllm_cpu`. `load_cpu_kernels()` compiles them with torch.utils.cpp_extension (ninja and the
@@ -51,7 +52,7 @@ import torch
 
 HEADERS = ("cpu_simd.h",)  # included by the sources: the float32 / bfloat16 helpers they share
 SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp", "greedy_argmax.cpp", "rms_norm.cpp",
-           "rotary_embedding.cpp")
+           "rotary_embedding.cpp", "silu_and_mul.cpp")
 LIBRARY = "minivllm_cpu"
 BUILD_WAIT_S = 900.0  # the longest wait for another process's build: ~1 min on 2 idle cores, several on a busy one
 PROGRESS_EVERY_S = 10.0

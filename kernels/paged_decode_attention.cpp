@@ -64,21 +64,12 @@ inline float exp_shifted(float* s, int64_t L, float m) {
   int64_t t = 0;
   float sum = 0.f;
 #if defined(__AVX512F__)
-  // exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln2 / 2; exp(r) by its Taylor series to r^6
-  // (relative error ~1e-7, fp32's own), 2^n applied exactly by vscalefps.
-  const __m512 mv = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.44269504f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  const float c[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  // exp16 (cpu_simd.h) keeps a NaN score NaN, so a NaN or infinite key reaches the output, as in torch's
+  // softmax, instead of weighing 0.
+  const __m512 mv = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
   for (; t + 16 <= L; t += 16) {
-    // max(lo, x), in this order: vmaxps returns its second operand when one is NaN, so a NaN score (a NaN
-    // or infinite key) stays NaN and reaches the output, as in torch's softmax, instead of weighing 0.
-    const __m512 x = _mm512_max_ps(lo, _mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(n, ln2_lo, _mm512_fnmadd_ps(n, ln2_hi, x));
-    __m512 p = _mm512_set1_ps(c[0]);
-    for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
-    const __m512 e = _mm512_scalef_ps(p, n);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
     _mm512_storeu_ps(s + t, e);
     acc = _mm512_add_ps(acc, e);
   }

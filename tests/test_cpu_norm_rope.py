@@ -57,7 +57,7 @@ def test_warm_up_measures_the_kernels_and_says_what_it_chose(model_factory):
     llm = LLM(model_factory("qwen3"), num_kv_blocks=32)
     choice = llm.llm_engine.model.norm_rope_kernels
     assert "measured" in choice.detail and "32 rows" in choice.detail and "1 rows" in choice.detail
-    assert str(choice).startswith("RMSNorm and RoPE: ")
+    assert str(choice).startswith("RMSNorm, RoPE and silu·mul: ")
     llm.shutdown()
 
 

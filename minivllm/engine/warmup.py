@@ -36,7 +36,7 @@ def measure_cpu_kernels(model: CausalLM, backend: AttentionBackend, sampler: Sam
     plan = model.plan_matmuls(tuning)
     said = [plan.summary()]
     if isinstance(plan, BatchInvariance):  # the kernels stay on their defaults: torch's ops, float32 argmax
-        return said + [str(backend), "RMSNorm and RoPE: torch ops; greedy sampling: argmax in float32 "
+        return said + [str(backend), "RMSNorm, RoPE and silu·mul: torch ops; greedy sampling: argmax in float32 "
                        "(batch_invariant=True: nothing measured)"]
     if device.type != "cpu":
         return said

@@ -60,7 +60,7 @@ def _greedy(outputs: list[int]) -> list[SamplingParams]:
 
 def print_matmul_plan(llm: LLM) -> None:
     """Measure the CPU matmul forms now if the engine's warm-up has not (idempotent), and print them with
-    the ways RMSNorm and RoPE, decode attention and greedy sampling run."""
+    the ways RMSNorm, RoPE and silu·mul, decode attention and greedy sampling run."""
     print(llm.llm_engine.model.plan_matmuls().summary())
     norm_rope = getattr(llm.llm_engine.model, "norm_rope_kernels", None)  # the Llama-family decoder's
     if norm_rope is not None:

@@ -1,11 +1,13 @@
-"""Whether a model's RMSNorms and RoPE run as minivllm's C++ CPU kernels: one choice a model, made at warm-up.
+"""Whether a model's RMSNorms, RoPE and MLP activation run as minivllm's C++ CPU kernels: one choice a
+model, made at warm-up.
 
 Around its matmuls a decoder layer runs small element-wise work: two RMSNorms (Qwen3: four, with the
-per-head q/k norms), the residual adds and RoPE on q and k. In eager mode torch runs each of those as
-several kernels, and at decode sizes (a few to a few dozen rows) every one of them costs more in
-dispatch and trips through memory than in arithmetic: ~1.3 ms of a ~7 ms bf16 decode step of the
-`minivllm bench` model on 2 cores. Two C++ kernels do the same work in one pass each:
-kernels/rms_norm.py (with vLLM's `fused_add_rms_norm`) and kernels/rotary_embedding.py.
+per-head q/k norms), the residual adds, RoPE on q and k, and the MLP's silu(gate) * up. In eager mode
+torch runs each of those as several kernels, and at decode sizes (a few to a few dozen rows) every one
+of them costs more in dispatch and trips through memory than in arithmetic: ~1.3 ms of a ~7 ms bf16
+decode step of the `minivllm bench` model on 2 cores. Three C++ kernels do the same work in one pass
+each: kernels/rms_norm.py (with vLLM's `fused_add_rms_norm`), kernels/rotary_embedding.py and
+kernels/silu_and_mul.py (vLLM's name too).
 
 As for every CPU kernel, a speed-up measured on one CPU is not assumed on another: `choose` asks the
 tuner (tuner.py) to time a layer's worth of this work both ways on the machine at hand (PROBE_ROWS
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.kernels.silu_and_mul import naive_silu_and_mul, silu_and_mul as silu_and_mul_kernel
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RopeSpec, RotaryEmbedding, rotate
 from minivllm.layers.tuner import Probe, Tuning, choose, untimed
@@ -38,12 +41,12 @@ CANDIDATES = ("torch", "kernels")  # the first is the default (tuning off, no ke
 class NormRopeKernels:
     """Shared by a model's RMSNorm layers and its rotary step; `choose` sets it."""
 
-    used: bool = False  # RMSNorm and RoPE run minivllm's C++ kernels on CPU (else torch's ops)
+    used: bool = False  # RMSNorm, RoPE and silu·mul run minivllm's C++ kernels on CPU (else torch's ops)
     detail: str = "not measured: no CPU warm-up"  # what was measured, or why it was not
 
     def __str__(self) -> str:
         way = "minivllm CPU kernels" if self.used else "torch ops"
-        return f"RMSNorm and RoPE: {way} ({self.detail})"
+        return f"RMSNorm, RoPE and silu·mul: {way} ({self.detail})"
 
     def active(self, x: torch.Tensor) -> bool:
         """Whether the kernels run for this tensor now: chosen, on CPU, in their dtypes, not while tracing, and
@@ -53,8 +56,9 @@ class NormRopeKernels:
 
     @torch.inference_mode()
     def choose(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               tuning: Tuning = "cached") -> NormRopeKernels:
-        """Ask the tuner whether the kernels beat torch's ops for a layer of these sizes here. CPU only."""
+               tuning: Tuning = "cached", intermediate_size: int = 0) -> NormRopeKernels:
+        """Ask the tuner whether the kernels beat torch's ops for a layer of these sizes here (with the MLP's
+        activation over `intermediate_size` columns; 0: a model without that MLP). CPU only."""
         build = load_cpu_kernels()
         if not build.available:
             choice = untimed(CANDIDATES[0], f"CPU kernels {build.detail}")
@@ -65,17 +69,19 @@ class NormRopeKernels:
         else:
             heads = num_heads + num_kv_heads
             entry = (f"norm_rope {str(dtype).removeprefix('torch.')} hidden {hidden_size} heads {heads} "
-                     f"dim {head_dim} rows {'/'.join(map(str, PROBE_ROWS))}")
+                     f"dim {head_dim} mlp {intermediate_size} rows {'/'.join(map(str, PROBE_ROWS))}")
             choice = choose(entry, CANDIDATES,
-                            lambda: [_layer_probe(rows, hidden_size, heads, head_dim, dtype) for rows in PROBE_ROWS],
+                            lambda: [_layer_probe(rows, hidden_size, heads, head_dim, intermediate_size, dtype)
+                                     for rows in PROBE_ROWS],
                             tuning)
         self.used, self.detail = choice.used, choice.detail(", ".join(f"{rows} rows" for rows in PROBE_ROWS))
         return self
 
 
-def _layer_probe(rows: int, hidden_size: int, heads: int, head_dim: int, dtype: torch.dtype) -> Probe:
+def _layer_probe(rows: int, hidden_size: int, heads: int, head_dim: int, intermediate_size: int,
+                 dtype: torch.dtype) -> Probe:
     """One layer's element-wise work at `rows` rows, either way: the input norm, RoPE over q's and k's heads
-    together, the residual add with the MLP's norm."""
+    together, the residual add with the MLP's norm, the MLP's activation."""
     g = torch.Generator().manual_seed(0)
     probe = NormRopeKernels()
     norm = RMSNorm(hidden_size, 1e-6, probe).to(dtype)
@@ -83,11 +89,22 @@ def _layer_probe(rows: int, hidden_size: int, heads: int, head_dim: int, dtype: 
     x, y = (torch.randn(rows, hidden_size, generator=g).to(dtype) for _ in range(2))
     qk = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
     positions = torch.randint(0, 1024, (rows,), generator=g)
+    gate_up = torch.randn(rows, 2 * intermediate_size, generator=g).to(dtype)
 
     def run(candidate: str) -> None:
         probe.used = candidate == "kernels"
         norm(x)
         rotate(qk, rope.lookup(positions, dtype, kernel=probe.active(qk)))
         norm(y, residual=x)
+        if intermediate_size:
+            silu_and_mul(gate_up, probe)
 
     return run
+
+
+def silu_and_mul(gate_up: torch.Tensor, kernels: NormRopeKernels | None) -> torch.Tensor:
+    """The MLP's activation: gate_up (rows, 2I) -> silu(gate) * up (rows, I); one pass of minivllm's kernel
+    where `kernels` are chosen and take this tensor, else torch's ops (the same rounding; kernels/silu_and_mul.py)."""
+    if kernels is not None and kernels.active(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        return silu_and_mul_kernel(gate_up)
+    return naive_silu_and_mul(gate_up)

@@ -9,7 +9,7 @@ model runner calls one forward with one return type and never asks `hasattr`:
                                                                 the logits are gathered on rank 0)
     init_rotary(max_position, device)      the RoPE tables, built once the weights are on the device
     plan_matmuls()                         time the CPU matmul forms over its weights (warm-up)
-    choose_norm_rope_kernels()             time RMSNorm and RoPE both ways (warm-up); None: no choice
+    choose_norm_rope_kernels()             time RMSNorm, RoPE and silu·mul both ways (warm-up); None: no choice
     compile_forward(sizes)                 only where `supports_compile` (models/compiled_forward.py)
 
 `linear_attn` is for hybrid models: where each row group's recurrent state lives (the pools and the

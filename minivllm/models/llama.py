@@ -26,7 +26,6 @@ all-reduce), the embedding and the LM head vocab-parallel (layers/parallel_linea
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import ParallelContext
@@ -35,7 +34,7 @@ from minivllm.layers.batch_invariance import BatchInvariance
 from minivllm.layers.linear import Linear, LinearPlan
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
-from minivllm.layers.norm_rope_kernels import NormRopeKernels
+from minivllm.layers.norm_rope_kernels import NormRopeKernels, silu_and_mul
 from minivllm.layers.tuner import Tuning
 from minivllm.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rotate
@@ -73,8 +72,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: LinearPlan, tp: ParallelContext = ParallelContext()) -> None:
+    def __init__(self, spec: ModelSpec, plan: LinearPlan, tp: ParallelContext = ParallelContext(),
+                 kernels: NormRopeKernels | None = None) -> None:
         super().__init__()
+        self.kernels = kernels  # the model's shared choice of element-wise kernels; None: torch's ops
         self.intermediate_size = spec.intermediate_size  # this rank's share
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias,
                                    plan=plan)  # column-parallel
@@ -82,15 +83,14 @@ class MLP(nn.Module):
                                            tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels))  # (T, 2I) -> (T, I) -> (T, hidden)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, plan: LinearPlan, tp: ParallelContext, kernels: NormRopeKernels) -> None:
         super().__init__()
         self.self_attn = Attention(spec, plan, tp, kernels)
-        self.mlp = MLP(spec, plan, tp)
+        self.mlp = MLP(spec, plan, tp, kernels)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
 
@@ -186,4 +186,4 @@ class LlamaForCausalLM(LMHeadMixin, CausalLM):
         Called at warm-up."""
         s = self.shard_layout.rank_spec(self.spec)  # this rank's heads
         return self.norm_rope_kernels.choose(s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim,
-                                             self.model.norm.weight.dtype, tuning)
+                                             self.model.norm.weight.dtype, tuning, s.intermediate_size)

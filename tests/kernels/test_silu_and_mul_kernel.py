@@ -1,0 +1,66 @@
+"""The C++ silu·mul kernel (kernels/silu_and_mul.cpp) against torch's two ops (naive_silu_and_mul)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_helpers import require_cpu_kernels
+from minivllm.kernels.silu_and_mul import naive_silu_and_mul, silu_and_mul
+from minivllm.layers.norm_rope_kernels import NormRopeKernels, silu_and_mul as mlp_activation
+
+require_cpu_kernels()
+
+
+def assert_same_activation(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal up to how e^-g is computed: fp32's last bits, in bf16 a rare one-ulp step."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=4e-7, atol=1e-30)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=1e-30)  # one bf16 ulp
+        assert (out == ref).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,I", [(1, 1536), (32, 1536), (5, 16), (3, 17), (7, 40), (600, 96)])
+def test_matches_torchs_two_ops(dtype, rows, I):
+    g = torch.Generator().manual_seed(rows * I)
+    x = (torch.randn(rows, 2 * I, generator=g) * 4).to(dtype)
+    assert_same_activation(silu_and_mul(x), naive_silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_strided_view_and_the_far_tails(dtype):
+    """Rows of a wider buffer (any row stride); gates far out on both sides, zeros, infinities and NaN."""
+    wide = torch.randn(6, 80)
+    x = wide[::2, 8:72].to(dtype) if dtype == torch.float32 else wide.to(dtype)[::2, 8:72]  # (3, 64), strided rows
+    gate = torch.tensor([-1e4, -120., -88.5, -87.5, -30., -1e-3, 0., 1e-3, 30., 87.5, 88.5, 120., 1e4, float("inf"),
+                         float("-inf"), float("nan")] * 2)
+    x[0, :32] = gate.to(dtype)
+    assert not x.is_contiguous() and x.stride(1) == 1
+    out, ref = silu_and_mul(x), naive_silu_and_mul(x)
+    assert torch.equal(out.isnan(), ref.isnan())
+    keep = ~ref.isnan()
+    assert_same_activation(torch.where(keep, out, 0), torch.where(keep, ref, 0))
+
+
+def test_zero_rows_and_bad_inputs():
+    assert silu_and_mul(torch.empty(0, 8)).shape == (0, 4)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        silu_and_mul(torch.randn(2, 8).half())
+    with pytest.raises(RuntimeError, match="even"):
+        silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        silu_and_mul(torch.randn(8, 2).t())
+
+
+def test_the_mlp_runs_the_kernel_only_where_it_was_chosen(monkeypatch):
+    x = torch.randn(4, 32)
+    calls = []
+    monkeypatch.setattr("minivllm.layers.norm_rope_kernels.silu_and_mul_kernel", lambda t: calls.append(t) or t[:, :16])
+    with torch.inference_mode():
+        mlp_activation(x, NormRopeKernels(False, "not chosen"))
+        mlp_activation(x.half(), NormRopeKernels(True, "chosen"))  # fp16: torch's ops
+        assert not calls
+        mlp_activation(x, NormRopeKernels(True, "chosen"))
+    assert len(calls) == 1
