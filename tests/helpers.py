@@ -31,7 +31,7 @@ def prompt_logits(llm, ids: list[int]) -> torch.Tensor:  # (len(ids), V) fp32: t
 
 
 def force_cpu_kernels(llm, used: bool) -> None:
-    """Every CPU kernel chosen at warm-up on or off, whatever this machine would measure: RMSNorm and RoPE,
+    """Every CPU kernel chosen at warm-up on or off, whatever this machine would measure: RMSNorm, RoPE and silu·mul,
     decode attention with the K/V write, and the greedy argmax (another CPU may choose either way)."""
     from minivllm.layers.sampler import GREEDY_CANDIDATES, GREEDY_SUBJECT
     from minivllm.layers.torch_attention import DECODE_CANDIDATES, DECODE_SUBJECT

@@ -22,7 +22,7 @@ Invariants:
   * Weights larger than that are timed, whether or not they stay in the last-level cache between steps.
     Staying in cache does not make the forms equal: on a Sapphire Rapids guest whose 56 MiB of bf16
     weights did stay in its L3, F.linear still re-laid each plain bf16 weight out for the AMX tiles on
-    every call, and PACKED (laid out once) was 1.2-1.7x faster at 5-64 rows, SKINNY 1.8-3.0x at one
+    every call, and PACKED (laid out once) was 1.1-1.7x faster at 5-64 rows, SKINNY 1.8-3.0x at one
     row; a rule that skipped the timing for cached weights left that bf16 throughput on the table.
   * Prefill-sized products (more than 64 rows) are one bucket, timed at 65 and 512 rows and used for
     every larger count too: there the forms compete on compute, not on streaming, and PACKED was

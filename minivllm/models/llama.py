@@ -136,7 +136,7 @@ class LlamaForCausalLM(LMHeadMixin, CausalLM):
         # shared by every Linear; a MatmulPlan is filled by `plan_matmuls` at warm-up, the batch-invariant
         # mode's fixed tiles are never measured
         self.matmul_plan: LinearPlan = batch_invariance if batch_invariance is not None else MatmulPlan()
-        # shared by every RMSNorm and the RoPE step; set by `choose_norm_rope_kernels` at warm-up
+        # shared by every RMSNorm, the RoPE step and the MLPs' silu·mul; set by `choose_norm_rope_kernels` at warm-up
         self.norm_rope_kernels = NormRopeKernels()
         self.model = DecoderModel(layout.rank_spec(spec), self.matmul_plan, layout, tp, self.norm_rope_kernels)
         if not spec.tie_word_embeddings:  # vocab-parallel: this rank's rows
@@ -182,7 +182,7 @@ class LlamaForCausalLM(LMHeadMixin, CausalLM):
         return self.tp.gather_last_dim(super().compute_logits(hidden))
 
     def choose_norm_rope_kernels(self, tuning: Tuning = "cached") -> NormRopeKernels:
-        """Time this model's norms and RoPE both ways on this CPU and keep the faster (layers/norm_rope_kernels.py).
+        """Time this model's norms, RoPE and silu·mul both ways on this CPU and keep the faster (layers/norm_rope_kernels.py).
         Called at warm-up."""
         s = self.shard_layout.rank_spec(self.spec)  # this rank's heads
         return self.norm_rope_kernels.choose(s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim,
