@@ -19,6 +19,19 @@ def require_cpu_kernels() -> None:
         pytest.skip(build.detail, allow_module_level=True)
 
 
+def assert_same_up_to_last_bits(out: torch.Tensor, ref: torch.Tensor, fp32_rtol: float, fp32_atol: float,
+                                bf16_atol: float, bf16_equal: float) -> None:
+    """A C++ kernel's result against its naive reference where only the order or the method of one fp32 step
+    differs (a sum of squares, an exp): same shape, dtype and contiguity; fp32 within its last bits; bf16
+    within one ulp, and equal in at least the `bf16_equal` share of the values."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=fp32_rtol, atol=fp32_atol)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=bf16_atol)  # one bf16 ulp
+        assert (out == ref).float().mean() > bf16_equal
+
+
 def decode_attention_with_error_bound(q, k_cache, v_cache, block_tables, context_lens, scale):
     """The exact answer (float64) of decode attention over a paged cache, and how far from it a float32
     implementation of the usual two-pass softmax may land, element by element: a first-order error bound

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import require_cpu_kernels
+from kernel_helpers import assert_same_up_to_last_bits, require_cpu_kernels
 from minivllm.kernels.rms_norm import fused_add_rms_norm, naive_fused_add_rms_norm, naive_rms_norm, rms_norm
 
 require_cpu_kernels()
@@ -12,12 +12,7 @@ require_cpu_kernels()
 
 def assert_same_norm(out: torch.Tensor, ref: torch.Tensor) -> None:
     """Equal up to the order the squares are summed in: the last bit of r, so in bf16 a rare one-ulp step."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=1e-2)  # one bf16 ulp
-        assert (out == ref).float().mean() > 0.99
+    assert_same_up_to_last_bits(out, ref, fp32_rtol=2e-6, fp32_atol=1e-6, bf16_atol=1e-2, bf16_equal=0.99)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import require_cpu_kernels
+from kernel_helpers import assert_same_up_to_last_bits, require_cpu_kernels
 from minivllm.kernels.silu_and_mul import naive_silu_and_mul, silu_and_mul
 
 require_cpu_kernels()
@@ -12,12 +12,7 @@ require_cpu_kernels()
 
 def assert_same_activation(out: torch.Tensor, ref: torch.Tensor) -> None:
     """Equal up to how e^-g is computed: fp32's last bits, in bf16 a rare one-ulp step."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype and out.is_contiguous()
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=4e-7, atol=1e-30)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=1e-30)  # one bf16 ulp
-        assert (out == ref).float().mean() > 0.999
+    assert_same_up_to_last_bits(out, ref, fp32_rtol=4e-7, fp32_atol=1e-30, bf16_atol=1e-30, bf16_equal=0.999)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
