@@ -159,6 +159,27 @@ def test_the_model_shares_one_plan_and_measures_it_once(qwen3_dir):
 needs_kernels = pytest.mark.skipif(not load_cpu_kernels().available, reason=load_cpu_kernels().detail)
 
 
+def test_a_decode_product_is_bound_once_and_bound_again_when_the_forms_are_replaced(monkeypatch):
+    """`linear` asks the plan for a product bound to its weight; decode-sized row counts keep theirs, so a
+    step does not decide the form again on every call. Replacing `forms` (what `measure` does, and what the
+    tests above do by hand) must rebind, or a layer would keep running the form it had before."""
+    bound_forms = []
+    real = matmul_plan.bound_product
+    monkeypatch.setattr(matmul_plan, "bound_product", lambda w, b, form: bound_forms.append(form) or real(w, b, form))
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(160, 96, generator=g), torch.randn(3, 96, generator=g)
+    plan = MatmulPlan(forms={MatmulKey(160, 96, torch.float32, b): MatmulForm.WEIGHT_LEFT for b in ROW_BUCKETS})
+    first = plan.product(w, None, 3)
+    assert plan.product(w, None, 3) is first and bound_forms == [MatmulForm.WEIGHT_LEFT]  # bound once
+    assert plan.product(w, None, 1) is not first  # each row count its own
+    assert plan.product(w, None, 600) is not plan.product(w, None, 600)  # prefill sizes: bound per call
+    plan.forms = {MatmulKey(160, 96, torch.float32, b): MatmulForm.LINEAR for b in ROW_BUCKETS}
+    bound_forms.clear()
+    again = linear(x, w, None, plan)
+    assert bound_forms == [MatmulForm.LINEAR] and plan.product(w, None, 3) is not first
+    torch.testing.assert_close(again, F.linear(x, w), rtol=0, atol=0)  # F.linear itself, bit for bit
+
+
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False])
 @pytest.mark.parametrize("form", available_forms())
 @pytest.mark.parametrize("family", ["qwen3", "llama_mha_tied_llama3"])

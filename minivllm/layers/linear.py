@@ -17,7 +17,7 @@ from torch import nn
 
 from minivllm.layers.batch_invariance import BatchInvariance, tiled_linear
 from minivllm.layers.custom_op import direct_register_custom_op
-from minivllm.layers.matmul_forms import MatmulForm, matmul, packed_linear, skinny_linear
+from minivllm.layers.matmul_forms import MatmulForm, bound_product
 from minivllm.layers.matmul_plan import MatmulPlan
 
 # What a model hands its linear layers: the measured plan, or the batch-invariant mode's fixed tiles.
@@ -26,36 +26,23 @@ LinearPlan = MatmulPlan | BatchInvariance
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            plan: LinearPlan | None = None) -> torch.Tensor:  # x (rows, in), weight (out, in) -> (rows, out)
+    if isinstance(plan, MatmulPlan) and not torch.compiler.is_compiling():
+        return plan.product(weight, bias, x.shape[0])(x)  # the measured form, bound once (matmul_plan.py)
     if isinstance(plan, BatchInvariance):  # before the device check: the tiles are the mode, not a speed-up
         return tiled_linear(x, weight, bias, plan.tile_rows)
     if plan is None or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    form = plan.form_for(weight, x.shape[0])
-    if torch.compiler.is_compiling():
-        # Inside a compiled forward (models/compiled_forward.py) Inductor would choose its own kernel for the
-        # product (and cannot see a prepacked weight); an opaque op keeps the kernel the plan measured.
-        return torch.ops.minivllm.planned_linear(x, weight, bias, form.name)
-    return _planned_linear(x, weight, bias, form)
+    # Inside a compiled forward (models/compiled_forward.py) Inductor would choose its own kernel for the
+    # product (and cannot see a prepacked weight); an opaque op keeps the kernel the plan measured.
+    return torch.ops.minivllm.planned_linear(x, weight, bias, plan.form_for(weight, x.shape[0]).name)
 
 
 def _planned_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
-    return _planned_linear(x, weight, bias, MatmulForm[form])  # contiguous, as the fake below promises
+    return bound_product(weight, bias, MatmulForm[form])(x)  # contiguous, as the fake below promises
 
 
 def _planned_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])  # shapes only, for tracing
-
-
-def _planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    form: MatmulForm) -> torch.Tensor:
-    if form is MatmulForm.LINEAR:
-        return F.linear(x, weight, bias)  # the bias fused in
-    if form is MatmulForm.PACKED:
-        return packed_linear(x, weight, bias)  # here too
-    if form is MatmulForm.SKINNY:
-        return skinny_linear(x, weight, bias)  # and here
-    y = matmul(x, weight, form)
-    return y if bias is None else y + bias
 
 
 direct_register_custom_op("planned_linear", _planned_linear_op, _planned_linear_fake)

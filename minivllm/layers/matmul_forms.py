@@ -18,10 +18,15 @@ PACKED and SKINNY read a copy of W in their own layout, kept on the weight as `w
 
 Every form returns a contiguous (rows, out) tensor: what comes next (RMSNorm, RoPE, the K/V write)
 may be one of minivllm's C++ kernels, which read each row as one run.
+
+`bound_product(weight, bias, form)` fixes everything but x once and returns the product as one call: the
+plan keeps one per layer and row count (matmul_plan.py), so a decode step, which runs ~120 products of a
+few microseconds' Python each, does not decide the form again on every call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 
 import torch
@@ -29,6 +34,9 @@ import torch.nn.functional as F
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.skinny_gemm import pack_skinny_weight, skinny_gemm
+
+
+Product = Callable[[torch.Tensor], torch.Tensor]  # x (rows, in) -> x W^T + b (rows, out), W and b fixed
 
 
 class MatmulForm(Enum):
@@ -80,10 +88,33 @@ def pack_skinny(weight: torch.Tensor) -> None:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b through minivllm's skinny kernel (its copy of W laid out now, once, if the plan has not)."""
+    return skinny_gemm(x, _skinny_copy(weight), weight.shape[0], bias)  # (rows, out)
+
+
+def _skinny_copy(weight: torch.Tensor) -> torch.Tensor:
     if getattr(weight, "skinny", None) is None:  # first use outside the plan (which packs only where it loaded)
         build = load_cpu_kernels()  # checked here, off the per-step path
         if not build.available:
             raise RuntimeError(f"the {MatmulForm.SKINNY.name} matmul form needs minivllm's CPU kernels, "
                                f"{build.detail}")
         pack_skinny(weight)
-    return skinny_gemm(x, weight.skinny, weight.shape[0], bias)  # (rows, out)
+    return weight.skinny
+
+
+def bound_product(weight: torch.Tensor, bias: torch.Tensor | None, form: MatmulForm) -> Product:
+    """x -> x W^T + b in `form`, with the rest looked up now: the packed copy (made now if missing), the
+    output size, the bias. The skinny and packed products call their C++ op directly (the op's overload,
+    not the Python wrappers above), so between a layer and its kernel there is one Python call."""
+    if form is MatmulForm.SKINNY:
+        op, packed, out_features = torch.ops.minivllm_cpu.skinny_gemm.default, _skinny_copy(weight), weight.shape[0]
+        return lambda x: op(x, packed, out_features, bias)
+    if form is MatmulForm.PACKED:
+        if getattr(weight, "packed", None) is None:
+            pack(weight)
+        op, packed = torch.ops.mkldnn._linear_pointwise.default, weight.packed
+        return lambda x: op(x, packed, bias, "none", [], "")
+    if form is MatmulForm.LINEAR:
+        return lambda x: F.linear(x, weight, bias)  # the bias fused in
+    if bias is None:
+        return lambda x: matmul(x, weight, form)
+    return lambda x: matmul(x, weight, form) + bias

@@ -62,7 +62,7 @@ import torch
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.skinny_gemm import can_pack_skinny
 from minivllm.layers.cpu_info import CpuInfo  # also imported from here (quantization.py, engine/loading.py)
-from minivllm.layers.matmul_forms import MatmulForm, can_pack, matmul, pack, pack_skinny
+from minivllm.layers.matmul_forms import MatmulForm, Product, bound_product, can_pack, matmul, pack, pack_skinny
 from minivllm.layers.tuner import MARGIN, Tuning, choose_many
 
 
@@ -98,7 +98,7 @@ class MatmulKey(NamedTuple):
 
 @dataclass
 class MatmulPlan:
-    """The chosen form per `MatmulKey`, filled by `measure`; `form_for` is called by every `linear`."""
+    """The chosen form per `MatmulKey`, filled by `measure`; every `linear` asks `product` for its bound form."""
 
     forms: dict[MatmulKey, MatmulForm] = field(default_factory=dict)
     speedups: dict[MatmulKey, float] = field(default_factory=dict)  # LINEAR time / fastest other form's
@@ -106,10 +106,31 @@ class MatmulPlan:
     weight_bytes: int = 0  # of the weights `measure` was given
     source: str = "not measured"  # "measured", "cached" (by an earlier process), "tuning off" or "fits in L2"
     l2_cache_bytes: int = 0  # the per-core cache the weights were held against (below it nothing is timed)
+    # (id(weight), id(bias), rows) -> the bound product, for decode-sized row counts (`product`). Valid for
+    # the `forms` dict it was bound from: replacing `forms` (measure does; so may a benchmark) rebinds.
+    _bound: dict[tuple[int, int, int], Product] = field(default_factory=dict, repr=False, compare=False)
+    _bound_from: dict[MatmulKey, MatmulForm] | None = field(default=None, repr=False, compare=False)
 
     def form_for(self, weight: torch.Tensor, rows: int) -> MatmulForm:
         key = MatmulKey(weight.shape[0], weight.shape[1], weight.dtype, row_bucket(rows))
         return self.forms.get(key, MatmulForm.LINEAR)
+
+    def product(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Product:
+        """The product `linear` runs for `rows` rows of x times this weight: the chosen form, bound once per
+        (weight, rows) up to 64 rows, where a product is a few microseconds of Python against tens of
+        kernel (binding made a single-stream forward 3-5 % faster on the Xeon guest; docs/guides/benchmarks.md).
+        Larger products are bound on every call: there the kernel dominates, and a prefill's row counts are
+        too many to keep. Off the CPU: F.linear (nothing is measured there)."""
+        if self._bound_from is not self.forms:
+            self._bound, self._bound_from = {}, self.forms
+        key = (id(weight), id(bias), rows)  # the bound product holds both tensors, so neither id is reused
+        bound = self._bound.get(key)
+        if bound is None:
+            form = self.form_for(weight, rows) if weight.device.type == "cpu" else MatmulForm.LINEAR
+            bound = bound_product(weight, bias, form)
+            if rows <= ROW_BUCKETS[-2].hi:
+                self._bound[key] = bound
+        return bound
 
     @torch.inference_mode()
     def measure(self, weights: list[torch.Tensor], repeats: int = 5, cache_bytes: int | None = None,
