@@ -96,7 +96,7 @@ class EngineConfig:
     # of those sizes also replay CUDA graphs (engine/cuda_graphs.py). True: every step runs eagerly, no
     # graphs (vLLM's name). None (default): compiled on CUDA; eager on CPU, where compiling costs
     # ~20 s a size of start-up on 2 cores (less once cached on disk) for a measured +5-30 % a step
-    # (docs/guides/benchmarks.md).
+    # on AMD EPYC, even with eager on a Xeon guest whose eager step runs C++ kernels (docs/guides/benchmarks.md).
     enforce_eager: bool | None = None
     compile_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     # The CPU kernels' choices (matmul forms, norm/RoPE, decode attention, greedy argmax; layers/tuner.py):

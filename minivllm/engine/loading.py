@@ -152,7 +152,8 @@ def compile_decision(model: CausalLM, config: EngineConfig, device: torch.device
                        "compiled graph are not supported yet)")
     if config.enforce_eager is None and device.type == "cpu":
         # Measured (docs/guides/benchmarks.md): on 2 CPU cores a cold compile of the default model takes
-        # ~20 s a size, a start with Inductor's cache warm still 2-20x an eager one, for +5-30 % a step;
+        # ~20 s a size, a start with Inductor's cache warm still 2-20x an eager one, for +5-30 % a step
+        # (AMD EPYC; even with eager on a Xeon guest);
         # tests, notebooks and a first `generate` should start in seconds. On a GPU fusing the forward
         # removes most kernel launches.
         return False, "eager (enforce_eager=None on CPU: compiling costs start-up time; pass False to compile)"
