@@ -17,6 +17,7 @@ from torch import nn
 
 from minivllm.layers.batch_invariance import BatchInvariance, tiled_linear
 from minivllm.layers.custom_op import direct_register_custom_op
+from minivllm.layers.direct_call import DirectCall
 from minivllm.layers.matmul_forms import MatmulForm, bound_product
 from minivllm.layers.matmul_plan import MatmulPlan
 
@@ -48,9 +49,9 @@ def _planned_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 direct_register_custom_op("planned_linear", _planned_linear_op, _planned_linear_fake)
 
 
-class Linear(nn.Linear):
+class Linear(DirectCall, nn.Linear):
     """`nn.Linear` (same parameters, same checkpoint names) computed through `linear` with the
-    model's shared `plan`."""
+    model's shared `plan`; called straight through `forward` (layers/direct_call.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  plan: LinearPlan | None = None) -> None:

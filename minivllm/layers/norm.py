@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from minivllm.layers.direct_call import DirectCall
 
 if TYPE_CHECKING:
     from minivllm.layers.norm_rope_kernels import NormRopeKernels
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall):  # called straight through forward (layers/direct_call.py)
     def __init__(self, dim: int, eps: float, kernels: NormRopeKernels | None = None) -> None:
         super().__init__()
         self.eps = eps

@@ -31,6 +31,7 @@ from torch import nn
 from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.layers.batch_invariance import BatchInvariance
+from minivllm.layers.direct_call import DirectCall
 from minivllm.layers.linear import Linear, LinearPlan
 from minivllm.layers.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
@@ -71,7 +72,7 @@ class Attention(nn.Module):
         return qk[:, :Hq], qk[:, Hq:], v
 
 
-class MLP(nn.Module):
+class MLP(DirectCall):  # called straight through forward (layers/direct_call.py)
     def __init__(self, spec: ModelSpec, plan: LinearPlan, tp: ParallelContext = ParallelContext(),
                  kernels: NormRopeKernels | None = None) -> None:
         super().__init__()
