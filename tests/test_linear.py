@@ -3,6 +3,9 @@ and the engine's tokens do not depend on which one it picked."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -178,6 +181,34 @@ def test_a_decode_product_is_bound_once_and_bound_again_when_the_forms_are_repla
     again = linear(x, w, None, plan)
     assert bound_forms == [MatmulForm.LINEAR] and plan.product(w, None, 3) is not first
     torch.testing.assert_close(again, F.linear(x, w), rtol=0, atol=0)  # F.linear itself, bit for bit
+
+
+@pytest.mark.parametrize("form", [f for f in available_forms() if f in (MatmulForm.PACKED, MatmulForm.SKINNY)])
+def test_a_bound_product_never_runs_another_weights_packed_copy(form):
+    """Short-lived weights through one plan (a notebook's loop): a freed weight's id may come back for the
+    next one, and its packed copy must not. (A bound product holding only the copy once answered 199 of
+    200 such calls with the first weight's product.)"""
+    plan = MatmulPlan(forms={MatmulKey(32, 16, torch.float32, b): form for b in ROW_BUCKETS})
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, generator=g)
+    for _ in range(50):
+        w = torch.randn(32, 16, generator=g)
+        torch.testing.assert_close(linear(x, w, None, plan), F.linear(x, w), **TOLERANCE[torch.float32])
+
+
+@needs_kernels
+def test_a_skinny_product_builds_the_kernels_it_needs_in_a_fresh_process():
+    """In a process that has not loaded minivllm's CPU kernels yet (the tests above have), a plan set to
+    SKINNY by hand must load them before it looks their op up."""
+    code = ("import torch, torch.nn.functional as F\n"
+            "from minivllm.layers.linear import linear\n"
+            "from minivllm.layers.matmul_forms import MatmulForm\n"
+            "from minivllm.layers.matmul_plan import ROW_BUCKETS, MatmulKey, MatmulPlan\n"
+            "plan = MatmulPlan(forms={MatmulKey(32, 16, torch.float32, b): MatmulForm.SKINNY for b in ROW_BUCKETS})\n"
+            "x, w = torch.randn(2, 16), torch.randn(32, 16)\n"
+            "torch.testing.assert_close(linear(x, w, None, plan), F.linear(x, w), rtol=1e-5, atol=1e-5)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False])

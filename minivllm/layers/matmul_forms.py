@@ -106,7 +106,8 @@ def bound_product(weight: torch.Tensor, bias: torch.Tensor | None, form: MatmulF
     output size, the bias. The skinny and packed products call their C++ op directly (the op's overload,
     not the Python wrappers above), so between a layer and its kernel there is one Python call."""
     if form is MatmulForm.SKINNY:
-        op, packed, out_features = torch.ops.minivllm_cpu.skinny_gemm.default, _skinny_copy(weight), weight.shape[0]
+        packed = _skinny_copy(weight)  # first: it loads the kernels, which registers the op
+        op, out_features = torch.ops.minivllm_cpu.skinny_gemm.default, weight.shape[0]
         return lambda x: op(x, packed, out_features, bias)
     if form is MatmulForm.PACKED:
         if getattr(weight, "packed", None) is None:

@@ -106,9 +106,11 @@ class MatmulPlan:
     weight_bytes: int = 0  # of the weights `measure` was given
     source: str = "not measured"  # "measured", "cached" (by an earlier process), "tuning off" or "fits in L2"
     l2_cache_bytes: int = 0  # the per-core cache the weights were held against (below it nothing is timed)
-    # (id(weight), id(bias), rows) -> the bound product, for decode-sized row counts (`product`). Valid for
-    # the `forms` dict it was bound from: replacing `forms` (measure does; so may a benchmark) rebinds.
-    _bound: dict[tuple[int, int, int], Product] = field(default_factory=dict, repr=False, compare=False)
+    # (id(weight), id(bias), rows) -> (weight, bias, the bound product), for decode-sized row counts
+    # (`product`). Valid for the `forms` dict it was bound from: replacing `forms` (measure does; so may a
+    # benchmark) rebinds; changing it in place does not.
+    _bound: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor | None, Product]] = field(
+        default_factory=dict, repr=False, compare=False)
     _bound_from: dict[MatmulKey, MatmulForm] | None = field(default=None, repr=False, compare=False)
 
     def form_for(self, weight: torch.Tensor, rows: int) -> MatmulForm:
@@ -116,20 +118,19 @@ class MatmulPlan:
         return self.forms.get(key, MatmulForm.LINEAR)
 
     def product(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Product:
-        """The product `linear` runs for `rows` rows of x times this weight: the chosen form, bound once per
-        (weight, rows) up to 64 rows, where a product is a few microseconds of Python against tens of
-        kernel (binding made a single-stream forward 3-5 % faster on the Xeon guest; docs/guides/benchmarks.md).
-        Larger products are bound on every call: there the kernel dominates, and a prefill's row counts are
-        too many to keep. Off the CPU: F.linear (nothing is measured there)."""
+        """The product `linear` runs for `rows` rows of x times this weight, in the chosen form, bound once per
+        (weight, rows) up to 64 rows: a single-stream forward ran 3-5 % faster (docs/guides/benchmarks.md).
+        Larger products are bound per call (the kernel dominates; a prefill has too many row counts)."""
         if self._bound_from is not self.forms:
             self._bound, self._bound_from = {}, self.forms
-        key = (id(weight), id(bias), rows)  # the bound product holds both tensors, so neither id is reused
-        bound = self._bound.get(key)
-        if bound is None:
-            form = self.form_for(weight, rows) if weight.device.type == "cpu" else MatmulForm.LINEAR
-            bound = bound_product(weight, bias, form)
-            if rows <= ROW_BUCKETS[-2].hi:
-                self._bound[key] = bound
+        key = (id(weight), id(bias), rows)
+        entry = self._bound.get(key)
+        if entry is not None:  # it holds its weight and bias alive, so no other tensor can have their ids
+            return entry[2]
+        form = self.form_for(weight, rows) if weight.device.type == "cpu" else MatmulForm.LINEAR
+        bound = bound_product(weight, bias, form)
+        if rows <= ROW_BUCKETS[-2].hi:
+            self._bound[key] = (weight, bias, bound)
         return bound
 
     @torch.inference_mode()
