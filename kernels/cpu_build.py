@@ -56,7 +56,30 @@ SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp"
 LIBRARY = "minivllm_cpu"
 BUILD_WAIT_S = 900.0  # the longest wait for another process's build: ~1 min on 2 idle cores, several on a busy one
 PROGRESS_EVERY_S = 10.0
-CFLAGS = ["-march=native"]  # built for the CPU at hand
+ISA_ENV = "MINIVLLM_CPU_ISA"  # "avx2": run an AVX-512 machine as an AVX2 + FMA one (x86-64-v3); unset: native
+ISA_CFLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"]}
+# What a capped level hides from minivllm's view of the CPU (minivllm/layers/cpu_info.py reads this too).
+ISA_HIDDEN_FLAGS = {"native": frozenset(), "avx2": frozenset({"avx512*", "amx*", "avx_ne_convert", "avx_vnni*"})}
+
+
+def isa_level() -> str:
+    """The instruction-set level minivllm builds for and believes in: "native" (the CPU at hand) or "avx2"
+    (MINIVLLM_CPU_ISA=avx2: built for -march=x86-64-v3 and every AVX-512 / AMX flag hidden, so an AVX-512
+    machine runs the paths a student's AVX2 laptop runs). Read at each call: tests set it per process."""
+    level = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    if level not in ISA_CFLAGS:
+        raise ValueError(f"{ISA_ENV}={level!r} is not a level minivllm knows; use one of {sorted(ISA_CFLAGS)}")
+    return level
+
+
+def hides_flag(flag: str, level: str) -> bool:
+    """Whether `flag` (a /proc/cpuinfo flag) is hidden at `level`."""
+    return any(flag == p or (p.endswith("*") and flag.startswith(p[:-1])) for p in ISA_HIDDEN_FLAGS[level])
+
+
+def isa_cflags() -> list[str]:
+    """The instruction-set flags of this process's build (see `isa_level`)."""
+    return ISA_CFLAGS[isa_level()]
 
 
 @dataclass(frozen=True)
@@ -76,14 +99,15 @@ def load_cpu_kernels() -> CpuKernelsBuild:
         return CpuKernelsBuild(False, f"built only on Linux x86-64 / arm64, not {sys.platform} {platform.machine()}")
     log = logging.getLogger("minivllm")
     try:
-        name = f"minivllm_cpu_kernels_{build_key()}"
+        flags = isa_cflags()
+        name = f"minivllm_cpu_kernels_{build_key(tuple(flags))}"
         log.info("loading minivllm's CPU kernels %s (compiled the first time on this machine)", name)
-        build_cpu_kernels(name, CFLAGS)
+        build_cpu_kernels(name, flags)
     except Exception as error:  # no compiler, no ninja, a compile error: the engine runs without them
         text = str(error).strip() or type(error).__name__
         log.warning("minivllm's CPU kernels could not be built; running on torch's kernels instead:\n%s", text)
         return CpuKernelsBuild(False, f"not built ({type(error).__name__}: {_cause(text)})")
-    return CpuKernelsBuild(True, f"built for this CPU as {name}")
+    return CpuKernelsBuild(True, f"built for this CPU ({' '.join(flags)}) as {name}")
 
 
 def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY, wait_s: float = BUILD_WAIT_S) -> None:
@@ -153,11 +177,12 @@ def _digest(files: tuple[str, ...]) -> str:
     return hashlib.sha256(b"".join((here / f).read_bytes() for f in files)).hexdigest()[:12]
 
 
-def build_key(cflags: tuple[str, ...] = tuple(CFLAGS)) -> str:
+def build_key(cflags: tuple[str, ...] | None = None) -> str:
     """A digest of what the binary depends on: this CPU's instruction-set flags (the build is -march=native),
     torch's version, the machine, the sources and headers, and the flags. The build folder is named after
     it, and the tuning cache (minivllm/layers/tuning_cache.py) keys its timings with it: a timing of other
     kernels, or on another CPU, says nothing about these."""
+    cflags = tuple(isa_cflags()) if cflags is None else cflags
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
