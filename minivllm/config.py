@@ -111,6 +111,15 @@ class EngineConfig:
     # names). Structured outputs then apply after </think> only, and the server returns the reasoning apart
     # (message.reasoning_content). The tokenizer must have both think tokens. None: no reasoning parser.
     reasoning_parser: str | None = None
+    # Structured outputs: the CPU milliseconds one token's grammar mask may take, per request. A grammar over it
+    # is refused before queueing (its first mask is timed), or ends with finish_reason "error" when a later mask
+    # is: it would slow every request in its steps. Ordinary masks take 0.02-1.3 ms on a 49k vocabulary, costly ones
+    # (a 150,000-character choice) 70+ ms (benchmarks/grammar_budget.py, docs/concepts/structured-outputs.md).
+    grammar_mask_budget_ms: float = 20.0
+    # A JSON schema's objects that name `properties` allow no other property unless they say
+    # `additionalProperties` (vLLM's default, xgrammar's strict mode): response_format json_schema,
+    # structured_outputs.json and tools' parameters. False: JSON Schema's own rule (any other property).
+    strict_json_schema: bool = True
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -169,6 +178,12 @@ class EngineConfig:
         get_policy(self.scheduling_policy)  # raises, naming the choices
         if self.reasoning_parser is not None:
             ReasoningParserName.parse(self.reasoning_parser)  # raises, naming the choices
+        b = self.grammar_mask_budget_ms
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < float("inf"):
+            raise ValueError(f"grammar_mask_budget_ms={b!r} is invalid: it must be a positive number of "
+                             "milliseconds (the CPU time one token's grammar mask may take)")
+        if not isinstance(self.strict_json_schema, bool):
+            raise ValueError(f"strict_json_schema={self.strict_json_schema!r} must be True or False")
         self._check_seams()
         self._check_batch_invariant()
 

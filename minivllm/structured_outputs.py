@@ -17,6 +17,11 @@ the regex or the grammar is valid is found when it is compiled, at the engine's 
 
 `spec` is the kind's value as one string (a schema as compact JSON, its keys in order), which keys the compiled-grammar
 cache: two requests with the same schema compile it once.
+
+Strict schemas (`strict_schema`, applied by the engine when `EngineConfig.strict_json_schema`, the default): an
+object schema that names its `properties` and says nothing of `additionalProperties` allows no other property,
+as vLLM's default backend (xgrammar) compiles it. JSON Schema itself allows any unnamed property there, and a
+small model asked for `{"city": ...}` then writes keys of its own until `max_tokens` runs out.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_SPEC_CHARS = 200_000  # a schema, regex or grammar this long is refused (its compilation grows with it)
+# Keywords whose value is one subschema, a list of them, or a map of names to them (JSON Schema 2020-12 and draft 7).
+_ONE_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
+               "unevaluatedItems", "unevaluatedProperties", "propertyNames")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")  # draft 7's tuple form of items is a list
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 class StructuredOutputKind(enum.Enum):
@@ -108,3 +118,28 @@ class StructuredOutputsParams:
             raise ValueError(f"{where}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not supported; "
                              f"use one of {', '.join(sorted(known))}")
         return cls(**body)
+
+
+def strict_schema(schema: Any, *, member_of_all_of: bool = False) -> Any:
+    """A copy of `schema` in which every object schema with `properties` and neither `additionalProperties`
+    nor `unevaluatedProperties` gets `additionalProperties: false`, at every depth ($defs, items, anyOf, ...).
+    Members of an `allOf` are left open at their own level: each names only its share of the properties, so
+    closing them would forbid what the others name. Anything that is not a schema object comes back as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if (isinstance(out.get("properties"), dict) and not member_of_all_of
+            and "additionalProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    for key in _ONE_SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [strict_schema(s, member_of_all_of=True) for s in out["allOf"]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(s) for name, s in out[key].items()}
+    return out

@@ -7,6 +7,9 @@
                the culprit; requests that were not to blame are unaffected.
     fatal      `EngineDeadError`: a device error (CUDA) or a failed collective. The device state can
                no longer be trusted, so nothing is retried or bisected; the engine must be rebuilt.
+    named      `RequestsFailedError`: the step found, before its forward, the requests that cannot go on
+               (a structured-outputs grammar over its mask budget, or failing: engine/grammar_fill.py).
+               The step is rolled back and exactly those finish with their messages; no bisection.
     raised     `StepFailedError`: a step failed but no single request reproduces the failure (e.g.
                it needs two requests together). The step is rolled back and the error raised; the
                engine is still consistent and the next `step()` may be tried.
@@ -23,6 +26,14 @@ class EngineDeadError(RuntimeError):
 
 class StepFailedError(RuntimeError):
     """A step failed, was rolled back, and no single request could be blamed for it."""
+
+
+class RequestsFailedError(RuntimeError):
+    """Requests a step found to blame before its forward, each with the message it finishes with."""
+
+    def __init__(self, culprits: dict[str, str]) -> None:  # request_id -> message
+        super().__init__("; ".join(f"request {rid!r}: {message}" for rid, message in culprits.items()))
+        self.culprits = culprits
 
 
 def is_fatal(error: BaseException) -> bool:

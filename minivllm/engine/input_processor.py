@@ -3,8 +3,10 @@
 Everything a request carries is checked here, before it can reach a step (see
 docs/concepts/failures.md): the prompt (non-empty, token ids inside the vocabulary, numpy integers
 accepted), every token-id field of its `SamplingParams`, logprobs within `max_logprobs`, its
-structured-outputs grammar (compiled here, off the engine's step: engine/grammar.py; with a reasoning
-parser, it starts where the prompt leaves the reasoning: minivllm/reasoning.py), and whether
+structured-outputs grammar (compiled here, off the engine's step, and its first mask computed and timed:
+one that cannot run, can write only EOS or costs more than `grammar_mask_budget_ms` a token is refused;
+engine/grammar.py; with a reasoning parser, it starts where the prompt leaves the reasoning:
+minivllm/reasoning.py), and whether
 it can ever run at all (`unservable_reason`: more completions than max_num_seqs, longer than
 max_model_len, or needing more KV blocks than the whole pool). Messages say which limit to change.
 """
@@ -54,7 +56,9 @@ class InputProcessor:
         self.reasoning = reasoning  # a grammar applies after the reasoning ends (minivllm/reasoning.py)
         self._max_token_bytes: int | None = None
         # structured outputs: grammars compiled here, at the boundary, once per (kind, spec)
-        self.grammars = GrammarCompiler(tokenizer, spec.vocab_size, eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, spec.vocab_size, eos_token_ids,
+                                        mask_budget_ms=config.grammar_mask_budget_ms,
+                                        strict_json_schema=config.strict_json_schema)
 
     def tokenize(self, prompt: PromptType, *, may_truncate: bool = False) -> tuple[str | None, list[int]]:
         """(text, token ids). A text that is not valid Unicode, or whose bytes alone prove it longer than

@@ -8,6 +8,8 @@
                   paid only by a failed step. The re-runs write only the step's own slots, and each
                   carries its drafts and their distributions (they are on the sequences): it runs as
                   the step ran.
+    named         a `RequestsFailedError` names its culprits itself (found before the forward, e.g. a grammar
+                  over its mask budget): rolled back, those finish with their messages, nothing re-run
     the verdict   culprits finish with finish_reason "error" and the message; the others continue
                   with exactly the tokens they would have drawn without them (seeded noise). No
                   culprit: the error is raised again, the engine consistent. A fatal error (a device
@@ -16,7 +18,7 @@
 
 from __future__ import annotations
 
-from minivllm.engine.errors import EngineDeadError, is_fatal
+from minivllm.engine.errors import EngineDeadError, RequestsFailedError, is_fatal
 from minivllm.engine.executor.abstract import Executor
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import FinishReason
@@ -31,6 +33,8 @@ class StepRecovery:
         """Roll the failed step back and finish its culprits; returns their requests' ids. Raises `error`
         again when no single request reproduces it; `EngineDeadError` when it is fatal."""
         written = plan.written_blocks(self.block_size)  # the trial runs write only these slots too
+        if isinstance(error, RequestsFailedError):
+            return self._finish_named(plan, error, written)
         try:
             if is_fatal(error):
                 raise dead(error) from error
@@ -43,6 +47,15 @@ class StepRecovery:
             self.scheduler.finish(sched.seq, FinishReason.ERROR,
                                   error=f"this request made the step fail on its own: {type(err).__name__}: {err}")
         return list(dict.fromkeys(sched.seq.group_id for sched, _ in culprits))
+
+    def _finish_named(self, plan: SchedulerOutput, error: RequestsFailedError, written: set[int]) -> list[str]:
+        self.scheduler.transaction.rollback(written)
+        named = [s.seq for s in plan.scheduled if s.seq.request_id in error.culprits and not s.seq.is_finished]
+        if not named:  # not this plan's requests: nobody to blame
+            raise error
+        for seq in named:
+            self.scheduler.finish(seq, FinishReason.ERROR, error=error.culprits[seq.request_id])
+        return list(dict.fromkeys(seq.group_id for seq in named))
 
     def _blame(self, group: list[ScheduledSequence]) -> list[tuple[ScheduledSequence, Exception]]:
         """Re-run `group` (a part of the failed plan); if it fails, re-run each half, down to single requests."""

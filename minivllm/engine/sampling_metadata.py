@@ -9,15 +9,22 @@ Which hidden rows get logits (the LM head runs on these rows only):
 
 Per sampled row, what the request asks of the logits (`RowProcessing`: masks, biases, penalties
 with the output so far, its grammar's bitmask) and of the draw (`SamplingRow`) travel as typed records, never tuples.
+
+Grammar masks are filled once a step, for every row at once (`fill_grammar_bitmasks`, after the rows are
+packed: engine/grammar_fill.py); a request whose grammar fails or runs over its mask budget makes the step
+raise `RequestsFailedError` naming it, before the forward, and the recovery finishes exactly it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from minivllm.engine.errors import RequestsFailedError
+from minivllm.engine.grammar_fill import GrammarRows, fill_bitmask
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_types import SampledToken
 from minivllm.layers.logits_processors import RowProcessing
@@ -55,12 +62,17 @@ class SamplingBatch:
     prompt_indices: list[int] = field(default_factory=list)  # hidden rows for prompt logprobs
     prompt_rows: list[PromptRow] = field(default_factory=list)
     spec_groups: list[SpecGroup] = field(default_factory=list)
+    # grammar rows to fill: each request's matcher and drafts, and for each of its 1 + d masks the sampled
+    # rows that take it (a prompt about to fork: its 1 + n - 1 rows all take mask 0)
+    grammar_rows: list[GrammarRows] = field(default_factory=list)
+    grammar_targets: list[list[list[int]]] = field(default_factory=list)
 
     def add_sampled(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int]) -> None:
         """The sampled row(s) of a chunk that reaches the end of `seq`."""
         sp = seq.sampling_params
-        mask = seq.grammar.row_masks()[0] if seq.grammar is not None else None  # children share the parent's
-        processing = row_processing(seq, eos_token_ids, grammar_bitmask=mask)
+        processing = row_processing(seq, eos_token_ids)
+        if seq.grammar is not None:  # children share the parent's first mask
+            self._add_grammar(seq, [], [list(range(len(self.sampled), len(self.sampled) + 1 + seq.num_forks_pending))])
         for child in range(1 + seq.num_forks_pending):
             self.logits_indices.append(hidden_row)
             self.sampled.append(SampledRow(entry, child > 0, sp.logprobs))
@@ -77,14 +89,33 @@ class SamplingBatch:
         sp, drafts = seq.sampling_params, seq.spec_token_ids[:num_drafts]
         probs = seq.draft_probs[:num_drafts] if seq.draft_probs is not None else None
         self.spec_groups.append(SpecGroup(entry, len(self.sampled), drafts, probs))
-        masks = seq.grammar.row_masks(drafts) if seq.grammar is not None else None  # 1 + d of (W,) or None
+        if seq.grammar is not None:
+            self._add_grammar(seq, drafts, [[len(self.sampled) + j] for j in range(len(drafts) + 1)])
         for j in range(len(drafts) + 1):
             self.logits_indices.append(hidden_row + j)
             self.sampled.append(SampledRow(entry, False, sp.logprobs))
             self.rows.append(SamplingRow(0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.min_p, seq.seed,
                                          seq.num_tokens + j))
-            self.processing.append(row_processing(seq, eos_token_ids, drafts[:j],
-                                                  grammar_bitmask=masks[j] if masks is not None else None))
+            self.processing.append(row_processing(seq, eos_token_ids, drafts[:j]))
+
+    def _add_grammar(self, seq: Sequence, drafts: list[int], targets: list[list[int]]) -> None:
+        self.grammar_rows.append(GrammarRows(seq.request_id, seq.grammar, list(drafts)))
+        self.grammar_targets.append(targets)
+
+    def fill_grammar_bitmasks(self, vocab_size: int) -> None:
+        """Every grammar row's mask, in one call for the step (engine/grammar_fill.py), into the rows'
+        processing; raises RequestsFailedError naming the requests whose grammar failed or ran over budget."""
+        if not self.grammar_rows:
+            return
+        step = fill_bitmask(self.grammar_rows, vocab_size)
+        if step.failures:
+            raise RequestsFailedError({f.request_id: f.message for f in step.failures})
+        for rows, targets in zip(step.rows, self.grammar_targets, strict=True):
+            for mask_row, sampled_rows in zip(rows, targets, strict=True):
+                if mask_row is None:  # inside reasoning: unconstrained
+                    continue
+                for i in sampled_rows:
+                    self.processing[i] = dataclasses.replace(self.processing[i], grammar_bitmask=step.bitmask[mask_row])
 
     def add_prompt_rows(self, entry: int, seq: Sequence, start: int, num_new_tokens: int, first_row: int) -> None:
         """Rows of a prompt chunk whose logprobs were asked and not yet recorded."""

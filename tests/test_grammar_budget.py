@@ -1,0 +1,134 @@
+"""Grammars that never stall the other requests (issue 41): the first mask loads no compiler, a grammar that
+cannot run (or can only write EOS, or costs more than the mask budget) is refused before queueing with a short
+message, a request whose mask runs over its budget mid-output ends alone while the others keep their tokens
+(counted in steps), and JSON schemas are strict by default (structured_outputs.strict_schema)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
+from minivllm.config import EngineConfig
+from minivllm.engine.grammar import MAX_ERROR_CHARS, GrammarCompiler, GrammarMatcher
+from minivllm.entrypoints.engine_args import add_engine_args, engine_kwargs
+from minivllm.structured_outputs import strict_schema
+
+PROMPT = {"prompt_token_ids": [5, 17, 33, 48, 9]}
+CANNOT_RUN = {  # each compiles, then explodes at its first token, or can only end at once
+    "requires_itself": dict(json={"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+    "only_eos_schema": dict(json={"$ref": "#"}),
+    "endless_lark": dict(grammar='start: "a" start'),
+    "huge_repeat": dict(regex="a{1000000}"),
+    "5000_alternatives": dict(grammar="start: " + " | ".join(f'"w{i}"' for i in range(5000))),
+    "only_eos_regex": dict(regex=r"[^\s\S]"),
+}
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(qwen3_dir, warmup=False, max_num_seqs=8, grammar_mask_budget_ms=20.0)
+
+
+def test_the_first_mask_of_a_process_loads_no_compiler(qwen3_dir):
+    """The first structured request used to import llguidance.torch (torch.compile at import) inside the
+    engine's step: seconds during which every stream stood still."""
+    probe = textwrap.dedent(f"""
+        import sys
+        from minivllm.engine.grammar import GrammarCompiler
+        from minivllm.engine.tokenizer import get_tokenizer
+        from minivllm.structured_outputs import StructuredOutputsParams
+        tok = get_tokenizer({qwen3_dir!r})
+        m = GrammarCompiler(tok, 384, frozenset([tok.eos_token_id])).matcher(StructuredOutputsParams(regex="ab+"))
+        assert m.bitmasks().any()
+        print(sorted(x for x in ("torch._dynamo", "llguidance.torch") if x in sys.modules))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("name", CANNOT_RUN)
+def test_a_grammar_that_cannot_run_is_refused_before_queueing_in_a_few_words(llm, name):
+    so = StructuredOutputsParams(**CANNOT_RUN[name])
+    with pytest.raises(ValueError, match=f"structured_outputs.{so.kind.value} ") as refused:
+        llm.generate([PROMPT], SamplingParams(structured_outputs=so, max_tokens=8), use_tqdm=False)
+    message = str(refused.value)
+    assert len(message) <= MAX_ERROR_CHARS + 100 and "<state>" not in message and "Parser: {" not in message
+    assert not llm.llm_engine.has_unfinished_requests()
+    # and without any budget: llguidance's own limits (or the EOS rule) refuse it, whatever this CPU's speed
+    tok = llm.get_tokenizer()
+    unbounded = GrammarCompiler(tok, llm.llm_engine.spec.vocab_size, frozenset([tok.eos_token_id]))
+    with pytest.raises(ValueError, match="cannot be used|allows no output"):
+        unbounded.matcher(so)
+    with pytest.raises(ValueError, match="cannot be used|allows no output"):  # a refusal is remembered
+        unbounded.matcher(so)
+
+
+def test_a_grammar_over_the_budget_is_refused_with_the_budget_named(qwen3_dir):
+    tight = LLM(qwen3_dir, warmup=False, grammar_mask_budget_ms=1e-6)  # no mask takes under a nanosecond of CPU
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    with pytest.raises(ValueError, match="over the budget of 1e-06 ms .*grammar_mask_budget_ms"):
+        tight.generate([PROMPT], SamplingParams(structured_outputs=so), use_tqdm=False)
+    assert not tight.llm_engine.has_unfinished_requests()
+
+
+class SlowAfter(GrammarMatcher):
+    """A matcher whose masks burn `burn_ms` of CPU once its output has `after` tokens (a grammar that turns
+    costly mid-output, made deterministic: CPU time is what the budget counts)."""
+
+    def __init__(self, inner: GrammarMatcher, after: int, burn_ms: float) -> None:
+        super().__init__(inner._m, inner.vocab_size, inner.reasoning, inner.phase, inner.mask_budget_ms)
+        self.after, self.burn_ms, self.accepted, self.slow_fills = after, burn_ms, 0, 0
+
+    def accept(self, token_id: int) -> bool:
+        self.accepted += 1
+        return super().accept(token_id)
+
+    def fill_bitmask(self, out) -> None:
+        super().fill_bitmask(out)
+        if self.accepted >= self.after:
+            self.slow_fills += 1
+            end = time.thread_time() + self.burn_ms / 1e3
+            while time.thread_time() < end:
+                pass
+
+
+def test_a_costly_request_is_charged_to_its_own_budget_while_another_streams(llm, monkeypatch):
+    plain = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
+    alone = llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0].token_ids
+    grammars = llm.llm_engine.input_processor.grammars
+    made: list[SlowAfter] = []
+    compile_matcher = grammars.matcher
+
+    def slow_matcher(params, *args):
+        made.append(SlowAfter(compile_matcher(params, *args), after=3, burn_ms=2 * grammars.mask_budget_ms))
+        return made[-1]
+
+    monkeypatch.setattr(grammars, "matcher", slow_matcher)
+    engine = llm.llm_engine
+    engine.add_request("stream", PROMPT, plain)
+    engine.add_request("costly", PROMPT, SamplingParams(max_tokens=12, seed=1, ignore_eos=True,
+                                                        structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
+    finished, stream_tokens = {}, []  # the stream's output length after each step
+    while engine.has_unfinished_requests():
+        outs = {out.request_id: out for out in engine.step()}
+        finished.update({rid: out for rid, out in outs.items() if out.finished})
+        if "stream" in outs:
+            stream_tokens.append(len(outs["stream"].outputs[0].token_ids))
+        elif not finished.get("stream"):
+            stream_tokens.append(stream_tokens[-1] if stream_tokens else 0)
+    costly = finished["costly"]
+    assert costly.outputs[0].finish_reason == "error" and len(costly.outputs[0].token_ids) == 3
+    assert "over the budget of 20 ms" in costly.error and "grammar_mask_budget_ms" in costly.error
+    assert made[0].slow_fills == 1  # charged once: its first costly mask ended it
+    stream = finished["stream"].outputs[0]
+    assert stream.token_ids == alone and stream.finish_reason == "length"
+    # the stream never waited: a token every step, but for the one step the costly request failed (taken back,
+    # run again without it: no token lost, nothing drawn twice)
+    assert stream_tokens == [1, 2, 3, 3] + list(range(4, 13)), stream_tokens  # the 4th step: its 4th mask
