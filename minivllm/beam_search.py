@@ -71,6 +71,15 @@ class BeamSearchParams:
         if self.temperature != 0:
             raise bad("temperature", "beam search ranks beams by the model's own log-probabilities; use 0")
 
+    def check_length_penalty(self, max_model_len: int) -> None:
+        """Raises ValueError unless every beam's score (`beam_score`) is finite for beams up to
+        max_model_len tokens: a finite length_penalty is not enough (2 ** 1e308 overflows, 2 ** -1e308 is 0)."""
+        bound = max_length_penalty(max_model_len)
+        if abs(self.length_penalty) > bound:
+            raise ValueError(f"BeamSearchParams.length_penalty={self.length_penalty!r} is invalid: beams rank by "
+                             f"cum_logprob / length ** length_penalty, which stays finite for lengths up to "
+                             f"max_model_len={max_model_len} only within ±{bound:.3g} (usual values: 0 to 2)")
+
     @property
     def num_candidates(self) -> int:
         """Candidates asked of each beam per step: 2k, so that k survive even if k of them are EOS."""
@@ -94,6 +103,16 @@ class BeamSearchOutput:
     """A prompt's best beams, best first (vLLM's)."""
 
     sequences: list[BeamSearchSequence]
+
+
+# length ** length_penalty is kept within 10 ** ±_MAX_FACTOR_DIGITS for every length up to max_model_len, so a
+# score is finite for any |cum_logprob| < 1e200 (a sum of fp32 logprobs, each > -1e39, over < 1e9 tokens).
+_MAX_FACTOR_DIGITS = 100
+
+
+def max_length_penalty(max_model_len: int) -> float:
+    """The largest |length_penalty| whose length factor stays finite and nonzero up to max_model_len tokens."""
+    return _MAX_FACTOR_DIGITS / math.log10(max(max_model_len, 2))
 
 
 def beam_score(beam: BeamSearchSequence, eos_token_ids: frozenset[int], length_penalty: float) -> float:
@@ -178,7 +197,9 @@ class BeamSearch:
 def new_search(engine: LLMEngine, prompt: PromptType, params: BeamSearchParams) -> BeamSearch:
     """A search for `prompt`, checked now: the prompt as any request's, and the longest request the
     search will send (prompt + max_tokens - 1 tokens, one more computed) against max_model_len and the
-    KV pool. Raises ValueError saying what to change; the engine is not touched."""
+    KV pool, and length_penalty against max_model_len (`check_length_penalty`). Raises ValueError saying
+    what to change; the engine is not touched."""
+    params.check_length_penalty(engine.config.max_model_len)
     sp = step_sampling_params(params)
     text, ids = engine.input_processor.tokenize(prompt)
     last_step = ids + ids[:1] * (params.max_tokens - 1)  # as long as the last step's beams (any tokens)

@@ -139,6 +139,9 @@ def test_bad_params_and_prompts_are_refused_saying_what_to_change(model_factory)
         llm.beam_search([{"prompt_token_ids": [5] * 20}], BeamSearchParams(2, 13))
     with pytest.raises(ValueError, match="max_logprobs"):
         llm.beam_search("Hello", BeamSearchParams(11, 4))  # 22 candidates a beam
+    for penalty in (1e308, -1e308, 70.0):  # finite, but not the score: 32 ** 70 > 1e100 (2 ** 1e308 overflows)
+        with pytest.raises(ValueError, match="length_penalty"):
+            llm.beam_search("Hello", BeamSearchParams(2, 4, length_penalty=penalty))
     assert not llm.llm_engine.requests
 
 

@@ -198,7 +198,7 @@ def test_request_defaults_come_from_generation_config():
     from minivllm.entrypoints.openai.protocol import CompletionRequest, Limits
 
     defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
-    limits = Limits(max_logprobs=20, vocab_size=384, priority_scheduling=False)
+    limits = Limits(max_logprobs=20, vocab_size=384, priority_scheduling=False, max_model_len=256)
     sp = CompletionRequest(prompt="x").sampling_params(defaults, limits)
     assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty) == (0.6, 0.9, 20, 1.1)
     sp = CompletionRequest(prompt="x", temperature=0.0, top_k=5).sampling_params(defaults, limits)

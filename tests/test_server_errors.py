@@ -97,6 +97,60 @@ def test_lists_past_their_bounds_and_max_tokens_past_the_context_are_400s_naming
     assert ok.status_code == 200
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+def assert_400(url: str, body: dict, param: str) -> None:
+    r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 2, **body}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_a_malformed_tool_choice_is_a_400_naming_the_part(url):
+    """`"function": "f"` for `"function": {"name": "f"}` was an AttributeError, a 500."""
+    for choice, param in [({"type": "function", "function": "f"}, "tool_choice.function"),
+                          ({"type": "function", "function": ["f"]}, "tool_choice.function"),
+                          ({"type": "function", "function": None}, "tool_choice.function"),
+                          ({"type": "function", "function": {"name": "f", "strict": True}}, "tool_choice.function"),
+                          ({"type": "function", "function": {"name": 7}}, "tool_choice.function.name"),
+                          ({"type": "function", "function": {"name": "g"}}, "tool_choice"),  # no such tool
+                          ({"function": {"name": "f"}}, "tool_choice"), ({"type": "function"}, "tool_choice"),
+                          ({"type": "allowed_tools", "function": {"name": "f"}}, "tool_choice"), ({}, "tool_choice")]:
+        assert_400(url, {"tools": [TOOL], "tool_choice": choice}, param)
+
+
+def test_a_malformed_tool_call_in_the_history_is_a_400_naming_it(url):
+    """An assistant turn's `tool_calls: [{}]`, or a call without function.name, was a KeyError (a 500) where
+    the tools went into the system message; with a template of its own, whatever the template made of it."""
+    good = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    at = "messages[1].tool_calls"
+    for calls, param in [([{}], f"{at}[0]"), ([None], f"{at}[0]"), ("f", at), ({"function": {}}, at),
+                         ([good, {"function": "f"}], f"{at}[1]"),
+                         ([{"function": {"arguments": "{}"}}], f"{at}[0].function.name"),
+                         ([{"function": {"name": "", "arguments": "{}"}}], f"{at}[0].function.name"),
+                         ([{"function": {"name": "f"}}], f"{at}[0].function.arguments"),
+                         ([{"function": {"name": "f", "arguments": {"x": 1}}}], f"{at}[0].function.arguments"),
+                         ([{**good, "type": "code"}], f"{at}[0].type"), ([{**good, "id": 5}], f"{at}[0].id")]:
+        messages = [CHAT["messages"][0], {"role": "assistant", "content": None, "tool_calls": calls},
+                    {"role": "user", "content": "and?"}]
+        for tools in ({"tools": [TOOL]}, {}):  # tools in the system message, or none (the template's own)
+            assert_400(url, {"messages": messages, **tools}, param)
+
+
+def test_a_length_penalty_whose_score_overflows_is_a_400(url):
+    """Beams rank by cum_logprob / length ** length_penalty: 2 ** 1e308 overflowed and 2 ** -1e308 divided
+    by zero mid-search (a 500). Siblings: a beam search's other numbers are named as the request names them."""
+    beams = {"use_beam_search": True, "n": 2, "max_tokens": 3}
+    for penalty in (1e308, -1e308, 300.0, -300.0):  # the bound for max_model_len=256 is +-41.5
+        assert_400(url, {**beams, "length_penalty": penalty}, "length_penalty")
+    assert_400(url, {**beams, "n": 0}, "n")
+    assert_400(url, {**beams, "max_tokens": 0}, "max_tokens")
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", **beams, "length_penalty": -1e308}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty", r.text
+    for penalty in (0.0, 2.0, -40.0):  # within the bound: answered
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", **beams, "length_penalty": penalty}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
 def test_a_failed_step_answers_500_and_the_server_goes_on(engine, url):
     step, failures = engine.engine.step, [RuntimeError("two rows together overflowed")]
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 from reasoning_helpers import make_thinking_qwen3
 from server_helpers import serving
-from test_server_tools import assert_idle
+from test_server_tools import assert_idle, whole_and_streamed
 
 from minivllm import LLMEngine
 from minivllm.config import EngineConfig
@@ -98,6 +98,31 @@ def test_reasoning_apart_from_the_content_whole_and_streamed(thinking):
                                                                      {"enable_thinking": False}})
             message = off.choices[0].message  # the template closed the reasoning: the grammar from the first token
             assert extra(message, "reasoning_content") is None and re.fullmatch("[0-9]{1,4}", message.content)
+            assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_a_constrained_call_that_ends_inside_the_reasoning_answers_the_reasoning(thinking):
+    """tool_choice named or "required" constrains the answer after </think>; an output that ends before it
+    (a stop token, max_tokens) has no call to parse: a 200 with the reasoning, no content, its finish_reason."""
+    path, start, end = thinking
+    engine = served(path, reasoning_parser="qwen3")
+    stop = next(i for i in range(100, 200) if i not in (start, end, *engine.engine.eos_token_ids))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    try:
+        with serving(build_app(engine, "tiny")) as url:
+            for choice in ({"type": "function", "function": {"name": "f"}}, "required"):
+                # min_tokens holds the stop token back for 3 tokens of reasoning; then its bias picks it at once
+                for cut, finish in (({"stop_token_ids": [stop], "min_tokens": 3, "max_tokens": 40}, "stop"),
+                                    ({"max_tokens": 3}, "length")):
+                    ask = {"model": "tiny", "messages": OPENED, "tools": [tool], "tool_choice": choice,
+                           "logit_bias": {str(end): -100, str(stop): 30}, **CONTINUE, **cut}
+                    got, (content, calls, finishes) = whole_and_streamed(url, ask)
+                    assert got["finish_reason"] == finish and "tool_calls" not in got["message"], got
+                    assert got["message"]["content"] is None and got["message"]["reasoning_content"]
+                    assert content == "" and calls == [] and finishes == [finish]
             assert_idle(engine)
     finally:
         engine.shutdown()

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import serving
+from server_helpers import events, serving
 
 from minivllm import LLMEngine
 from minivllm.config import EngineConfig
@@ -78,6 +78,21 @@ def test_tool_choice_is_checked_and_constrains_decoding():
         assert e.value.param == param
 
 
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_a_constrained_output_cut_short_is_its_text_not_a_call(choice):
+    """Cut by a stop string or stop token, or ended inside <think> (nothing after it): no call, and no
+    exception; the text stays content, whole and streamed, with the finish_reason it had."""
+    plan = tool_plan([WEATHER, TIME], choice, True)
+    for text in ('{"city": "Par', '[{"name": "get_weather", "parameters": {"city"', "", "  ", "[", "[]", "{}x"):
+        assert plan.calls(text) == (text or None, [])
+        stream = ToolCallStream(plan)
+        assert stream.content(text) == "" and stream.finish("stop") == (text, [], "stop")
+    whole = '{"city": "Rome", "unit": "F"}' if isinstance(choice, dict) else \
+        '[{"name": "get_weather", "parameters": {"city": "Rome", "unit": "F"}}]'
+    content, (call,) = plan.calls(whole)
+    assert content is None and json.loads(call["function"]["arguments"]) == {"city": "Rome", "unit": "F"}
+
+
 def test_a_template_without_tools_gets_them_as_a_system_message():
     conv = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function", "function": {
@@ -90,6 +105,13 @@ def test_a_template_without_tools_gets_them_as_a_system_message():
 
 
 # --- through the server --------------------------------------------------------------------------------------
+
+# The tiny models' template ignores tools (they would reach it as a ~470-token system message, past the tiny
+# max_model_len); this one names them, so that a constrained call fits.
+SHORT_TEMPLATE = ("{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+                  "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant: {% endif %}")
+
 
 def served(model: str, template: str | None = None):
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, max_model_len=512, num_kv_blocks=96)))
@@ -189,6 +211,49 @@ def test_required_and_named_calls_on_the_default_model():
                                                                "tool_choice": named, "max_tokens": 4,
                                                                "response_format": {"type": "json_object"}})
             assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+            assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def whole_and_streamed(url: str, body: dict) -> tuple[dict, tuple[str, list, list]]:
+    """One choice asked whole, then streamed: the choice, and the stream's (content, tool_calls deltas,
+    finish_reasons); a stream that ends in an error event fails here."""
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        got = events(s)
+    assert got[-1] == "[DONE]" and not any("error" in e for e in got[:-1]), got[-3:]
+    deltas = [e["choices"][0] for e in got[:-1] if e["choices"]]
+    return choice, ("".join(d["delta"].get("content") or "" for d in deltas),
+                    [d["delta"]["tool_calls"] for d in deltas if d["delta"].get("tool_calls")],
+                    [d["finish_reason"] for d in deltas if d["finish_reason"]])
+
+
+@pytest.mark.parametrize("cause", ["stop", "stop_token_ids", "max_tokens"])
+def test_a_constrained_call_cut_short_answers_its_text_and_finish_reason(qwen3_dir, cause):
+    """tool_choice named or "required", cut by the client's stop string, its stop token, or max_tokens: a
+    200 with the text as content and the finish_reason that ended it, never a 500 (vLLM's answer)."""
+    engine = served(qwen3_dir, SHORT_TEMPLATE)
+    tok = engine.engine.tokenizer
+    try:
+        with serving(build_app(engine, "tiny")) as url:
+            for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+                ask = {"messages": [{"role": "user", "content": "weather in Rome?"}], "tools": [WEATHER, TIME],
+                       "tool_choice": choice, "temperature": 0, "max_tokens": 120, "return_token_ids": True}
+                r = httpx.post(f"{url}/v1/chat/completions", json=ask, timeout=60)
+                (uncut,) = r.json()["choices"]  # greedy: the same tokens again, until the cut
+                assert uncut["finish_reason"] == "tool_calls", uncut
+                text = tok.decode(uncut["token_ids"], skip_special_tokens=True)
+                cut, finish = {"stop": ({"stop": [":"]}, "stop"),  # the first key's ':'
+                               "stop_token_ids": ({"stop_token_ids": [uncut["token_ids"][2]]}, "stop"),
+                               "max_tokens": ({"max_tokens": 3}, "length")}[cause]
+                got, (streamed, calls, finishes) = whole_and_streamed(url, {**ask, **cut})
+                content = got["message"]["content"]
+                assert got["finish_reason"] == finish and "tool_calls" not in got["message"], got
+                assert content and text.startswith(content) and len(content) < len(text), (content, text)
+                assert streamed == content and calls == [] and finishes == [finish]
             assert_idle(engine)
     finally:
         engine.shutdown()

@@ -81,10 +81,13 @@ def api_error(e: Exception, prompt_param: str = "prompt") -> ApiError:
 
 
 def _field(message: str, prompt_param: str) -> str | None:
-    """SamplingParams names its field ("SamplingParams.top_p=0 is invalid: ..."), the engine a token-id
-    field out of the vocabulary ("request 'x': logit_bias [99999] are outside ..."); the engine's
-    other refusals are about the prompt (empty, out of the vocabulary, too long)."""
-    if message.startswith("SamplingParams."):
-        return message.removeprefix("SamplingParams.").split("=")[0]
+    """SamplingParams and BeamSearchParams name their field ("SamplingParams.top_p=0 is invalid: ..."; a
+    beam search's width is the request's n), the engine a token-id field out of the vocabulary
+    ("request 'x': logit_bias [99999] are outside ..."); the engine's other refusals are about the
+    prompt (empty, out of the vocabulary, too long)."""
+    for owner, renamed in (("SamplingParams.", {}), ("BeamSearchParams.", {"beam_width": "n"})):
+        if message.startswith(owner):
+            field = message.removeprefix(owner).split("=")[0]
+            return renamed.get(field, field)
     named = re.match(r"request '[^']*': (logit_bias|allowed_token_ids|stop_token_ids|structured_outputs)[ .]", message)
     return named.group(1) if named else prompt_param

@@ -46,7 +46,8 @@ class ServingContext:
     @property
     def limits(self) -> Limits:
         engine = self.engine.engine
-        return Limits(engine.config.max_logprobs, engine.spec.vocab_size, engine.scheduler.policy.name != "fcfs")
+        return Limits(engine.config.max_logprobs, engine.spec.vocab_size, engine.scheduler.policy.name != "fcfs",
+                      engine.config.max_model_len)
 
     async def admit(self, req: Request, render: Callable[[], list[TokensPrompt]]
                     ) -> tuple[list[TokensPrompt], SamplingParams]:

@@ -25,7 +25,7 @@ from minivllm.beam_search import BeamSearchParams
 from minivllm.entrypoints.openai.field_policy import RequestError, check_undeclared
 from minivllm.entrypoints.openai.reasoning import ReasoningFields
 from minivllm.entrypoints.openai.structured import structured_outputs_params
-from minivllm.entrypoints.openai.tool_calls import ToolCallingFields
+from minivllm.entrypoints.openai.tool_calls import ToolCallingFields, check_history_calls
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_outputs import StructuredOutputsParams
 
@@ -50,6 +50,7 @@ class Limits(NamedTuple):
     max_logprobs: int  # EngineConfig.max_logprobs (`--max-logprobs`)
     vocab_size: int  # what -1 ("every token") means for logprobs
     priority_scheduling: bool  # a request's priority matters (not with --scheduling-policy fcfs)
+    max_model_len: int  # EngineConfig.max_model_len: bounds beam search's length_penalty
 
 
 class StreamOptions(BaseModel):
@@ -59,8 +60,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    # strict: no coercion (`"n": true` is not n=1); an int still passes for a float field.
-    # Python's json accepts NaN and Infinity; no sampling field means anything with them.
+    # strict: no coercion (`"n": true` is not n=1; an int passes for a float); no NaN/Infinity (json accepts them).
     # extra="allow": fields we do not declare are kept, to be refused or reported by check_fields().
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
@@ -77,8 +77,7 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # JSON keys are strings: token id -> bias
-    # vLLM's extras
-    top_k: int | None = None
+    top_k: int | None = None  # vLLM's extras from here on
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -140,8 +139,7 @@ class _Common(BaseModel):
         return self.max_tokens
 
     def beam_search_params(self, limits: Limits) -> BeamSearchParams | None:
-        """With use_beam_search: n beams of max_tokens tokens (None without it). Sampling's own fields
-        are refused with it, and length_penalty without it."""
+        """With use_beam_search, n beams of max_tokens tokens (else None); sampling fields refused with it."""
         if not self.use_beam_search:
             if self.length_penalty != 1:
                 raise RequestError("length_penalty", "only applies with use_beam_search: true; leave it out")
@@ -152,12 +150,13 @@ class _Common(BaseModel):
                 raise RequestError(name, "not supported with use_beam_search: beam search ranks beams by the model's "
                                          "own logprobs and stops at EOS or max_tokens; leave it out")
         if 2 * self.n > limits.max_logprobs:
-            raise RequestError("n", f"beam search asks each beam for its 2n = {2 * self.n} most likely tokens, more "
-                                    f"than this server's max_logprobs={limits.max_logprobs}; lower n or raise "
-                                    "--max-logprobs")
+            raise RequestError("n", f"beam search asks each beam for its 2n = {2 * self.n} best tokens, more than this "
+                                    f"server's max_logprobs={limits.max_logprobs}; lower n or raise --max-logprobs")
         if self.max_new_tokens() is None:
             raise RequestError("max_tokens", "use_beam_search needs max_tokens")
-        return BeamSearchParams(self.n, self.max_new_tokens(), self.ignore_eos, 0.0, self.length_penalty)
+        params = BeamSearchParams(self.n, self.max_new_tokens(), self.ignore_eos, 0.0, self.length_penalty)
+        params.check_length_penalty(limits.max_model_len)  # a score that stays finite (errors.py names the field)
+        return params
 
     def num_logprobs(self, limits: Limits) -> int | None:
         raise NotImplementedError
@@ -226,6 +225,7 @@ class ChatMessage(BaseModel):
             content = "".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
         content = _encodable(content or "", f"{where}.content")
         role = "system" if self.role == "developer" else self.role  # OpenAI's new name for system
+        check_history_calls((self.model_extra or {}).get("tool_calls"), where)  # before any template sees them
         return {**(self.model_extra or {}), "role": role, "content": content}
 
 

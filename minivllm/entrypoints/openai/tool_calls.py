@@ -13,7 +13,8 @@ With "required" and a named function the call is valid by construction (the argu
 the tool's `parameters` schema); with "auto" a small model may write anything, and only well-formed
 blocks become calls. A choice with calls has finish_reason "tool_calls" and `message.tool_calls`, each
 with an id ("chatcmpl-tool-<hex>"); its content is the text outside the blocks (None when empty).
-A constrained output cut by max_tokens stays text, with finish_reason "length".
+A constrained output the grammar did not finish is no call: its text stays content, with its own finish_reason
+("length": max_tokens; "stop": the client's stop / stop_token_ids, or an end inside <think>), never a 500.
 
 The prompt: tools go to the chat template (`tools=`). A template that ignores them (the default model's)
 gets them as a system message instead, in this format (`tools_system_prompt`), which also tells the
@@ -27,9 +28,9 @@ model how to write a call:
     {"name": "<function name>", "arguments": {<arguments as a JSON object>}}
     </tool_call>
 
-prepended to the first system message, or as one of its own. Assistant turns' `tool_calls` are then
-written into their content as such blocks, and `role: "tool"` turns render as the template renders
-any role. A turn with `content: null` renders as "".
+prepended to the first system message, or as one of its own. Assistant turns' `tool_calls` (checked first,
+whatever the template: OpenAI's shape, a 400 naming the field) are then written into their content as such
+blocks, and `role: "tool"` turns render as the template renders any role. `content: null` renders as "".
 """
 
 from __future__ import annotations
@@ -86,11 +87,19 @@ class ToolPlan:
         return None
 
     def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of a finished output that ended with "stop"."""
+        """(content, tool_calls) of a finished output that ended with "stop". Never raises: a constrained
+        output the grammar did not finish (cut by the client's `stop` or `stop_token_ids`, or ended
+        inside <think>, before the constraint began) is no call, and its text stays content (vLLM's)."""
         if self.mode is ToolMode.NAMED:
-            return None, [tool_call(self.name, json.loads(text))]
+            arguments = _json(text)
+            return (None, [tool_call(self.name, arguments)]) if isinstance(arguments, dict) else (text or None, [])
         if self.mode is ToolMode.REQUIRED:
-            return None, [tool_call(c["name"], c["parameters"]) for c in json.loads(text)]
+            found, names = _json(text), {t["function"]["name"] for t in self.tools}
+            if not isinstance(found, list) or not found or not all(
+                    isinstance(c, dict) and c.get("name") in names and isinstance(c.get("parameters"), dict)
+                    for c in found):
+                return text or None, []
+            return None, [tool_call(c["name"], c["parameters"]) for c in found]
         content, calls = parse_hermes(text)
         return content, calls if self.parallel else calls[:1]
 
@@ -119,6 +128,14 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return function.get("parameters") or {"type": "object", "properties": {}}
 
 
+def _json(text: str) -> Any:
+    """The JSON value `text` holds, or None if it holds none (an output cut short)."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
 def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
               parallel: bool) -> ToolPlan:
     """Check `tools` and `tool_choice` (RequestError naming the field); OpenAI's default choice is "auto"
@@ -137,7 +154,7 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
         raise RequestError("tools", "two tools have the same name; give each function its own")
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        name = _named_function(choice)
         if name not in names:
             raise RequestError("tool_choice", f"names no function of tools ({', '.join(names) or 'none given'}); "
                                               'use {"type": "function", "function": {"name": ...}}')
@@ -147,6 +164,50 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
     if choice == "required" and not tools:
         raise RequestError("tool_choice", '"required" needs tools')
     return ToolPlan(ToolMode(choice), tools, None, parallel)
+
+
+def _named_function(choice: dict[str, Any]) -> str:
+    """The name in a named tool_choice, {"type": "function", "function": {"name": ...}}; RequestError naming
+    the part that has another shape (a string for "function" is a common mistake)."""
+    if choice.get("type") != "function" or set(choice) != {"type", "function"}:
+        raise RequestError("tool_choice", 'an object must be {"type": "function", "function": {"name": ...}}, '
+                                          f"got {_shape(choice)}")
+    function = choice["function"]
+    if not isinstance(function, dict) or set(function) != {"name"}:
+        raise RequestError("tool_choice.function", f'must be {{"name": ...}}, got {_shape(function)}')
+    if not isinstance(function["name"], str):
+        raise RequestError("tool_choice.function.name", f"must be a string, got {_shape(function['name'])}")
+    return function["name"]
+
+
+def _shape(value: Any) -> str:
+    """What a client sent, for an error message: its JSON type (an object also lists its keys)."""
+    if isinstance(value, dict):
+        return f"an object with {sorted(value)}"
+    names = {str: "a string", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
+    return names.get(type(value), "null")
+
+
+def check_history_calls(calls: Any, where: str) -> None:
+    """A message's `tool_calls` (an earlier answer's calls, sent back): OpenAI's shape, checked before the
+    template sees them; RequestError naming the field (`where` is the message, "messages[1]")."""
+    if calls is not None and not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls", f"must be an array of calls, got {_shape(calls)}")
+    for j, call in enumerate(calls or []):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise RequestError(at, 'must be {"id": ..., "type": "function", "function": {"name": ..., '
+                                   f'"arguments": "<JSON>"}}}}, got {_shape(call)}')
+        if call.get("type", "function") != "function":
+            raise RequestError(f"{at}.type", 'must be "function"')
+        if not isinstance(call.get("id", ""), str):
+            raise RequestError(f"{at}.id", f"must be a string, got {_shape(call['id'])}")
+        function = call["function"]
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise RequestError(f"{at}.function.name", f"must be a non-empty string, got {_shape(function.get('name'))}")
+        if not isinstance(function.get("arguments"), str):
+            raise RequestError(f"{at}.function.arguments", "must be a string (the arguments as JSON, as answers "
+                                                           f"give them), got {_shape(function.get('arguments'))}")
 
 
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:
@@ -193,7 +254,7 @@ def with_tools_in_system(conversation: list[dict[str, Any]], tools: list[dict[st
         calls = m.pop("tool_calls", None) if m["role"] == "assistant" else None
         if calls:
             blocks = [f"{CALL_OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                                     "arguments": _arguments(c["function"].get("arguments"))},
+                                                     "arguments": _arguments(c["function"]["arguments"])},
                                                     ensure_ascii=False) + f"\n{CALL_CLOSE}" for c in calls]
             m["content"] = "\n".join(filter(None, [m["content"], *blocks]))
     if out and out[0]["role"] == "system":
@@ -202,14 +263,10 @@ def with_tools_in_system(conversation: list[dict[str, Any]], tools: list[dict[st
     return [{"role": "system", "content": prompt}, *out]
 
 
-def _arguments(arguments: Any) -> Any:
-    """OpenAI sends a call's arguments as a JSON string; the block holds the object."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return arguments if arguments is not None else {}
+def _arguments(arguments: str) -> Any:
+    """OpenAI sends a call's arguments as a JSON string (check_history_calls); the block holds the object."""
+    found = _json(arguments)
+    return arguments if found is None else found
 
 
 class ToolCallStream:
