@@ -116,12 +116,33 @@ def test_completions_take_structured_outputs_in_extra_body(served):
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
+    # grammars llguidance compiles but cannot run, or that can only end at once: 400s in a few words
+    ({"structured_outputs": {"grammar": 'start: "a" start'}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "structured_outputs"),
 ])
 def test_bad_structured_requests_are_400s(served, body, param):
     url, engine, _ = served
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+    assert len(r.json()["error"]["message"]) < 500, r.text  # never llguidance's state or the grammar
     if param == "guided_json":
         assert "structured_outputs" in r.json()["error"]["message"]
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("served", ["plain"], indirect=True)
+def test_a_json_schema_allows_no_unnamed_property_by_default(served):
+    """vLLM's default backend compiles schemas strictly: without `additionalProperties`, an object has only the
+    properties its schema names (the default model, free to add keys, copies `maxLength` and runs out of tokens)."""
+    url, engine, client = served
+    schema = {k: v for k, v in PERSON.items() if k != "additionalProperties"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, n=3, seed=5, temperature=1.0, max_tokens=60,
+                                       response_format=fmt)
+    for c in stopped(r.choices):
+        assert set(json.loads(c.message.content)) <= set(PERSON["properties"]), c.message.content
     assert_idle(engine)
