@@ -15,13 +15,17 @@ from minivllm import LLM, SamplingParams
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers import matmul_plan
 from minivllm.layers.linear import Linear, linear
-from minivllm.layers.matmul_forms import MatmulForm, matmul
+from minivllm.layers.matmul_forms import MatmulForm, can_pack, matmul
 from minivllm.layers.matmul_plan import MARGIN, PREFILL_BUCKET, ROW_BUCKETS, CpuInfo, MatmulKey, MatmulPlan, row_bucket
 from minivllm.teaching.hf_check import assert_hf_greedy
 
-def available_forms() -> list[MatmulForm]:
-    """Every form; SKINNY only where minivllm's CPU kernels could be built (tests/kernels checks that CI can)."""
-    return [f for f in MatmulForm if f is not MatmulForm.SKINNY or load_cpu_kernels().available]
+def available_forms(dtype: torch.dtype = torch.float32) -> list[MatmulForm]:
+    """Every form this CPU runs for `dtype`: SKINNY only where minivllm's CPU kernels could be built
+    (tests/kernels checks that CI can), PACKED only where oneDNN takes the dtype here (bf16: not on an
+    AVX2-only CPU, nor under MINIVLLM_CPU_ISA=avx2)."""
+    packs = can_pack(torch.empty(1, 1, dtype=dtype), CpuInfo.read())
+    return [f for f in MatmulForm if (f is not MatmulForm.SKINNY or load_cpu_kernels().available)
+            and (f is not MatmulForm.PACKED or packs)]
 
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -44,7 +48,7 @@ def test_both_forms_compute_the_same_product(rows, dtype):
     w = (torch.randn(160, 96, generator=g) / 96 ** 0.5).to(dtype)
     bias = torch.randn(160, generator=g).to(dtype)
     reference = F.linear(x.float(), w.float(), bias.float())
-    for form in available_forms():
+    for form in available_forms(dtype):
         y = matmul(x, w, form)
         assert y.shape == (rows, 160) and y.dtype == dtype
         torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), **TOLERANCE[dtype])
@@ -78,10 +82,14 @@ def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
     plan = MatmulPlan()
     plan.measure(weights, repeats=1, cache_bytes=0)  # as if they streamed from memory
     assert plan.measured_with_threads == torch.get_num_threads()
+    packs = can_pack(weights[0], CpuInfo.read())  # bf16 on an AVX2-only CPU: no packed form to time
     for out_f, in_f in set(shapes):
         w = torch.empty(out_f, in_f, dtype=dtype)
         for bucket in ROW_BUCKETS:
             key = MatmulKey(out_f, in_f, dtype, bucket)
+            if bucket == PREFILL_BUCKET and not packs:  # F.linear alone there: nothing timed
+                assert key not in plan.forms and plan.form_for(w, 600) is MatmulForm.LINEAR
+                continue
             speedup = plan.speedups[key]
             assert 0 < speedup < float("inf")
             assert (plan.forms[key] is MatmulForm.LINEAR) == (speedup <= 1 + MARGIN)
@@ -89,7 +97,7 @@ def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
             if bucket == PREFILL_BUCKET:  # only F.linear and the packed weight compete
                 assert plan.forms[key] not in (MatmulForm.WEIGHT_LEFT, MatmulForm.SKINNY)
         assert plan.form_for(w, 4096) is plan.form_for(w, 512)  # larger prefills follow the last bucket
-    assert len(plan.forms) == len(set(shapes)) * len(ROW_BUCKETS)
+    assert len(plan.forms) == len(set(shapes)) * (len(ROW_BUCKETS) - (not packs))
     for form, attr in ((MatmulForm.PACKED, "packed"), (MatmulForm.SKINNY, "skinny")):
         chosen = {(k.out_features, k.in_features) for k, f in plan.forms.items() if f is form}
         for w, shape in zip(weights, shapes):  # a packed copy exactly where some bucket runs in that form
@@ -102,13 +110,13 @@ def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
 @pytest.fixture
 def plan_timings(monkeypatch) -> list[int]:
     """The number of weights each matmul-plan timing pass was given (the timings themselves still run)."""
-    calls, real = [], matmul_plan._measure_speedups
+    calls, real = [], matmul_plan.measure_speedups
 
     def counted(sample, *args):
         calls.append(len(sample))
         return real(sample, *args)
 
-    monkeypatch.setattr(matmul_plan, "_measure_speedups", counted)
+    monkeypatch.setattr(matmul_plan, "measure_speedups", counted)
     return calls
 
 
@@ -236,7 +244,7 @@ def test_engine_tokens_match_hf_whichever_form_is_chosen(family, form, kernels, 
 
 
 @needs_kernels
-@pytest.mark.parametrize("form", available_forms())
+@pytest.mark.parametrize("form", available_forms(torch.bfloat16))
 def test_bfloat16_one_row_steps_run_every_form_through_the_kernels(form, model_factory):
     """bf16, where every kernel has its second code path: a single stream (one row a step, the case that
     failed) in each form with the kernels on gives the tokens it gives with F.linear and torch's ops."""

@@ -15,6 +15,9 @@ A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Fou
 
 PACKED and SKINNY read a copy of W in their own layout, kept on the weight as `weight.packed` /
 `weight.skinny` (made by the plan at warm-up for the shapes where that form won, or here on first use).
+Not every CPU runs every form: `can_pack` says from the CPU's flags (`CpuInfo`) whether oneDNN takes
+this dtype (bf16 needs AVX-512 BW+VL+DQ or AVX-NE-CONVERT, as torch's guard does), and the plan asks
+it before it makes a copy or times a form, never the exception torch would raise.
 
 Every form returns a contiguous (rows, out) tensor: what comes next (RMSNorm, RoPE, the K/V write)
 may be one of minivllm's C++ kernels, which read each row as one run.
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.skinny_gemm import pack_skinny_weight, skinny_gemm
+from minivllm.layers.cpu_info import CpuInfo
 
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # x (rows, in) -> x W^T + b (rows, out), W and b fixed
@@ -61,9 +65,13 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, form: MatmulForm) -> torch.Ten
     return (weight @ x.t()).t().contiguous()  # (rows, out)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+def can_pack(weight: torch.Tensor, cpu: CpuInfo) -> bool:
+    """Whether `pack` (and so the PACKED form) runs for this weight on `cpu`: oneDNN packs fp32 anywhere
+    it is built, bf16 only where torch's guard lets it (`cpu.onednn_bf16`; elsewhere torch raises "bf16
+    path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"). Checked here, from
+    the flags, so the plan never tries a form this CPU cannot run; never fp16."""
+    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and (weight.dtype is torch.float32 or (weight.dtype is torch.bfloat16 and cpu.onednn_bf16)))
 
 
 def pack(weight: torch.Tensor) -> None:

@@ -19,6 +19,11 @@ own, at its WORST probe: it must win everywhere it will run. Deciding (`decide`)
 candidate replaces the default only if it is faster by more than `margin`; ties and noise keep the
 default.
 
+A cached entry is used only if it is one this chooser could have made here: the same decision names,
+each `chosen` among that decision's candidates, and a speed-up for exactly the candidates timed here
+(`unusable`). Anything else (a hand edit, a form this CPU cannot run, a kernel no longer built) is
+ignored with a warning, measured again and written over; a start never stops on its cache file.
+
 Why cache: timing is noisy, so re-measuring at every start made the arithmetic (which matmul form
 sums which way) depend on the noise of the moment: the same greedy request gave different text in
 two processes on one machine. With the cache, one machine and one set of options run the same
@@ -30,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -117,14 +122,16 @@ def choose(entry: str, candidates: Sequence[str], probes: Callable[[], Sequence[
     """One decision, named `entry` in the cache (say what it was measured on: dtype, shapes). `probes`
     makes the inputs only if timing happens: a cached start builds nothing."""
     decided = choose_many(entry, candidates[0], lambda: {"": time_candidates(candidates, probes(), repeats)},
-                          tuning, margin)
+                          tuning, margin, candidates={"": candidates})
     return decided.get("", untimed(candidates[0], "tuning off"))
 
 
 def choose_many(entry: str, default: str, measure: Callable[[], dict[str, dict[str, float]]], tuning: Tuning,
-                margin: float = MARGIN) -> dict[str, Choice]:
+                margin: float = MARGIN, *, candidates: Mapping[str, Collection[str]]) -> dict[str, Choice]:
     """Several decisions measured together (the matmul plan times all its shapes in one pass over the
-    weights): `measure` returns each one's speed-ups by name. Empty with tuning='off'."""
+    weights): `measure` returns each one's speed-ups by name, and `candidates` names, per decision, every
+    candidate `measure` times for it here, the default included (what a cached entry is held to).
+    Empty with tuning='off'."""
     if tuning not in TUNING_MODES:
         raise ValueError(f"tuning={tuning!r} is invalid: choose one of {TUNING_MODES}")
     if tuning == "off":
@@ -136,13 +143,18 @@ def choose_many(entry: str, default: str, measure: Callable[[], dict[str, dict[s
         except OSError as error:
             log.warning("cannot read the tuning cache %s (%s): measuring instead", cache.path, error)
             stored = None
-        if stored is not None:
+        problem = None if stored is None else unusable(stored, default, candidates)
+        if stored is not None and problem is None:
             log.info("tuning: %s, read from %s", entry, cache.path)
             return _choices(stored, default, "cached")
+        if problem is not None:
+            log.warning("ignoring the tuning cache's entry %r in %s (%.300s); it is measured again and "
+                        "rewritten", entry, cache.path, problem)
     decided: Entry = {name: StoredChoice(chosen=decide(default, speedups, margin), speedups=speedups)
                       for name, speedups in measure().items()}
-    try:
-        kept = cache.record(entry, decided, overwrite=tuning == "remeasure")
+    try:  # another process's entry is adopted only if usable here; an unusable one is written over
+        kept = cache.record(entry, decided, overwrite=tuning == "remeasure",
+                            usable=lambda theirs: unusable(theirs, default, candidates) is None)
     except OSError as error:
         log.warning("cannot write the tuning cache %s (%s): the next start measures again; point "
                     "MINIVLLM_TUNING_CACHE or MINIVLLM_CACHE at a writable folder", cache.path, error)
@@ -150,6 +162,22 @@ def choose_many(entry: str, default: str, measure: Callable[[], dict[str, dict[s
     log.info("tuning: %s, measured%s, saved in %s", entry, "" if kept is decided else " (another process saved "
              "its own first: adopted)", cache.path)
     return _choices(kept, default, "measured" if kept is decided else "cached")
+
+
+def unusable(stored: Entry, default: str, candidates: Mapping[str, Collection[str]]) -> str | None:
+    """Why a (well-formed: tuning_cache.malformed) stored entry is not one this chooser could have made
+    here, or None: each decision must be one it makes, chosen among its candidates, timed over exactly
+    its candidates but the default (another set was another contest: a form this CPU cannot run, a
+    kernel not built here)."""
+    for name, choice in stored.items():
+        if name not in candidates:
+            return f"{name!r} is not a decision of this chooser"
+        timed = set(candidates[name]) - {default}
+        if set(choice["speedups"]) != timed:
+            return f"{name!r} was timed over {sorted(choice['speedups'])}, not over {sorted(timed)}"
+        if choice["chosen"] not in candidates[name]:
+            return f"{name!r} chose {choice['chosen']!r}, not one of {sorted(candidates[name])}"
+    return None
 
 
 def _choices(stored: Entry, default: str, source: str) -> dict[str, Choice]:

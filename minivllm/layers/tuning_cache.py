@@ -15,8 +15,15 @@ server). Each measures on its own, then `record` re-reads the file under an excl
 writes only if the entry is still missing; the one that finds it there already adopts it. So both
 run with the same choice, and the file is written by one process at a time, whole: it is written to
 a temporary file beside it and moved into place with `os.replace`, which a reader sees either before
-or after, never half-done. A file that cannot be parsed (a disk that filled up, a hand edit) is
-ignored with a warning and replaced at the next write.
+or after, never half-done.
+
+Anything the cache cannot use counts as absent: it is ignored with one warning, measured again and
+rewritten; no file stops a start until someone deletes it. Here: a file that is not UTF-8, not JSON
+(cut short by a full disk), nested too deep for the parser, or of another layout; an entry whose
+choices are not a candidate name and a speed-up per timed candidate (positive, finite numbers). The
+tuner (tuner.py) then checks an entry's meaning: its names and candidates must be the chooser's.
+The lock file is opened without following a symbolic link (O_NOFOLLOW): a link planted there never
+makes the cache create or lock a file elsewhere; the write then fails and the start measures anyway.
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -86,15 +94,18 @@ class TuningCache:
         self.path = (tuning_folder() if folder is None else folder) / f"choices-{self.machine.digest()}.json"
 
     def lookup(self, entry: str) -> Entry | None:
+        """The entry if the file holds a well-formed one; None (after a warning if it was unusable) if not."""
         return self._read().get(entry)
 
-    def record(self, entry: str, decided: Entry, overwrite: bool = False) -> Entry:
-        """Save `decided` as `entry` unless another process saved it first (then return theirs, which the
-        caller adopts); `overwrite` (tuning='remeasure') replaces it either way."""
+    def record(self, entry: str, decided: Entry, overwrite: bool = False,
+               usable: Callable[[Entry], bool] = lambda stored: True) -> Entry:
+        """Save `decided` as `entry` unless another process saved a `usable` one first (then return theirs,
+        which the caller adopts); `overwrite` (tuning='remeasure', or a stored entry found unusable)
+        replaces it either way."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._locked():
-            entries = self._read()
-            if entry in entries and not overwrite:
+            entries = self._read(quiet=True)  # lookup has said what was wrong with the file, once
+            if entry in entries and not overwrite and usable(entries[entry]):
                 return entries[entry]
             entries[entry] = decided
             self._write(entries)
@@ -103,34 +114,43 @@ class TuningCache:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         """An exclusive `flock` on a lock file beside the choices: the OS lets go when the holder exits,
-        however it exits, so no stale lock remains. Held for a read and a write, milliseconds."""
-        with open(self.path.with_suffix(".lock"), "a+") as f:
+        however it exits, so no stale lock remains. Held for a read and a write, milliseconds. Opened
+        with O_NOFOLLOW: a symbolic link there (dangling or not) raises ELOOP, an OSError the tuner
+        reports, instead of creating or locking the file it points to."""
+        fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "r+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def _read(self) -> dict[str, Entry]:
+    def _read(self, quiet: bool = False) -> dict[str, Entry]:
+        """The well-formed entries of the file; {} for a missing or unreadable file. What is dropped is
+        said in a warning unless `quiet`."""
         try:
-            text = self.path.read_text()
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return {}
         try:
-            data = json.loads(text)
-            if data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+            # RecursionError: a file nested thousands deep; UnicodeDecodeError is a ValueError, as is json's
+            data = json.loads(raw.decode("utf-8"))
+            if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
                 raise ValueError(f"not a format-{FORMAT} choice file")
-            entries: dict[str, Entry] = data["entries"]
-            for decided in entries.values():  # the shape every reader relies on, checked once here
-                for stored in decided.values():
-                    if not isinstance(stored["chosen"], str) or not all(
-                            isinstance(v, (int, float)) for v in stored["speedups"].values()):
-                        raise ValueError(f"a malformed choice: {stored!r}")
-            return entries
-        except (ValueError, TypeError, KeyError, AttributeError) as error:
-            log.warning("ignoring the tuning cache %s, which cannot be read (%s); the kernels are measured "
-                        "again and the file rewritten", self.path, error)
+        except (ValueError, RecursionError) as error:
+            if not quiet:
+                log.warning("ignoring the tuning cache %s, which cannot be read (%s); the kernels are measured "
+                            "again and the file rewritten", self.path, _short(error))
             return {}
+        entries: dict[str, Entry] = {}
+        for entry, decided in data["entries"].items():
+            problem = malformed(decided)
+            if problem is None:
+                entries[entry] = decided
+            elif not quiet:
+                log.warning("ignoring the entry %.200r of the tuning cache %s (%.300s); it is measured again "
+                            "and rewritten", entry, self.path, problem)
+        return entries
 
     def _write(self, entries: dict[str, Entry]) -> None:
         data = {"format": FORMAT, "machine": asdict(self.machine), "entries": entries}
@@ -142,3 +162,23 @@ class TuningCache:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def malformed(decided: object) -> str | None:
+    """What makes an entry unusable by any chooser, or None: each stored choice must name a candidate and
+    give every timed candidate a positive, finite speed-up (the file is text: anything may be there)."""
+    if not isinstance(decided, dict) or not decided:
+        return "not a non-empty set of choices"
+    for name, stored in decided.items():
+        if not isinstance(stored, dict) or not isinstance(stored.get("chosen"), str):
+            return f"choice {name!r} names no candidate"
+        speedups = stored.get("speedups")
+        if not isinstance(speedups, dict) or not speedups:
+            return f"choice {name!r} has no timed candidates"
+        if not all(type(v) in (int, float) and 0 < v < math.inf for v in speedups.values()):  # NaN fails too
+            return f"choice {name!r} has a speed-up that is not a positive number: {speedups!r}"[:200]
+    return None
+
+
+def _short(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:200]
