@@ -15,6 +15,7 @@ import openai
 import pytest
 import uvicorn
 from server_helpers import events, serving
+from test_server_tools import SHORT_TEMPLATE
 
 from minivllm import LLMEngine
 from minivllm.config import EngineConfig
@@ -134,6 +135,19 @@ def test_a_malformed_tool_call_in_the_history_is_a_400_naming_it(url):
                     {"role": "user", "content": "and?"}]
         for tools in ({"tools": [TOOL]}, {}):  # tools in the system message, or none (the template's own)
             assert_400(url, {"messages": messages, **tools}, param)
+
+
+def test_a_tool_schema_that_cannot_constrain_the_call_is_a_400_naming_tools(engine, url):
+    """Under a required or named tool_choice the grammar is the tools' parameters: an error names `tools`, not
+    `structured_outputs`, a field the client never sent."""
+    engine.engine.tokenizer.chat_template = SHORT_TEMPLATE  # a prompt that fits: the schema is at fault, alone
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "tools": [bad], "tool_choice": choice}, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "tools" and "type must be" in error["message"], r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "structured_outputs": {"json": {"type": 5}}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
 
 
 def test_a_length_penalty_whose_score_overflows_is_a_400(url):

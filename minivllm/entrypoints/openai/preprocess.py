@@ -7,6 +7,9 @@
            req.sampling_params(): values SamplingParams refuses, logprobs cap   400
            render (chat template + tokenize, once), request prepared and fits?  400 (context_length_exceeded:
                                                    the prompt, or prompt + max_tokens, past max_model_len)
+           a grammar that does not compile or cannot run                        400 naming structured_outputs
+                                                                                (tools: their parameters, under
+                                                                                a required or named tool_choice)
 
 Rendering costs time in the prompt's length, and preparing a request's lists (allowed ids, bad
 words) in theirs, so both run once per request, in a worker thread (`asyncio.to_thread`), never on
@@ -65,12 +68,25 @@ class ServingContext:
             # once, off the event loop and off the engine's thread, which reuses it.
             return await asyncio.to_thread(self._prepare, req, render, limits, param)
         except Exception as e:
-            raise api_error(e, param) from e
+            error = api_error(e, param)
+            if error.param == "structured_outputs":  # the grammar may come from the tools
+                error = _constraint_error(req, error)
+            raise error from e
 
     def _prepare(self, req: Request, render: Callable[[], list[TokensPrompt]], limits: Limits,
                  param: str) -> tuple[list[TokensPrompt], SamplingParams]:
         sp = req.sampling_params(self.defaults, limits)
         return render_and_check(self.engine, render, sp, param), sp
+
+
+def _constraint_error(req: Request, error: ApiError) -> ApiError:
+    """The engine names `structured_outputs` when a grammar does not compile or cannot run; under a required
+    or named tool_choice the client sent no such field: the schema is the tools' `parameters`."""
+    if not isinstance(req, ChatCompletionRequest) or req.tool_plan().constraint() is None:
+        return error
+    why = error.message.split(": ", 1)[1] if error.message.startswith("request '") else error.message
+    return ApiError(400, f"tools: the tools' parameters schema {why.removeprefix('structured_outputs.json ')}",
+                    "tools", error.code)
 
 
 def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[TokensPrompt]:
