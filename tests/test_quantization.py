@@ -81,13 +81,42 @@ def test_the_decoder_linears_are_int8_and_the_lm_head_is_not(fp32_and_int8):
     assert model.lm_head_weight.dtype == torch.float32
 
 
-def test_int8_engine_agrees_with_fp32_teacher_forced(fp32_and_int8):
+def naive_int8_product(x: torch.Tensor, weight: torch.Tensor, reduce_range: bool) -> torch.Tensor:
+    """The module docstring's W8A8 formula from the float weight: the weight rounded per output row, x's
+    rows (in [-1, 1]) rounded to the grid, their integer products summed exactly, and the sum scaled back.
+    Each fp32 step as fbgemm takes it: x * (1 / scale) + zero_point in one fused multiply-add (exact in
+    float64, then rounded once to fp32), and one product of the two scales. (T, in) -> (T, out) fp32."""
+    scale, zero_point = (1 / 63, 64) if reduce_range else (1 / 127, 128)
+    inverse = (1 / torch.tensor(scale, dtype=torch.float32)).double()
+    q_x = (x.double() * inverse + zero_point).float().round().clamp(0, 255).double() - zero_point  # (T, in)
+    s_w = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,) fp32
+    q_w = (weight.double() / s_w.double()[:, None]).round()  # (out, in)
+    sums = (q_x @ q_w.t()).float()  # integers below 2^24: exact in float64 and in fp32
+    return sums * (torch.tensor(scale, dtype=torch.float32) * s_w)
+
+
+def test_int8_engine_agrees_with_fp32_teacher_forced(fp32_and_int8, monkeypatch):
+    """The int8 engine computes the formula, bit for bit, and that formula stays close to fp32.
+
+    Not a share of argmax agreements: with this random model's small margins that share measured 94 %
+    with 8-bit activations (VNNI) and 90 % with the 7-bit ones of an AVX2 CPU, against a fixed 0.9, and
+    it says nothing of the engine that the logits do not. The formula (`naive_int8_product`, from the
+    float weights) is the error model itself: fbgemm's int32 sums are exact on every CPU (7-bit
+    activations keep AVX2's 16-bit pair sums from saturating), so the engine equals it exactly, whichever
+    grid this CPU takes; a wrong grid, scale or weight moves ~1 % of every logit (a flip of one rounding
+    moved a row by 1 %). Its distance from fp32 depends on the CPU only through the grid (3-6 % with 8
+    bits, 5-7 % with 7, measured on both)."""
     fp32, int8 = fp32_and_int8
+    floats = dict(fp32.llm_engine.model.named_modules())
+    layers = {name: m for name, m in int8.llm_engine.model.named_modules() if isinstance(m, Int8Linear)}
+    weights = {m.layer_id: floats[name].weight for name, m in layers.items()}
+    assert {m.reduce_range for m in layers.values()} == {not VNNI}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, fp32.llm_engine.spec.vocab_size, (96,), generator=g).tolist()
-    reference, quantized = prompt_logits(fp32, ids), prompt_logits(int8, ids)
-    agreement = (reference.argmax(-1) == quantized.argmax(-1)).float().mean().item()
-    assert agreement >= 0.9
+    reference, quantized = prompt_logits(fp32, ids), prompt_logits(int8, ids)  # (96, V) each
+    monkeypatch.setattr(Int8Linear, "int8_product",
+                        lambda self, x: naive_int8_product(x, weights[self.layer_id], self.reduce_range))
+    assert torch.equal(prompt_logits(int8, ids), quantized)
     assert relative_error(quantized, reference).max() < 0.1
 
 
