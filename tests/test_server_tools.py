@@ -83,7 +83,7 @@ def test_a_constrained_output_cut_short_is_its_text_not_a_call(choice):
     """Cut by a stop string or stop token, or ended inside <think> (nothing after it): no call, and no
     exception; the text stays content, whole and streamed, with the finish_reason it had."""
     plan = tool_plan([WEATHER, TIME], choice, True)
-    for text in ('{"city": "Par', '[{"name": "get_weather", "parameters": {"city"', "", "  ", "[", "[]", "{}x"):
+    for text in ('{"city": "Par', '[{"name": "get_weather", "parameters": {"city"', "", "  ", "[", "{}x", "[" * 10**5):
         assert plan.calls(text) == (text or None, [])
         stream = ToolCallStream(plan)
         assert stream.content(text) == "" and stream.finish("stop") == (text, [], "stop")
@@ -91,6 +91,12 @@ def test_a_constrained_output_cut_short_is_its_text_not_a_call(choice):
         '[{"name": "get_weather", "parameters": {"city": "Rome", "unit": "F"}}]'
     content, (call,) = plan.calls(whole)
     assert content is None and json.loads(call["function"]["arguments"]) == {"city": "Rome", "unit": "F"}
+    # a whole value is a call, whatever JSON its schema allows (a tool's parameters need not be an object)
+    plain = {"type": "function", "function": {"name": "echo", "parameters": {"type": "string"}}}
+    whole = '"hi"' if isinstance(choice, dict) else '[{"name": "echo", "parameters": "hi"}]'
+    _, (call,) = tool_plan([plain], {"type": "function", "function": {"name": "echo"}} if isinstance(choice, dict)
+                           else choice, True).calls(whole)
+    assert call["function"] == {"name": "echo", "arguments": '"hi"'}
 
 
 def test_a_template_without_tools_gets_them_as_a_system_message():

@@ -49,6 +49,7 @@ from minivllm.entrypoints.openai.structured import structured_outputs_params
 from minivllm.structured_outputs import StructuredOutputsParams
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CUT = object()  # what _json gives for a text that holds no JSON value
 _BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
 
@@ -90,14 +91,13 @@ class ToolPlan:
         """(content, tool_calls) of a finished output that ended with "stop". Never raises: a constrained
         output the grammar did not finish (cut by the client's `stop` or `stop_token_ids`, or ended
         inside <think>, before the constraint began) is no call, and its text stays content (vLLM's)."""
-        if self.mode is ToolMode.NAMED:
+        if self.mode is ToolMode.NAMED:  # any JSON value: the grammar checked it against `parameters`
             arguments = _json(text)
-            return (None, [tool_call(self.name, arguments)]) if isinstance(arguments, dict) else (text or None, [])
+            return (text or None, []) if arguments is _CUT else (None, [tool_call(self.name, arguments)])
         if self.mode is ToolMode.REQUIRED:
             found, names = _json(text), {t["function"]["name"] for t in self.tools}
             if not isinstance(found, list) or not found or not all(
-                    isinstance(c, dict) and c.get("name") in names and isinstance(c.get("parameters"), dict)
-                    for c in found):
+                    isinstance(c, dict) and c.get("name") in names and "parameters" in c for c in found):
                 return text or None, []
             return None, [tool_call(c["name"], c["parameters"]) for c in found]
         content, calls = parse_hermes(text)
@@ -129,11 +129,11 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def _json(text: str) -> Any:
-    """The JSON value `text` holds, or None if it holds none (an output cut short)."""
+    """The JSON value `text` holds, or _CUT if it holds none (an output cut short)."""
     try:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError):
-        return None
+        return _CUT
 
 
 def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
@@ -266,7 +266,7 @@ def with_tools_in_system(conversation: list[dict[str, Any]], tools: list[dict[st
 def _arguments(arguments: str) -> Any:
     """OpenAI sends a call's arguments as a JSON string (check_history_calls); the block holds the object."""
     found = _json(arguments)
-    return arguments if found is None else found
+    return arguments if found is _CUT else found
 
 
 class ToolCallStream:
