@@ -62,6 +62,13 @@ def test_any_change_to_the_machine_key_measures_again(part, timings, monkeypatch
     assert len(timings) == 2 and len(list(tuning_cache.tuning_folder().glob("*.json"))) == 2
 
 
+def test_a_cap_on_torchs_libraries_is_another_machine(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    uncapped = MachineKey.here()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN then runs other kernels, and packs no bf16
+    assert MachineKey.here().digest() != uncapped.digest()
+
+
 @needs_kernels
 def test_another_dtype_or_shape_is_another_entry(timings):
     for dtype, hidden in ((torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 128), (torch.float32, 64)):

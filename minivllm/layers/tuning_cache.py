@@ -5,7 +5,8 @@
 A timing is only evidence about the setting it was taken in, so the file's name is a digest of that
 setting (`MachineKey`): the CPU's model name, the kernels' build key (kernels/cpu_build.py: the CPU's
 instruction-set flags, torch's version, the C++ sources, headers and compiler flags), torch's thread
-count, and the torch and minivllm versions. Change any of them and the process reads another file,
+count, the torch and minivllm versions, and the instruction-set caps set for torch's libraries
+(ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS). Change any of them and the process reads another file,
 so it measures afresh. Inside the file, each chooser's entry is named after what it was measured on
 (dtype and shapes, e.g. "norm_rope float32 hidden 576 heads 9+3 dim 64"): two models, or two
 tensor-parallel ranks with shards of different shapes, never read each other's entries.
@@ -50,6 +51,7 @@ from minivllm.model_cache import cache_root
 
 FORMAT = 1  # bumped when the file's layout changes: older files are then another file, not a corrupt one
 log = logging.getLogger("minivllm")
+LIBRARY_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
 class StoredChoice(TypedDict):
@@ -71,11 +73,15 @@ class MachineKey:
     threads: int  # torch.get_num_threads(): a matmul on 1 thread and on 8 are different contests
     torch: str
     minivllm: str
+    # torch's libraries' own instruction-set caps: oneDNN capped at AVX2 runs other kernels (and refuses bf16
+    # packing), so a timing taken under a cap is no evidence without it (minivllm's own cap is in `kernels`)
+    library_caps: str = ""
 
     @classmethod
     def here(cls) -> MachineKey:
+        caps = " ".join(f"{name}={os.environ[name]}" for name in LIBRARY_CAPS if os.environ.get(name))
         return cls(CpuInfo.read().model_name, build_key(), torch.get_num_threads(), torch.__version__,
-                   importlib.metadata.version("minivllm"))
+                   importlib.metadata.version("minivllm"), caps)
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
