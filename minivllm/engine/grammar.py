@@ -182,9 +182,9 @@ class GrammarCompiler:
     kept; compiled grammars are kept by (kind, spec), each as a matcher at its start that new requests
     copy, and so are refusals (a costly grammar sent again costs nothing). Thread-safe: the server
     compiles off its event loop and off the engine's step.
-    A grammar is accepted once its first mask is computed: llguidance finds most grammars it cannot run
-    (a schema that requires itself, `start: "a" start`, `a{1000000}`, 5,000 alternatives in a row) only
-    then, when a limit is hit; one whose only token is EOS could write nothing; and the mask of a copy,
+    A grammar is accepted once its first mask is computed and a copy took its first token: llguidance finds
+    the grammars it cannot run (a schema that requires itself, `start: "a" start`, `a{1000000}`, 5,000
+    alternatives) only there, at a limit; one whose only token is EOS could write nothing; a copy's mask,
     timed, must fit `mask_budget_ms` (the template's first mask also builds what copies share)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: frozenset[int], *,
