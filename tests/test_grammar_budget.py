@@ -132,3 +132,52 @@ def test_a_costly_request_is_charged_to_its_own_budget_while_another_streams(llm
     # the stream never waited: a token every step, but for the one step the costly request failed (taken back,
     # run again without it: no token lost, nothing drawn twice)
     assert stream_tokens == [1, 2, 3, 3] + list(range(4, 13)), stream_tokens  # the 4th step: its 4th mask
+
+
+def test_strict_schema_closes_named_objects_at_every_depth():
+    item = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {
+        "a": item, "b": {"type": "array", "items": item}, "c": {"anyOf": [item, {"type": "null"}]},
+        "d": {"$ref": "#/$defs/d"}, "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "properties": {"type": "object", "properties": {"y": {}}}, "loose": {"type": "object"},
+        "both": {"allOf": [item, {"properties": {"z": {}}}]}},
+        "$defs": {"d": item}}
+    strict = strict_schema(schema)
+    closed = {"additionalProperties": False}
+    assert strict["additionalProperties"] is False
+    props = strict["properties"]
+    assert props["a"] == {**item, **closed} and props["b"]["items"] == {**item, **closed}
+    assert props["c"]["anyOf"] == [{**item, **closed}, {"type": "null"}] and strict["$defs"]["d"] == {**item, **closed}
+    assert props["open"]["additionalProperties"] is True and props["loose"] == {"type": "object"}
+    assert props["properties"] == {"type": "object", "properties": {"y": {}}, **closed}  # a property's name is no keyword
+    assert props["both"]["allOf"] == [item, {"properties": {"z": {}}}]  # each member names only its share
+    assert "additionalProperties" not in schema and "additionalProperties" not in item  # a copy
+    assert strict_schema({"type": "string"}) == {"type": "string"}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_json_schemas_are_strict_by_default(qwen3_dir, llm, strict):
+    """vLLM's default backend (xgrammar) allows no property a schema does not name; neither do we, unless
+    strict_json_schema=False (--no-strict-json-schema)."""
+    engine = llm if strict else LLM(qwen3_dir, warmup=False, strict_json_schema=False)
+    assert engine.llm_engine.config.strict_json_schema is strict
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    m = engine.llm_engine.input_processor.grammars.matcher(StructuredOutputsParams(json=schema))
+    tokens = engine.get_tokenizer().encode('{"unit":"c"}', add_special_tokens=False)
+    taken = 0
+    while taken < len(tokens) and m.accept(tokens[taken]):
+        taken += 1
+    assert (taken < len(tokens)) is strict  # strict: refused at the unnamed key; else the whole object fits
+
+
+def test_the_two_fields_are_validated_and_are_cli_flags():
+    for bad in (0, -1.0, float("inf"), True, "5"):
+        with pytest.raises(ValueError, match="grammar_mask_budget_ms"):
+            EngineConfig(model="m", grammar_mask_budget_ms=bad)
+    with pytest.raises(ValueError, match="strict_json_schema"):
+        EngineConfig(model="m", strict_json_schema=1)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kw = engine_kwargs(parser.parse_args(["--no-strict-json-schema", "--grammar-mask-budget-ms", "7.5"]))
+    assert kw == {"strict_json_schema": False, "grammar_mask_budget_ms": 7.5}
+    assert EngineConfig(model="m").strict_json_schema is True
