@@ -10,12 +10,13 @@
 
 They share the float32 / bfloat16 helpers of cpu_simd.h and register their ops under one library,
 `torch.ops.minivllm_cpu`. `load_cpu_kernels()` compiles them with torch.utils.cpp_extension (ninja and the
-system's C++ compiler; ~20-70 s on 2 cores the first time; later the library is loaded as it is) with -march=native,
-i.e. for the machine that runs them: AVX-512 paths where the CPU has them, plain loops the compiler
-vectorises elsewhere. The build folder is named after a digest of everything the binary depends on:
-this CPU's instruction-set flags, torch's version, the sources and headers, and the flags. So a home
-directory shared with a different CPU, or two checkouts of different minivllm versions, never load
-each other's build (a binary from other sources would compute something else, quietly).
+system's C++ compiler; ~20-70 s on 2 cores the first time; later the library is loaded as it is) with
+-march=native, i.e. for the machine that runs them: AVX-512 paths where the CPU has them, AVX2 + FMA or
+plain loops elsewhere (each kernel's header says which paths it has; MINIVLLM_CPU_ISA=avx2 builds for
+x86-64-v3 instead). The build folder is named after a digest of everything the binary depends on: this
+CPU's instruction-set flags, torch's version, the sources and headers, and the flags. So a home directory
+shared with a different CPU, or two checkouts of different minivllm versions, never load each other's build
+(a binary from other sources would compute something else, quietly).
 
 Several processes at once (two notebooks, tensor-parallel ranks, a test beside a server) take turns:
 one builds while the others wait on an OS file lock (`flock`), which the kernel releases when its
@@ -110,9 +111,11 @@ def load_cpu_kernels() -> CpuKernelsBuild:
     return CpuKernelsBuild(True, f"built for this CPU ({' '.join(flags)}) as {name}")
 
 
-def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY, wait_s: float = BUILD_WAIT_S) -> None:
+def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY, wait_s: float = BUILD_WAIT_S,
+                      sources: tuple[str, ...] = SOURCES) -> None:
     """Compile the kernels as extension `name` with `cflags` (the instruction set) and load them; their
-    ops are torch.ops.<library>.*. The tests build the non-AVX-512 paths this way under other names.
+    ops are torch.ops.<library>.*. The tests build the non-AVX-512 paths this way under other names (and
+    a path only one kernel has from its own source alone: `sources`, a subset of SOURCES).
     Raises TimeoutError if another process holds the folder's build lock for more than `wait_s` seconds."""
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -136,11 +139,11 @@ def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY, wait
         # Short lines: a notebook that happens to build them shows this message on the docs site.
         with _progress(f"minivllm: compiling the C++ CPU kernels for this CPU (first use with these\n"
                        f"  sources; ~20-70 s on 2 cores, later starts load them at once)\n  into {build_dir}"):
-            _load(name, cflags, library, staging)
+            _load(name, cflags, library, staging, sources)
         staging.rename(build_dir)
 
 
-def _load(name: str, cflags: list[str], library: str, build_dir: Path) -> None:
+def _load(name: str, cflags: list[str], library: str, build_dir: Path, sources: tuple[str, ...]) -> None:
     from torch.utils.cpp_extension import load
 
     here = Path(__file__).parent
@@ -156,7 +159,7 @@ def _load(name: str, cflags: list[str], library: str, build_dir: Path) -> None:
     # the flags, so editing cpu_simd.h rebuilds too.
     headers = _digest(HEADERS)
     try:
-        load(name, [str(here / source) for source in SOURCES],
+        load(name, [str(here / source) for source in sources],
              extra_cflags=["-O3", "-fopenmp", *cflags, f"-DMINIVLLM_CPU_LIBRARY={library}",
                            f"-DMINIVLLM_HEADERS_DIGEST={headers}"],
              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)

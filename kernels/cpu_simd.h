@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 

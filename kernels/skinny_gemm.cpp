@@ -15,14 +15,24 @@
 // NB blocks are walked side by side so NB * MB accumulators are independent (hiding FMA latency),
 // and a W vector loaded once serves all MB rows: the weight streams once per call for up to MB rows.
 //
-// Built by kernels/cpu_build.py with -march=native (on the machine that runs it): the AVX-512 paths
-// when the CPU has them, a plain loop the compiler vectorises otherwise.
+// Built by kernels/cpu_build.py with -march=native (on the machine that runs it), one path per level:
+//   AVX-512            16 lanes a register; bf16 by vdpbf16ps where the CPU has AVX512_BF16, else widened
+//   AVX2 + FMA         the same sums on two 8-lane halves of each block (x86-64-v3: an AVX2 laptop)
+//   portable           plain loops, one explicit fused multiply-add per term where the target has one
+//
+// Every output is ONE chain of sums over k, in k's order, whatever path and however many rows share the
+// call: acc = fma(W[k], x[k], acc) for k = 0, 1, ... (bf16 without vdpbf16ps: k even, then k odd, as
+// widened pairs). So a row's bits never depend on the rows beside it (batch invariance relies on it), and
+// the fp32 result is the same on all three paths. The portable loop once left the `a * b + c` to the
+// compiler: at -march=x86-64-v3 it contracted it into an FMA for groups of 2-4 rows and not for a row
+// alone, and a row got other bits when other rows shared its call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -36,6 +46,16 @@ constexpr int kBlocks = 4;      // NB: column blocks walked side by side
 constexpr int kRows = 4;        // MB: rows of x sharing each loaded W vector
 
 using namespace minivllm_cpu_simd;
+
+// acc + a * b with one rounding where the target has a fused multiply-add (what the SIMD paths do),
+// written out so the compiler's choice to contract or not cannot differ between instantiations.
+inline float madd(float a, float b, float acc) {
+#if defined(FP_FAST_FMAF)
+  return std::fma(a, b, acc);
+#else
+  return a * b + acc;  // no FMA instruction on this target: nothing the compiler could contract it into
+#endif
+}
 
 // acc[j][m][0:16] = sum over k of Wp[block0 + j][k][0:16] * x[m][k], the portable version.
 template <typename T, int NB, int MB>
@@ -51,7 +71,7 @@ void blocks_portable(const T* x, int64_t K, const T* wp, int64_t block0, float (
         for (int64_t l = 0; l < kLanes; ++l) {
           // the bf16 layout pairs k: element (k, l) sits at ((k / 2) * 16 + l) * 2 + k % 2
           const int64_t at = std::is_same_v<T, float> ? k * kLanes + l : ((k / 2) * kLanes + l) * 2 + k % 2;
-          acc[j][m][l] += to_float(w[at]) * xv;
+          acc[j][m][l] = madd(to_float(w[at]), xv, acc[j][m][l]);
         }
       }
   }
@@ -103,12 +123,66 @@ void blocks_avx512(const T* x, int64_t K, const T* wp, int64_t block0, float (*o
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The AVX-512 path's sums on 8-lane halves: lanes 0-7 and 8-15 of each block are two chains each. AVX2 has
+// 16 registers, not 32, so JB blocks go side by side (JB * MB * 2 <= 8 accumulators, enough to hide the
+// FMA latency) instead of all NB: the grouping changes which chains run together, never a chain's order.
+template <typename T, int NB, int MB>
+void blocks_avx2(const T* x, int64_t K, const T* wp, int64_t block0, float (*out)[MB][kLanes]) {
+  constexpr int JB = std::max(1, std::min(NB, 4 / MB));
+  static_assert(NB % JB == 0, "the blocks go JB at a time");
+  for (int j0 = 0; j0 < NB; j0 += JB) {
+    __m256 acc[JB][MB][2];
+    for (int j = 0; j < JB; ++j)
+      for (int m = 0; m < MB; ++m) acc[j][m][0] = acc[j][m][1] = _mm256_setzero_ps();
+    const T* w[JB];
+    for (int j = 0; j < JB; ++j) w[j] = wp + (block0 + j0 + j) * K * kLanes;
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t k = 0; k < K; ++k) {
+        __m256 xv[MB];
+        for (int m = 0; m < MB; ++m) xv[m] = _mm256_set1_ps(x[m * K + k]);
+        for (int j = 0; j < JB; ++j)
+          for (int half = 0; half < 2; ++half) {
+            const __m256 wv = _mm256_loadu_ps(w[j] + k * kLanes + 8 * half);
+            for (int m = 0; m < MB; ++m) acc[j][m][half] = _mm256_fmadd_ps(wv, xv[m], acc[j][m][half]);
+          }
+      }
+    } else {  // bf16 widened by a shift, as the AVX-512 path without AVX512_BF16: even k, then odd k
+      const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+      for (int64_t p = 0; p < K / 2; ++p) {
+        __m256 x_even[MB], x_odd[MB];  // x[m][2p] and x[m][2p+1] in every lane
+        for (int m = 0; m < MB; ++m) {
+          int32_t pair;
+          std::memcpy(&pair, x + m * K + 2 * p, sizeof pair);
+          const __m256i xv = _mm256_set1_epi32(pair);
+          x_even[m] = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16));
+          x_odd[m] = _mm256_castsi256_ps(_mm256_and_si256(xv, high));
+        }
+        for (int j = 0; j < JB; ++j)
+          for (int half = 0; half < 2; ++half) {  // 8 pairs: lanes 8 * half ... 8 * half + 7
+            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + (p * kLanes + 8 * half) * 2));
+            const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+            const __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(wv, high));
+            for (int m = 0; m < MB; ++m)
+              acc[j][m][half] = _mm256_fmadd_ps(w_odd, x_odd[m], _mm256_fmadd_ps(w_even, x_even[m], acc[j][m][half]));
+          }
+      }
+    }
+    for (int j = 0; j < JB; ++j)
+      for (int m = 0; m < MB; ++m)
+        for (int half = 0; half < 2; ++half) _mm256_storeu_ps(out[j0 + j][m] + 8 * half, acc[j][m][half]);
+  }
+}
+#endif
+
 // y[m][16 * (block0 + j) + l] for NB blocks and MB rows, bias added, rounded to T; columns >= N are padding.
 template <typename T, int NB, int MB>
 void blocks(const T* x, int64_t K, const T* wp, const T* bias, T* y, int64_t N, int64_t block0) {
   float acc[NB][MB][kLanes];
 #if defined(__AVX512F__)
   blocks_avx512<T, NB, MB>(x, K, wp, block0, acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  blocks_avx2<T, NB, MB>(x, K, wp, block0, acc);
 #else
   blocks_portable<T, NB, MB>(x, K, wp, block0, acc);
 #endif

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from minivllm.kernels import cpu_build
 from minivllm.kernels.cpu_build import _cause, build_cpu_kernels, build_key, load_cpu_kernels
 from minivllm.kernels.paged_decode_attention import naive_paged_decode_attention
 from minivllm.kernels.rms_norm import naive_rms_norm
@@ -139,19 +140,52 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists(),
-                    reason="x86-64 instruction sets")
-@pytest.mark.parametrize("variant,cflags", [("avx2", ["-march=x86-64-v3"]),
-                                            ("avx512_no_bf16", ["-march=x86-64-v4", "-mno-avx512bf16"])])
-def test_the_other_instruction_set_paths_match_naive_too(variant, cflags):
-    """This machine runs one path of each kernel (the one -march=native selects); CPUs without AVX-512,
-    or without its BF16 dot products, run the others."""
-    needs = {"avx2": {"avx2", "fma"}, "avx512_no_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}[variant]
+# The paths this CPU does not run by default, each built under a library name of its own (and a folder
+# named after the sources' digest, so an edited kernel is rebuilt). "portable_fma" is the plain loop on a
+# target with a fused multiply-add but no AVX2 (as arm64): the loop's own path, built from skinny_gemm.cpp
+# alone, the only kernel whose plain loop has a row-grouping the compiler could treat differently.
+VARIANTS = {"avx2": (["-march=x86-64-v3"], {"avx2", "fma"}, cpu_build.SOURCES),
+            "avx512_no_bf16": (["-march=x86-64-v4", "-mno-avx512bf16"],
+                               {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, cpu_build.SOURCES),
+            "portable_fma": (["-march=x86-64-v2", "-mfma"], {"avx", "fma"}, ("skinny_gemm.cpp",))}
+
+
+def _variant_ops(variant: str):
+    cflags, needs, sources = VARIANTS[variant]
+    if platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists():
+        pytest.skip("x86-64 instruction sets")
     if not needs <= _cpu_flags():
         pytest.skip(f"this CPU cannot run the {variant} build")
     library = f"minivllm_cpu_test_{variant}"
-    build_cpu_kernels(library, cflags, library=library)
-    ops = getattr(torch.ops, library)
+    build_cpu_kernels(f"{library}_{build_key(tuple(cflags))}", cflags, library=library, sources=sources)
+    return getattr(torch.ops, library)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_skinny_gemm_path_gives_a_row_its_own_bits(variant):
+    """Batch invariance needs a row's product to be the same bits alone or beside others: every path sums
+    each output as one chain over k, in k's order, whatever the rows per call. The plain loop once left
+    its multiply-add to the compiler, which fused it at -march=x86-64-v3 for 2-4 rows and not for one.
+    In fp32 the chain is the same on every path, so each equals the build this process runs."""
+    ops = _variant_ops(variant)
+    native = load_cpu_kernels()
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(9, 200, generator=g).to(dtype)
+        w = (torch.randn(72, 200, generator=g) / 200 ** 0.5).to(dtype)
+        packed = pack_skinny_weight(w)
+        alone = torch.cat([ops.skinny_gemm(x[i:i + 1], packed, 72, None) for i in range(9)])
+        for rows in range(2, 10):  # 1-4 rows share a group; 5-9 end in a group of 1-4
+            assert torch.equal(ops.skinny_gemm(x[:rows], packed, 72, None), alone[:rows]), (dtype, rows)
+        if dtype == torch.float32 and native.available:
+            assert torch.equal(torch.ops.minivllm_cpu.skinny_gemm(x, packed, 72, None), alone)
+
+
+@pytest.mark.parametrize("variant", ["avx2", "avx512_no_bf16"])
+def test_the_other_instruction_set_paths_match_naive_too(variant):
+    """This machine runs one path of each kernel (the one -march=native selects); CPUs without AVX-512,
+    or without its BF16 dot products, run the others."""
+    ops = _variant_ops(variant)
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
