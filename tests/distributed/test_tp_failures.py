@@ -35,13 +35,13 @@ def worker_pid(llm: LLM) -> int:
 @pytest.mark.timeout(600)  # a hang; a busy machine takes minutes
 def test_a_killed_worker_ends_the_engine_at_once(qwen3_dir, one_thread_per_rank):
     before = child_pids()
-    llm = LLM(qwen3_dir, tensor_parallel_size=2, distributed_timeout_s=30, **ENGINE)
+    # A step timeout past the test's own: waiting for it instead of noticing the dead peer (whose closed
+    # connections say so at once) would be a hang the test's timeout catches, not a slow machine's wall clock.
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, distributed_timeout_s=3600, **ENGINE)
     assert generate(llm)
     os.kill(worker_pid(llm), signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(EngineDeadError, match=r"(?s)worker rank 1 .*SIGKILL"):
+    with pytest.raises(EngineDeadError, match=r"(?s)worker rank 1 .*SIGKILL"):  # its death, not a timeout
         generate(llm)
-    assert time.monotonic() - start < 30, "a dead peer closes its connections: no need to wait for the timeout"
     with pytest.raises(EngineDeadError, match="SIGKILL"):  # dead for good, and still says why
         generate(llm)
     assert not llm.llm_engine.requests  # the failed requests were aborted by generate()
@@ -61,7 +61,7 @@ def test_a_hung_worker_ends_the_engine_after_the_timeout(qwen3_dir, one_thread_p
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=r"(?s)Timed out.*distributed_timeout_s=3 s"):
         generate(llm)
-    assert 3 <= time.monotonic() - start < 3 + 60  # the timeout, then ending the worker: no other wait
+    assert time.monotonic() - start >= 3  # the timeout was waited for (a bound above it would time the machine)
     assert pid not in child_pids(), "the hung worker was killed"
     llm.shutdown()
     assert not child_pids() - before
@@ -160,10 +160,11 @@ def test_a_worker_that_dies_while_starting_ends_the_start_at_once(qwen3_dir, tmp
     (tmp_path / "sitecustomize.py").write_text(DIES_WHILE_STARTING)  # only the spawned workers import it
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     before = child_pids()
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"(?s)starting 2 tensor-parallel ranks failed.*exit code 3"):
+    # "exited while starting": seen as it happened, not after the join's 120 s timeout ("did not start
+    # within"); the message says which, so no wall clock (a busy machine's) is needed to tell them apart.
+    with pytest.raises(RuntimeError, match=r"(?s)starting 2 tensor-parallel ranks failed.*exit code 3"
+                                           r".*exited while starting"):
         LLM(qwen3_dir, tensor_parallel_size=2, **ENGINE)
-    assert time.monotonic() - start < 60, "not the join's 120 s timeout"
     assert not child_pids() - before
 
 
