@@ -153,6 +153,90 @@ def test_a_failing_detokenizer_fails_only_its_request(model_factory):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+def test_a_failure_on_the_last_token_is_an_error_not_a_short_length(model_factory):
+    """The token that reaches max_tokens finishes the request ("length") before its text is decoded: a
+    failure decoding it must still say "error", not end the request one token short of its text."""
+    llm = tiny(model_factory)
+    engine = llm.llm_engine
+    engine.add_request("r", {"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=4, ignore_eos=True))
+    seq = engine.requests["r"].seqs[0]
+    update = seq.detokenizer.update
+
+    def fails_on_the_last(token_id):
+        if seq.num_output_tokens == 4:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return update(token_id)
+
+    seq.detokenizer.update = fails_on_the_last
+    finals = run(engine, {})
+    assert finals["r"].outputs[0].finish_reason == "error" and "UnicodeDecodeError" in finals["r"].error
+    assert not engine.has_unfinished_requests()
+    stats = llm.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_failure_after_an_earlier_request_committed_loses_no_output(model_factory):
+    """A request's commit (here: what its forward computed becomes its own, `_advance`) fails after the row
+    before it finished: the finished one is reported with its tokens, the failing one with its error."""
+    prompts = {"done": [3, 4, 5], "bad": [3, 4, 6], "other": [3, 4, 7]}
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    clean = run(tiny(model_factory).llm_engine, {rid: (p, sp) for rid, p in prompts.items()})
+    llm = tiny(model_factory)
+    engine = llm.llm_engine
+    advance = engine.scheduler._advance
+
+    def fails_for_bad(sched, out):
+        advance(sched, out)  # done, then it fails: the worst case
+        if sched.seq.request_id == "bad":
+            raise RuntimeError("injected in the commit")
+
+    engine.scheduler._advance = fails_for_bad
+    finals = run(engine, {rid: (p, sp) for rid, p in prompts.items()})
+    assert finals["bad"].outputs[0].finish_reason == "error" and "injected in the commit" in finals["bad"].error
+    for rid in ("done", "other"):
+        assert finals[rid].outputs[0].token_ids == clean[rid].outputs[0].token_ids, rid
+        assert finals[rid].outputs[0].finish_reason == "length"
+    assert not engine.has_unfinished_requests()
+    stats = llm.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory) -> str:
+    from minivllm.teaching.checkpoints import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("isolation_qwen3_5"), family="qwen3_5", num_layers=4))
+
+
+def test_a_failure_in_the_commits_tail_reports_every_request(hybrid_model):
+    """The commit's tail (after every request's own part: a hybrid's state snapshots join the prefix cache)
+    fails in the step where one request finishes: that request is reported with its tokens, the step's
+    others end with the error, and nothing is left held (blocks, state pairs) or unreported."""
+    sps = {"short": SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+           "long": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)}
+    requests = {rid: ([3, 4, 5 + i] * 3, sp) for i, (rid, sp) in enumerate(sps.items())}
+    clean = run(LLM(hybrid_model, warmup=False, block_size=4, num_kv_blocks=32).llm_engine, requests)
+    llm = LLM(hybrid_model, warmup=False, block_size=4, num_kv_blocks=32)
+    engine = llm.llm_engine
+    publish, calls = engine.state_pool.publish_snapshots, []
+
+    def fails_once(scheduled):
+        publish(scheduled)
+        calls.append(len(scheduled))
+        if len(calls) == 1:
+            raise RuntimeError("injected in the commit's tail")
+
+    engine.state_pool.publish_snapshots = fails_once
+    finals = run(engine, requests)
+    assert calls[0] == 2  # both requests were in the failed step
+    assert finals["short"].outputs[0] == clean["short"].outputs[0]
+    assert finals["long"].outputs[0].finish_reason == "error" and "injected in the commit's tail" in finals["long"].error
+    assert not engine.has_unfinished_requests()
+    stats = llm.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert engine.state_pool.num_free == engine.state_pool.num_pairs
+
+
 # --- a stop string completed by the last allowed token -------------------------------------------
 def test_stop_string_completed_by_the_max_tokens_token(model_factory):
     llm = tiny(model_factory)

@@ -21,9 +21,10 @@ Starvation: a request passed over for lack of blocks or seats counts `num_admiss
 are refused before they get here (`InputProcessor.unservable_reason`), so the loop cannot hang.
 
 The commit, `update_from_output`, is the one place a step's results land, request by request (an
-exception fails only its request): computed counts advance, full blocks (and a hybrid's state
-snapshots) reach the prefix cache, a done prompt forks its n - 1 children, tokens (accepted drafts,
-then the target's) go through the stop rules (`StopChecker`), unused draft slots and finished blocks go back.
+exception fails only its request; one in the step's shared tail, its requests still running): computed
+counts advance, full blocks (and a hybrid's state snapshots) reach the prefix cache, a done prompt forks
+its n - 1 children, tokens (accepted drafts, then the target's) go through the stop rules
+(`StopChecker`), unused draft slots and finished blocks go back.
 
 Mapping onto the small teaching API of MinivLLM (github.com/Wenyueh/MinivLLM — a separate study
 project built on nano-vllm, whose guide writes a scheduler with these method names; not this project):
@@ -202,35 +203,52 @@ class Scheduler:
 
     # --- the commit ------------------------------------------------------------------------------
     def update_from_output(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> CommitResult:
-        """Commit a step's results, request by request; the caller then copies `blocks_to_copy` (forks)."""
+        """Commit a step's results, request by request; the caller then copies `blocks_to_copy` (forks). The
+        step has committed: nothing may escape (a request finished earlier in the loop would go unreported),
+        so what raises ends the requests it was for with the error, each of them in `result.changed`."""
         result = CommitResult()
         for sched, out in zip(plan.scheduled, runner_output.outputs, strict=True):
-            seq = sched.seq
-            if seq.is_finished:
-                continue
-            self._advance(sched, out)
-            if not out.tokens and out.error is None:
-                continue
-            result.changed.setdefault(seq.group_id, [])
-            if out.error is not None:  # no token it may draw (e.g. its grammar against its allowed_token_ids)
-                self.fail(seq, out.error)
+            if sched.seq.is_finished:
                 continue
             try:
-                children = self._fork(seq, out.fork_tokens, result)
-            except Exception as error:  # the children made so far ran for nobody: they fail with their parent
-                for s in [seq] + result.changed[seq.group_id]:
-                    self.fail(s, f"committing this request's token failed: {type(error).__name__}: {error}")
-                continue
-            for s, tokens in [*((c, [t]) for c, t in zip(children, out.fork_tokens)), (seq, out.tokens)]:
-                try:
-                    self._commit_tokens(s, tokens, result)
-                except Exception as error:
-                    self.fail(s, f"committing this request's token failed: {type(error).__name__}: {error}")
-            if not seq.is_finished:  # slots of rejected (or never proposed) drafts go back
-                self.block_manager.trim(seq, seq.num_tokens)
-        if self.state_pool is not None:  # prefix caching: the states the step kept join the cache
-            self.state_pool.publish_snapshots(plan.scheduled)
+                self._commit_request(sched, out, result)
+            except Exception as error:  # its children made so far ran for nobody: they fail with their parent
+                self._fail_commit([sched], error, result)
+        try:
+            self._commit_tail(plan)
+        except Exception as error:  # what the step's rows share: every request still running in it fails
+            self._fail_commit(plan.scheduled, error, result)
         return result
+
+    def _commit_request(self, sched: ScheduledSequence, out: RowGroupOutput, result: CommitResult) -> None:
+        """One request's part: what its row computed, its fork (n > 1), each sequence's tokens and stops."""
+        seq = sched.seq
+        self._advance(sched, out)
+        if not out.tokens and out.error is None:
+            return
+        result.changed.setdefault(seq.group_id, [])
+        if out.error is not None:  # no token it may draw (e.g. its grammar against its allowed_token_ids)
+            return self.fail(seq, out.error)
+        children = self._fork(seq, out.fork_tokens, result)
+        for s, tokens in [*((c, [t]) for c, t in zip(children, out.fork_tokens)), (seq, out.tokens)]:
+            try:
+                self._commit_tokens(s, tokens, result)
+            except Exception as error:  # even if its last token finished it ("length"): that token's text is lost
+                self.finish(s, FinishReason.ERROR, error=commit_error("token", error))
+        if not seq.is_finished:  # slots of rejected (or never proposed) drafts go back
+            self.block_manager.trim(seq, seq.num_tokens)
+
+    def _commit_tail(self, plan: SchedulerOutput) -> None:
+        """What the step's rows share, once each has committed: the states it kept join the prefix cache."""
+        if self.state_pool is not None:
+            self.state_pool.publish_snapshots(plan.scheduled)
+
+    def _fail_commit(self, rows: list[ScheduledSequence], error: Exception, result: CommitResult) -> None:
+        """The rows' sequences, and the children they forked in this step, end with `error` unless finished."""
+        for s in [s for row in rows for s in (row.seq, *result.changed.get(row.seq.group_id, []))]:
+            if not s.is_finished:
+                result.changed.setdefault(s.group_id, [])  # reported, with the tokens it has
+                self.fail(s, commit_error("step", error))
 
     def _advance(self, sched: ScheduledSequence, out: RowGroupOutput) -> None:
         """What the forward computed is the sequence's now: K/V (and a hybrid model's state) up to the
@@ -298,3 +316,7 @@ class Scheduler:
     def fail(self, seq: Sequence, error: str) -> None:  # a commit that raised: unless finished, it ends so
         if not seq.is_finished:
             self.finish(seq, FinishReason.ERROR, error=error)
+
+
+def commit_error(what: str, error: Exception) -> str:
+    return f"committing this request's {what} failed: {type(error).__name__}: {error}"

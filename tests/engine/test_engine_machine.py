@@ -16,7 +16,10 @@ configuration and a sequence of actions:
                the regex holds on what follows </think> only
     step       one engine step; an injected failure must leave the engine exactly as it was
     arm_*      the next step fails: a batch of two rows (no single culprit: rolled back, re-raised),
-               a sequence's commit (that sequence fails, its siblings go on), the proposer
+               a sequence's commit (that sequence fails, its siblings go on: in its text, in the token
+               that finishes it — "error", never "length" one token short — or before its tokens), the
+               commit's tail after every request's own part (the step's finished requests are reported,
+               its others fail; nothing escapes the committed step), the proposer
     abort      a live request
     beam       a beam search (minivllm/beam_search.py): each step's beams join the load as one-token
                requests; a step whose beam failed or was aborted ends the search and aborts its siblings
@@ -181,7 +184,10 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             self.requests: dict[str, Request] = {}
             self.beam_runs: list[BeamRun] = []
             self.fail_batch = False  # the next forward of two rows or more raises (once)
-            self.fail_commit: str | None = None  # this sequence's next commit raises (once)
+            # (sequence, where): its commit raises there, once ("last token": the next sequence a token finishes)
+            self.fail_commit: tuple[str | None, str] | None = None
+            self.fail_tail = False  # the next commit's tail raises, after its work (once)
+            self.failed_last: set[tuple[str, int]] = set()  # (request, completion) whose last token's commit raised
             forward = engine.model_runner.model.forward
 
             def injected_forward(*args, **kwargs):
@@ -198,12 +204,32 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             check_strings = engine.scheduler.stop_checker.check_strings
 
             def injected_check_strings(seq, num_new):  # the commit's text step (it decodes the new tokens)
-                if seq.request_id == self.fail_commit:
+                rid, where = self.fail_commit or ("", None)
+                if (where == "text" and rid == seq.request_id) or (where == "last token" and seq.is_finished):
+                    if where == "last token":  # the token that finished it ("length", "stop") came, then this
+                        self.failed_last.add((seq.group_id, seq.index))
+                        reach["last token failed"] += 1
                     self.fail_commit = None
                     raise Injected("a commit")
                 return check_strings(seq, num_new)
 
             engine.scheduler.stop_checker.check_strings = injected_check_strings
+            advance, commit_tail = engine.scheduler._advance, engine.scheduler._commit_tail
+
+            def injected_advance(sched, out):  # the commit's first part: the forward's work becomes the sequence's
+                advance(sched, out)
+                if self.fail_commit == (sched.seq.request_id, "advance"):
+                    self.fail_commit = None
+                    raise Injected("a commit's advance")
+
+            def injected_commit_tail(plan):  # after every request's own commit: what the step's rows share
+                commit_tail(plan)
+                if self.fail_tail:
+                    self.fail_tail = False
+                    reach["tail failed"] += 1
+                    raise Injected("the commit's tail")
+
+            engine.scheduler._advance, engine.scheduler._commit_tail = injected_advance, injected_commit_tail
             for request in first:  # a load from the start: pool pressure needs several requests at once
                 self.add(**request)
 
@@ -297,9 +323,16 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             self.fail_batch = True
 
         @precondition(lambda self: bool(self.engine.scheduler.running))
-        @rule(data=st.data())
-        def arm_commit_failure(self, data: st.DataObject) -> None:
-            self.fail_commit = data.draw(st.sampled_from([s.request_id for s in self.engine.scheduler.running]))
+        @rule(data=st.data(), where=st.sampled_from(["text", "last token", "advance", "tail"]))
+        def arm_commit_failure(self, data: st.DataObject, where: str) -> None:
+            """The commit's fault points: a running sequence's text or advance, the next token that finishes a
+            sequence, the step's tail. One rule for all: as a rule of its own, the tail (which fails every
+            request still running in its step) left too few requests for the pool to ever preempt."""
+            if where == "tail":
+                self.fail_tail = True
+                return
+            running = [s.request_id for s in self.engine.scheduler.running]
+            self.fail_commit = (None if where == "last token" else data.draw(st.sampled_from(running)), where)
 
         @precondition(lambda self: self.setup.spec == "noisy")
         @rule()
@@ -340,7 +373,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
         def teardown(self) -> None:
             if not hasattr(self, "engine"):
                 return
-            self.fail_batch, self.fail_commit = False, None
+            self.fail_batch, self.fail_commit, self.fail_tail = False, None, False
             if self.setup.spec == "noisy":
                 self.engine.speculator.proposer.fail = False
             for _ in range(500):
@@ -392,6 +425,9 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                 if not r.aborted and out.error is None:
                     ended = {"length", "stop"} if r.params.structured_outputs is not None else {"length"}
                     assert len(out.outputs) == r.params.n and set(reasons) <= ended, (rid, reasons)
+            for rid, index in self.failed_last:  # its last token came, then its commit raised: an error, not "length"
+                c = next(c for c in self.requests[rid].finals[0].outputs if c.index == index)
+                assert c.finish_reason == "error" and self.requests[rid].finals[0].error, (rid, c)
 
         def _grammar_masks(self, r: Request, c) -> list[torch.Tensor]:
             """A structured completion walked through a fresh matcher: every token allowed where it was
@@ -494,10 +530,11 @@ def test_engine_machine(models, which, examples):
     # The search must cross the paths it exists for (in every run: these counts are tens or more), or it proves
     # nothing about them.
     wanted = ["forked", "preempted", "rolled back", "mixed steps", "a request failed on its own", "beam search",
-              "structured"]
+              "structured", "tail failed", "last token failed"]
     wanted += ["drafts accepted", "prefix hit"]
     wanted += ["state snapshot hit", "state snapshot evicted"] if which == "hybrid" else []
     if which == "reasoning":  # one setup, fewer runs: its own paths (a structured output crossed </think>)
-        wanted = ["forked", "rolled back", "structured", "reasoning ended", "drafts accepted"]
+        wanted = ["forked", "rolled back", "structured", "reasoning ended", "drafts accepted", "tail failed",
+                  "last token failed"]
     wanted += [f"setup {s.name}" for s in setups]  # each setup's paths (e.g. batch-invariant's) were crossed
     assert all(reach[w] for w in wanted), ([w for w in wanted if not reach[w]], dict(reach))
