@@ -201,8 +201,10 @@ def build_key(cflags: tuple[str, ...] | None = None) -> str:
 @contextmanager
 def _exclusive(path: Path, wait_s: float) -> Iterator[None]:
     """Hold an exclusive `flock` on `path` (waiting at most `wait_s` seconds for another process to let go).
-    The OS releases it when the holder exits, however it exits: no stale lock to clean up."""
-    with open(path, "a+") as f:
+    The OS releases it when the holder exits, however it exits: no stale lock to clean up. Opened with
+    O_NOFOLLOW: a symbolic link planted there raises (ELOOP) instead of creating or locking its target."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "r+") as f:
         start, said = time.monotonic(), False
         while True:
             try:

@@ -87,6 +87,18 @@ def test_a_build_held_by_another_process_is_waited_for_a_bounded_time(monkeypatc
     assert loads[-1] == "loaded held" and len(loads) == 2
 
 
+def test_a_link_planted_as_the_build_lock_is_not_followed(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    root = tmp_path / "minivllm"
+    root.mkdir()
+    target = tmp_path / "elsewhere" / "planted"
+    target.parent.mkdir()
+    (root / "linked.lock").symlink_to(target)  # dangling: following it would create the file it names
+    with pytest.raises(OSError):
+        build_cpu_kernels("linked", [], library="linked", wait_s=0.5)
+    assert not target.exists()
+
+
 def test_the_build_folder_is_keyed_by_the_sources_and_flags(monkeypatch):
     from minivllm.kernels import cpu_build
 
