@@ -21,10 +21,9 @@ Starvation: a request passed over for lack of blocks or seats counts `num_admiss
 are refused before they get here (`InputProcessor.unservable_reason`), so the loop cannot hang.
 
 The commit, `update_from_output`, is the one place a step's results land, request by request (an
-exception fails only its request; one in the step's shared tail, its requests still running): computed
-counts advance, full blocks (and a hybrid's state snapshots) reach the prefix cache, a done prompt forks
-its n - 1 children, tokens (accepted drafts, then the target's) go through the stop rules
-(`StopChecker`), unused draft slots and finished blocks go back.
+exception fails only its request): computed counts advance, full blocks reach the prefix cache, a done
+prompt forks its n - 1 children, tokens go through the stop rules. It is the scheduler's, written in
+engine/scheduler_commit.py (`StepCommit`, which `Scheduler` inherits) to keep the plan on one screen.
 
 Mapping onto the small teaching API of MinivLLM (github.com/Wenyueh/MinivLLM — a separate study
 project built on nano-vllm, whose guide writes a scheduler with these method names; not this project):
@@ -40,16 +39,16 @@ from __future__ import annotations
 from collections import deque
 
 from minivllm.engine.kv_cache_groups import KVBlockManager
+from minivllm.engine.scheduler_commit import StepCommit
 from minivllm.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
 from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.engine.state_pool import StatePool
-from minivllm.engine.step_types import (CommitResult, ModelRunnerOutput, RowGroupOutput, SampledToken,
-                                        ScheduledSequence, SchedulerOutput)
+from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
 from minivllm.engine.stop_checker import StopChecker
 from minivllm.engine.undo_log import StepTransaction
 
 
-class Scheduler:
+class Scheduler(StepCommit):
     def __init__(self, block_manager: KVBlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: frozenset[int] = frozenset(), enable_chunked_prefill: bool = True,
                  max_admission_skips: int = 8, state_pool: StatePool | None = None,
@@ -201,122 +200,7 @@ class Scheduler:
         released, self.released = self.released, []  # the ids released since the last call
         return released
 
-    # --- the commit ------------------------------------------------------------------------------
-    def update_from_output(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> CommitResult:
-        """Commit a step's results, request by request; the caller then copies `blocks_to_copy` (forks). The
-        step has committed: nothing may escape (a request finished earlier in the loop would go unreported),
-        so what raises ends the requests it was for with the error, each of them in `result.changed`."""
-        result = CommitResult()
-        for sched, out in zip(plan.scheduled, runner_output.outputs, strict=True):
-            if sched.seq.is_finished:
-                continue
-            try:
-                self._commit_request(sched, out, result)
-            except Exception as error:  # its children made so far ran for nobody: they fail with their parent
-                self._fail_commit([sched], error, result)
-        try:
-            self._commit_tail(plan)
-        except Exception as error:  # what the step's rows share: every request still running in it fails
-            self._fail_commit(plan.scheduled, error, result)
-        return result
-
-    def _commit_request(self, sched: ScheduledSequence, out: RowGroupOutput, result: CommitResult) -> None:
-        """One request's part: what its row computed, its fork (n > 1), each sequence's tokens and stops."""
-        seq = sched.seq
-        self._advance(sched, out)
-        if not out.tokens and out.error is None:
-            return
-        result.changed.setdefault(seq.group_id, [])
-        if out.error is not None:  # no token it may draw (e.g. its grammar against its allowed_token_ids)
-            return self.fail(seq, out.error)
-        children = self._fork(seq, out.fork_tokens, result)
-        for s, tokens in [*((c, [t]) for c, t in zip(children, out.fork_tokens)), (seq, out.tokens)]:
-            try:
-                self._commit_tokens(s, tokens, result)
-            except Exception as error:  # even if its last token finished it ("length"): that token's text is lost
-                self.finish(s, FinishReason.ERROR, error=commit_error("token", error))
-        if not seq.is_finished:  # slots of rejected (or never proposed) drafts go back
-            self.block_manager.trim(seq, seq.num_tokens)
-
-    def _commit_tail(self, plan: SchedulerOutput) -> None:
-        """What the step's rows share, once each has committed: the states it kept join the prefix cache."""
-        if self.state_pool is not None:
-            self.state_pool.publish_snapshots(plan.scheduled)
-
-    def _fail_commit(self, rows: list[ScheduledSequence], error: Exception, result: CommitResult) -> None:
-        """The rows' sequences, and the children they forked in this step, end with `error` unless finished."""
-        for s in [s for row in rows for s in (row.seq, *result.changed.get(row.seq.group_id, []))]:
-            if not s.is_finished:
-                result.changed.setdefault(s.group_id, [])  # reported, with the tokens it has
-                self.fail(s, commit_error("step", error))
-
-    def _advance(self, sched: ScheduledSequence, out: RowGroupOutput) -> None:
-        """What the forward computed is the sequence's now: K/V (and a hybrid model's state) up to the
-        verified tokens, full blocks published, prompt logprobs recorded; its drafts are used up."""
-        seq = sched.seq
-        if self.state_pool is not None:  # after a verification: the state after the accepted drafts
-            self.state_pool.publish(seq, sched.num_spec_tokens, max(0, len(out.tokens) - 1))
-        seq.num_computed_tokens = sched.start + sched.num_new_tokens - sched.num_spec_tokens
-        seq.clear_drafts()
-        seq.prompt_logprobs.extend(out.prompt_logprobs)
-        self.block_manager.cache_full_blocks(seq)
-
-    def _fork(self, seq: Sequence, first_tokens: list[SampledToken], result: CommitResult) -> list[Sequence]:
-        """n > 1, the prompt is done: its children share its blocks (the partial last one is copied) and
-        go to the end of RUNNING, the newest, so preempted first. Forked before the parent appends its
-        token: it may finish at once, and its blocks must be shared first."""
-        children = []
-        for index in range(1, len(first_tokens) + 1):
-            child = seq.fork(index, seq.seed + index)
-            copy = self.block_manager.fork(seq, child)
-            if copy is not None:
-                result.blocks_to_copy.append(copy)
-                result.copy_owners.append(child.group_id)
-            if self.state_pool is not None:
-                self.state_pool.fork(seq, child)
-            self.running.append(child)
-            result.changed[seq.group_id].append(child)
-            children.append(child)
-        seq.num_forks_pending = 0
-        return children
-
-    def _commit_tokens(self, seq: Sequence, tokens: list[SampledToken], result: CommitResult) -> None:
-        """Append accepted drafts then the target's token, each through the token rules (tokens past a
-        stop are dropped), then the text through the stop strings."""
-        first = seq.num_output_tokens == 0
-        num_new = 0
-        for i, token in enumerate(tokens):
-            if i:
-                seq.num_computed_tokens += 1  # the previous token was an accepted draft: its K/V are computed
-            seq.append_token(token.token_id)
-            num_new += 1
-            if token.logprob is not None:
-                seq.logprobs.append(token)
-                seq.cumulative_logprob += token.logprob
-            stop = self.stop_checker.check_token(seq, token.token_id)
-            if stop is not None:
-                self.finish(seq, stop.finish_reason, stop.stop_reason)
-                break
-        if not seq.is_finished and len(tokens) > 1:
-            self.block_manager.cache_full_blocks(seq)  # accepted drafts: only verified blocks
-        kept, match = self.stop_checker.check_strings(seq, num_new)
-        if match is not None:
-            self.finish(seq, FinishReason.STOP, match.stop)
-            seq.truncate_output(seq.num_output_tokens - num_new + kept)
-        if (self.state_pool is not None and seq.index > 0 and first and not seq.is_finished
-                and seq.num_computed_tokens < seq.num_tokens - 1):
-            # No free block for the copy of the partial last block: the child would recompute those
-            # tokens, but a hybrid model's recurrent state (copied from the parent) already holds
-            # them. It recomputes its whole prompt instead, as a preempted sequence does.
-            self.preempt(seq)
-        result.num_generation_tokens += kept
-        if first and seq.index == 0:
-            result.num_prompt_tokens += seq.num_prompt_tokens
-
     def fail(self, seq: Sequence, error: str) -> None:  # a commit that raised: unless finished, it ends so
         if not seq.is_finished:
             self.finish(seq, FinishReason.ERROR, error=error)
 
-
-def commit_error(what: str, error: Exception) -> str:
-    return f"committing this request's {what} failed: {type(error).__name__}: {error}"
