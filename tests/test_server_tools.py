@@ -263,3 +263,34 @@ def test_a_constrained_call_cut_short_answers_its_text_and_finish_reason(qwen3_d
             assert_idle(engine)
     finally:
         engine.shutdown()
+
+
+def test_min_tokens_past_the_grammars_end_answers_the_whole_output(qwen3_dir):
+    """min_tokens longer than the constrained output (a named or "required" call, a structured_outputs choice):
+    the grammar's end wins, whole and streamed, the same answer as without min_tokens; never a mid-flight
+    500 (docs/concepts/structured-outputs.md)."""
+    engine = served(qwen3_dir, SHORT_TEMPLATE)
+    ask = {"messages": [{"role": "user", "content": "weather in Rome?"}], "temperature": 0, "max_tokens": 120,
+           "return_token_ids": True}
+    try:
+        with serving(build_app(engine, "tiny")) as url:
+            for extra in ({"tools": [WEATHER, TIME], "tool_choice": {"type": "function",
+                                                                   "function": {"name": "get_weather"}}},
+                          {"tools": [WEATHER, TIME], "tool_choice": "required"},
+                          {"structured_outputs": {"choice": ["yes"]}}):
+                body = {**ask, **extra}
+                r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+                (plain,) = r.json()["choices"]
+                assert plain["finish_reason"] in ("tool_calls", "stop"), plain
+                held = {**body, "min_tokens": len(plain["token_ids"]) + 5}
+                got, (streamed, calls, finishes) = whole_and_streamed(url, held)
+                assert got["finish_reason"] == plain["finish_reason"] and finishes == [plain["finish_reason"]]
+                assert got["token_ids"] == plain["token_ids"]
+                assert got["message"].get("content") == plain["message"].get("content")
+                assert [c["function"] for c in got["message"].get("tool_calls") or []] == \
+                    [c["function"] for c in plain["message"].get("tool_calls") or []]
+                assert streamed == (plain["message"]["content"] or "") and bool(calls) == bool(
+                    plain["message"].get("tool_calls"))
+            assert_idle(engine)
+    finally:
+        engine.shutdown()

@@ -94,12 +94,26 @@ def test_conflicts_fail_the_request_with_a_message(llm):
     other = [t for t in range(5, 60) if t not in letters]
     (c,) = run(llm, StructuredOutputsParams(choice=["yes", "no"]), allowed_token_ids=other)
     assert c.finish_reason == "error" and not c.token_ids
-    # min_tokens longer than any output the grammar allows
-    out = llm.generate([PROMPT], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["y"]),
-                                                min_tokens=4), use_tqdm=False)[0]
-    assert out.outputs[0].finish_reason == "error" and "min_tokens" in out.error
     # the engine is clean afterwards: a plain request still runs
     assert run(llm, StructuredOutputsParams(choice=["y"]))[0].text == "y"
+    assert llm.get_stats().num_free_blocks == llm.get_stats().num_total_blocks
+
+
+@pytest.mark.parametrize("so,text", [(StructuredOutputsParams(choice=["y"]), "y"),
+                                     (StructuredOutputsParams(json=SCHEMA), None)])
+def test_the_grammars_end_wins_over_min_tokens(llm, so, text):
+    """min_tokens longer than the output the grammar allows: the grammar's end wins (min_tokens cannot hold
+    open an output with nothing more to write), the request ends "stop" with its whole output, not an error."""
+    (plain,) = run(llm, so, temperature=0, max_tokens=60)
+    assert plain.finish_reason == "stop"
+    (held,) = run(llm, so, temperature=0, max_tokens=60, min_tokens=len(plain.token_ids) + 5)
+    assert held.finish_reason == "stop" and held.token_ids == plain.token_ids
+    assert held.text == (text if text is not None else plain.text)
+    if so.json is not None:
+        jsonschema.validate(json.loads(held.text), SCHEMA)
+    # where the grammar can go on, min_tokens still holds: "a+" is written for at least 6 tokens
+    (more,) = run(llm, StructuredOutputsParams(regex="a+"), temperature=0, max_tokens=30, min_tokens=6)
+    assert len(more.token_ids) >= 6 and re.fullmatch("a+", more.text), more
     assert llm.get_stats().num_free_blocks == llm.get_stats().num_total_blocks
 
 
@@ -164,3 +178,37 @@ def test_no_verification_row_is_empty_after_a_draft_that_completes_the_grammar(l
     m = compiler.matcher(StructuredOutputsParams(choice=["y"]))
     masks = m.bitmasks([y, y, y])  # "y" completes the grammar: what follows it is never kept
     assert all(unpack_bitmask(masks, llm.llm_engine.spec.vocab_size).any(-1)) and not m.is_complete
+
+
+class _EndOnlyMatcher:
+    """A matcher stub whose grammar allows `allowed` next (the engine's matchers stop at once after the last
+    token; this is the other shape an end can take: a row where only EOS may come)."""
+
+    mask_budget_ms, error = math.inf, ""
+
+    def __init__(self, allowed: list[int], vocab_size: int) -> None:
+        self.allowed, self.vocab_size = allowed, vocab_size
+
+    def row_masks(self, drafts, out):
+        for t in self.allowed:
+            out[0, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+        return [out[0]]
+
+
+@pytest.mark.parametrize("allowed,lifted", [([2], True), ([2, 40], False), ([31, 63], True)])
+def test_a_grammar_that_can_only_end_lifts_the_min_tokens_hold(allowed, lifted):
+    """A row holding EOS / stop ids off until min_tokens, whose grammar allows only those: the hold is lifted
+    (else the row has nothing to draw and the request fails); where the grammar allows more, it holds."""
+    from minivllm.engine.grammar_fill import GrammarRows
+    from minivllm.engine.sampling_metadata import SamplingBatch
+    from minivllm.layers.logits_processors import RowProcessing, apply_logits_processing, rows_without_choice
+
+    V, held = 70, [2, 31, 63]  # EOS 2; 31 and 63 are bit 31 of their words (the int32's sign bit)
+    batch = SamplingBatch(processing=[RowProcessing(held_token_ids=held)],
+                          grammar_rows=[GrammarRows("r", _EndOnlyMatcher(allowed, V), [])], grammar_targets=[[[0]]])
+    batch.fill_grammar_bitmasks(V)
+    row = batch.processing[0]
+    assert row.held_token_ids == ([] if lifted else held)
+    logits = apply_logits_processing(torch.zeros(1, V), [row])
+    assert rows_without_choice(logits, [row]) == []
+    assert set(torch.isfinite(logits[0]).nonzero().flatten().tolist()) == set(allowed if lifted else [40])

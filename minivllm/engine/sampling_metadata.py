@@ -13,6 +13,10 @@ with the output so far, its grammar's bitmask) and of the draw (`SamplingRow`) t
 Grammar masks are filled once a step, for every row at once (`fill_grammar_bitmasks`, after the rows are
 packed: engine/grammar_fill.py); a request whose grammar fails or runs over its mask budget makes the step
 raise `RequestsFailedError` naming it, before the forward, and the recovery finishes exactly it.
+
+The grammar's end wins over `min_tokens`: a row that holds EOS and stop ids off until min_tokens, whose
+grammar allows nothing else (the output is complete, only EOS may follow), has the hold lifted; the
+request then ends "stop" with its complete output instead of failing on a row where nothing may be drawn.
 """
 
 from __future__ import annotations
@@ -114,8 +118,13 @@ class SamplingBatch:
             for mask_row, sampled_rows in zip(rows, targets, strict=True):
                 if mask_row is None:  # inside reasoning: unconstrained
                     continue
+                mask = step.bitmask[mask_row]  # (W,)
                 for i in sampled_rows:
-                    self.processing[i] = dataclasses.replace(self.processing[i], grammar_bitmask=step.bitmask[mask_row])
+                    held = self.processing[i].held_token_ids
+                    if held and only_allows(mask, held):  # the grammar can only end: min_tokens yields
+                        held = []
+                    self.processing[i] = dataclasses.replace(self.processing[i], grammar_bitmask=mask,
+                                                             held_token_ids=held)
 
     def add_prompt_rows(self, entry: int, seq: Sequence, start: int, num_new_tokens: int, first_row: int) -> None:
         """Rows of a prompt chunk whose logprobs were asked and not yet recorded."""
@@ -140,11 +149,12 @@ def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[in
     before_min_tokens = seq.num_output_tokens + len(drafts) < sp.min_tokens
     if not before_min_tokens and not sp.needs_logits_processing:
         return NO_PROCESSING  # most rows: one shared, never-changed "nothing to do"
-    banned: list[int] = []
+    held: list[int] = []
     if before_min_tokens:  # no EOS / stop token before min_tokens
-        banned += list(sp.all_stop_token_ids) + ([] if sp.ignore_eos else list(eos_token_ids))
+        held = list(sp.all_stop_token_ids) + ([] if sp.ignore_eos else list(eos_token_ids))
     if not sp.needs_logits_processing:
-        return RowProcessing(banned_token_ids=banned)
+        return RowProcessing(held_token_ids=held)
+    banned: list[int] = []
     rules = seq.logit_rules
     output = None
     if rules is not None and rules.bad_words is not None:  # the tail the longest bad word can reach
@@ -154,11 +164,20 @@ def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[in
     if sp.has_penalties:
         output = seq.output_token_ids + list(drafts)
     return RowProcessing(
-        banned_token_ids=banned, rules=rules,
+        banned_token_ids=banned, held_token_ids=held, rules=rules,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty,
         prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1 else None,
         output_token_ids=output, grammar_bitmask=grammar_bitmask)
+
+
+def only_allows(mask: torch.Tensor, token_ids: list[int]) -> bool:
+    """Does the (W,) int32 grammar mask allow no token outside `token_ids` (bit t % 32 of word t // 32)?"""
+    rest = mask.clone()
+    for t in token_ids:
+        bit = t % 32
+        rest[t // 32] &= ~((1 << bit) if bit < 31 else -(1 << 31))  # bit 31 is the int32's sign bit
+    return not bool(rest.any())
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[int | None]) -> list[SampledToken]:

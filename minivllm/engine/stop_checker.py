@@ -12,7 +12,9 @@ Two kinds of rule, both applied at commit (`Scheduler.update_from_output`), toke
 
 EOS and stop tokens are masked by the sampler until `min_tokens` outputs exist, and stop strings are
 not searched before then either. A stop string completed by the token that reached max_tokens still
-wins over "length".
+wins over "length". A grammar's end wins over `min_tokens`: an output its grammar completes (or can only
+end: the sampler then lifts the min_tokens ban, engine/sampling_metadata.py) ends "stop" with what it
+wrote, since min_tokens cannot hold open an output that has nothing more to write.
 """
 
 from __future__ import annotations
@@ -53,15 +55,11 @@ class StopChecker:
     @staticmethod
     def advance_grammar(seq: Sequence, token_id: int) -> bool:
         """Advance `seq`'s grammar by its new token; True when the grammar is complete (it can take no
-        further token). Raises ValueError if the grammar forbids the token (the sampler's mask makes that
-        impossible) or is complete before min_tokens (a conflict the request made)."""
+        further token), even before min_tokens: the grammar's end wins. Raises ValueError if the grammar
+        forbids the token (the sampler's mask makes that impossible)."""
         if not seq.grammar.accept(token_id):
             raise ValueError(f"token {token_id} breaks the request's structured_outputs grammar: {seq.grammar.error}")
-        done = seq.grammar.is_complete
-        if done and seq.num_output_tokens < seq.sampling_params.min_tokens:
-            raise ValueError(f"the structured_outputs grammar is complete after {seq.num_output_tokens} tokens, "
-                             f"before min_tokens={seq.sampling_params.min_tokens}; lower min_tokens")
-        return done
+        return seq.grammar.is_complete
 
     def tokens_left(self, seq: Sequence) -> int:
         """How many more tokens `seq` may get before max_tokens or max_model_len stops it."""

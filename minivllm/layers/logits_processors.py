@@ -1,7 +1,7 @@
 """Logits processing: what a request asks to change in the model's logits before sampling.
 
     logits (S, V) ─> allowed_token_ids  keep only these ids                    (mask to -inf)
-                  ─> banned ids         bad words, and EOS/stop ids before min_tokens (-inf)
+                  ─> banned ids         bad words, and EOS/stop ids held off before min_tokens (-inf)
                   ─> logit_bias         logits[id] += bias
                   ─> repetition         HF: seen (prompt + output) ids: l > 0 ? l / p : l * p
                   ─> frequency          l -= frequency_penalty * count(id in output)
@@ -9,8 +9,8 @@
                   ─> grammar bitmask    structured outputs: tokens the grammar forbids (-inf), LAST,
                                         so that no bias or penalty can bring a forbidden token back
 
-A row whose allowed set comes out empty (a grammar against allowed_token_ids, bad words or min_tokens)
-is never drawn from as all -inf (that is NaN in a softmax): `rows_without_choice` finds such rows, sets
+A row whose allowed set comes out empty (a grammar against allowed_token_ids or bad words; never against
+min_tokens, whose hold yields to a grammar that can only end) is never drawn from as all -inf (that is NaN in a softmax): `rows_without_choice` finds such rows, sets
 them to zeros so the draw stays finite, and the model runner fails their requests with a message.
 
 The order and the formulas are vLLM's (the repetition penalty is HF transformers'
@@ -97,7 +97,10 @@ class RowProcessing:
     """What one sampled row asks of this stage (defaults: nothing). Frozen: the no-op one is shared by
     every row that asks for nothing (engine/sampling_metadata.py)."""
 
-    banned_token_ids: list[int] = field(default_factory=list)  # bad words, min_tokens bans
+    banned_token_ids: list[int] = field(default_factory=list)  # bad words
+    # EOS and stop ids before min_tokens: kept apart because a grammar that can only end lifts them
+    # (engine/sampling_metadata.py: the grammar's end wins over min_tokens)
+    held_token_ids: list[int] = field(default_factory=list)
     rules: RequestLogitRules | None = None  # allowed ids and biases, prepared at admission
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -108,7 +111,7 @@ class RowProcessing:
 
     @property
     def is_noop(self) -> bool:
-        return (not self.banned_token_ids and (self.rules is None or (self.rules.allowed is None
+        return (not self.banned_token_ids and not self.held_token_ids and (self.rules is None or (self.rules.allowed is None
                                                                       and self.rules.bias_ids is None))
                 and self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1
                 and self.grammar_bitmask is None)
@@ -138,6 +141,8 @@ def apply_logits_processing(logits: torch.Tensor, rows: list[RowProcessing]) -> 
             logits[i].masked_fill_(~rules.allowed, float("-inf"))
         if r.banned_token_ids:
             logits[i, r.banned_token_ids] = float("-inf")
+        if r.held_token_ids:
+            logits[i, r.held_token_ids] = float("-inf")
         if rules is not None and rules.bias_ids is not None:
             logits[i, rules.bias_ids] += rules.bias_values
     penalized = [i for i in active if rows[i].output_token_ids is not None]
