@@ -150,6 +150,19 @@ def test_a_tool_schema_that_cannot_constrain_the_call_is_a_400_naming_tools(engi
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
 
 
+def test_a_response_format_schema_that_cannot_compile_is_a_400_naming_response_format(engine, url):
+    """A schema sent as response_format names response_format.json_schema.schema (the field sent), in the
+    error's param and its message; on completions as on chat."""
+    engine.engine.tokenizer.chat_template = SHORT_TEMPLATE
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+    for path, body in (("chat/completions", CHAT), ("completions", {"prompt": "hi", "max_tokens": 2})):
+        r = httpx.post(f"{url}/v1/{path}", json={**body, "response_format": fmt}, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "response_format.json_schema.schema", r.text
+        assert error["message"].startswith("response_format.json_schema.schema is invalid") and \
+            "structured_outputs" not in error["message"], r.text
+
+
 def test_a_length_penalty_whose_score_overflows_is_a_400(url):
     """Beams rank by cum_logprob / length ** length_penalty: 2 ** 1e308 overflowed and 2 ** -1e308 divided
     by zero mid-search (a 500). Siblings: a beam search's other numbers are named as the request names them."""

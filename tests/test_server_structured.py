@@ -109,7 +109,7 @@ def test_completions_take_structured_outputs_in_extra_body(served):
 @pytest.mark.parametrize("served", ["plain"], indirect=True)
 @pytest.mark.parametrize("body,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "structured_outputs"),
+     "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"json_schema": {}}}, "structured_outputs"),
@@ -121,7 +121,8 @@ def test_completions_take_structured_outputs_in_extra_body(served):
     ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
-     "structured_outputs"),
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs"),
 ])
 def test_bad_structured_requests_are_400s(served, body, param):
     url, engine, _ = served
@@ -131,6 +132,8 @@ def test_bad_structured_requests_are_400s(served, body, param):
     assert len(r.json()["error"]["message"]) < 500, r.text  # never llguidance's state or the grammar
     if param == "guided_json":
         assert "structured_outputs" in r.json()["error"]["message"]
+    if param.startswith("response_format"):  # the field the client sent, never one it did not
+        assert "structured_outputs" not in r.json()["error"]["message"] and param in r.json()["error"]["message"]
     assert_idle(engine)
 
 

@@ -7,9 +7,10 @@
            req.sampling_params(): values SamplingParams refuses, logprobs cap   400
            render (chat template + tokenize, once), request prepared and fits?  400 (context_length_exceeded:
                                                    the prompt, or prompt + max_tokens, past max_model_len)
-           a grammar that does not compile or cannot run                        400 naming structured_outputs
-                                                                                (tools: their parameters, under
-                                                                                a required or named tool_choice)
+           a grammar that does not compile or cannot run                        400 naming the field sent:
+                                                                                structured_outputs, response_format
+                                                                                (.json_schema.schema), or tools
+                                                                                (under a required/named tool_choice)
 
 Rendering costs time in the prompt's length, and preparing a request's lists (allowed ids, bad
 words) in theirs, so both run once per request, in a worker thread (`asyncio.to_thread`), never on
@@ -80,13 +81,22 @@ class ServingContext:
 
 
 def _constraint_error(req: Request, error: ApiError) -> ApiError:
-    """The engine names `structured_outputs` when a grammar does not compile or cannot run; under a required
-    or named tool_choice the client sent no such field: the schema is the tools' `parameters`."""
-    if not isinstance(req, ChatCompletionRequest) or req.tool_plan().constraint() is None:
-        return error
+    """The engine names `structured_outputs` when a grammar does not compile or cannot run, whichever field the
+    grammar came from: name the one the client sent. Under a required or named tool_choice it is the tools'
+    `parameters`; from a `response_format` it is its json_schema's `schema` (json_object has no schema)."""
     why = error.message.split(": ", 1)[1] if error.message.startswith("request '") else error.message
-    return ApiError(400, f"tools: the tools' parameters schema {why.removeprefix('structured_outputs.json ')}",
-                    "tools", error.code)
+    if isinstance(req, ChatCompletionRequest) and req.tool_plan().constraint() is not None:
+        return ApiError(400, f"tools: the tools' parameters schema {why.removeprefix('structured_outputs.json ')}",
+                        "tools", error.code)
+    if req.structured_outputs is not None or req.response_format in (None, {"type": "text"}):
+        return error
+    field = "response_format.json_schema.schema" if req.response_format.get("type") == "json_schema" \
+        else "response_format"
+    for sent in ("structured_outputs.json_object", "structured_outputs.json"):
+        if why.startswith(sent):
+            why = field + why.removeprefix(sent)
+            break
+    return ApiError(400, why, field, error.code)
 
 
 def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[TokensPrompt]:

@@ -12,7 +12,7 @@
 Both on one request is a 400: they would be two constraints on one output. vLLM's removed `guided_*`
 fields are refused (field_policy.py) with a message that names `structured_outputs`. Whether a schema,
 regex or grammar is valid is found when the engine compiles it, before the request is queued (a 400
-naming `structured_outputs` or `response_format`: errors.py maps it).
+naming the field sent: `structured_outputs`, or `response_format.json_schema.schema`: preprocess.py).
 """
 
 from __future__ import annotations
