@@ -130,6 +130,38 @@ def test_failed_step_fails_its_callers_and_the_engine_goes_on(async_engine, monk
     assert not async_engine.engine.requests
 
 
+def test_a_proposer_failure_still_delivers_what_finished_in_its_step(async_engine, monkeypatch):
+    """The proposer fails after the commit of the step in which "short" finished: "short"'s caller gets its
+    final output (its step stands, it failed nothing); only "long", still running, gets StepFailedError."""
+    engine, fired = async_engine.engine, []
+    after_commit = engine._after_commit
+
+    def proposer_fails_once(scheduler_output=None, runner_output=None):
+        after_commit(scheduler_output, runner_output)
+        if scheduler_output is not None and not fired and any(
+                s.seq.request_id == "short" and s.seq.is_finished for s in scheduler_output.scheduled):
+            fired.append(True)
+            raise RuntimeError("injected proposer failure")
+
+    monkeypatch.setattr(engine, "_after_commit", proposer_fails_once)
+    sp = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    async def main():
+        long = async_engine.generate({"prompt_token_ids": [5, 6, 7]}, sp, "long")
+        await long.__anext__()  # decoding: it is in the step where "short" finishes
+        short = await _collect(async_engine.generate({"prompt_token_ids": [8, 9]},
+                                                     SamplingParams(max_tokens=2, ignore_eos=True), "short"))
+        with pytest.raises(StepFailedError, match="proposer failed after it.*injected proposer failure"):
+            async for _ in long:
+                pass
+        return short
+
+    short = asyncio.run(main())
+    assert fired and short[-1].finished and short[-1].error is None
+    assert short[-1].outputs[0].finish_reason == "length" and len(short[-1].outputs[0].token_ids) == 2
+    assert not engine.has_unfinished_requests() and async_engine.is_healthy
+
+
 def _assert_dead(async_engine, needle: str) -> None:
     assert not async_engine.is_healthy
     with pytest.raises(EngineDeadError, match=needle):

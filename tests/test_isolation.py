@@ -201,6 +201,43 @@ def test_a_failure_after_an_earlier_request_committed_loses_no_output(model_fact
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+@pytest.mark.parametrize("when", ["final", "running"])
+def test_a_request_whose_output_fails_ends_with_an_error_alone(model_factory, when):
+    """`OutputProcessor.output` raises for one request, on its final output (it has left `engine.requests`
+    already: the worst case) or while it runs: it ends with finish_reason "error" and the message, reported
+    once; the others are reported as usual and nothing stays held."""
+    prompts = {"a": [3, 4, 5], "bad": [3, 4, 6], "c": [3, 4, 7]}
+    requests = {rid: (p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)) for rid, p in prompts.items()}
+    clean = run(tiny(model_factory).llm_engine, requests)
+    llm = tiny(model_factory)
+    engine = llm.llm_engine
+    output = engine.output_processor.output
+
+    def fails_for_bad(state):
+        if state.request_id == "bad" and (state.finished if when == "final" else state.seqs[0].num_output_tokens == 1):
+            raise RuntimeError("injected in the output")
+        return output(state)
+
+    engine.output_processor.output = fails_for_bad
+    for rid, (prompt, sp) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+    finals = []
+    for _ in range(50):  # 3 tokens each: a few steps
+        finals += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(o.request_id for o in finals) == ["a", "bad", "c"]  # each reported once
+    bad = next(o for o in finals if o.request_id == "bad")
+    assert bad.outputs[0].finish_reason == "error" and "injected in the output" in bad.error
+    assert bad.outputs[0].token_ids == clean["bad"].outputs[0].token_ids[:3 if when == "final" else 1]
+    for o in finals:
+        if o.request_id != "bad":
+            assert o.outputs[0] == clean[o.request_id].outputs[0] and o.error is None
+    assert not engine.has_unfinished_requests() and not engine.requests
+    stats = llm.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory) -> str:
     from minivllm.teaching.checkpoints import make_tiny_model

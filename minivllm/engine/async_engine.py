@@ -20,6 +20,8 @@ Invariants, and how each failure reaches the caller:
   `RequestOutput.error`; everybody else carries on.
 - A failed step (`StepFailedError`, or any ordinary exception from `step()`) was rolled back; the
   requests in flight are aborted and their callers get `StepFailedError`; the worker keeps serving.
+  A proposer that fails after a step's commit fails only the requests still running: the outputs the
+  engine holds (`LLMEngine.take_pending`, e.g. of a request that finished in that step) go out first.
 - Fatal: `EngineDeadError` from `step()`, or any exception escaping the worker loop, marks the engine
   dead. Every caller, in flight or new, gets `EngineDeadError`; `is_healthy` turns False.
 """
@@ -174,11 +176,14 @@ class AsyncLLMEngine:
         except Exception as e:  # the step was rolled back (see LLMEngine.step): fail its callers, go on
             self._fail_step(e)
             return
+        self._deliver_all(outputs)
+        self.stats = self.engine.get_stats()
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         for out in outputs:
             self._record_latency(out, now)
             self._deliver(out.request_id, out)
-        self.stats = self.engine.get_stats()
 
     def _apply_commands(self) -> bool:
         applied = False
@@ -218,9 +223,13 @@ class AsyncLLMEngine:
         message = (f"an engine step failed and was rolled back, or its proposer failed after it "
                    f"({type(error).__name__}: {error}); the requests in it were aborted. The engine keeps "
                    "serving: retry the request")
-        for rid in list(self._streams):
+        self._deliver_all(self.engine.take_pending())  # e.g. the final outputs of a step whose proposer failed
+        try:  # before the callers hear of it
+            self.engine.abort_request(list(self.engine.requests), report=False)
+        except Exception as e:  # the requests are gone; a proposer failing again to forget them is not fatal
+            self.last_step_error = e
+        for rid in list(self._streams):  # those that were still running
             self._deliver(rid, StepFailedError(message))
-        self.engine.abort_request(list(self.engine.requests), report=False)
 
     def _die(self, error: BaseException) -> None:
         """Mark the engine dead and fail every caller: queued adds, streams in flight, later adds."""

@@ -15,7 +15,9 @@ the results request by request, each request's failure its own (its tokens were 
 going back, only forward). How failures are contained: engine/errors.py and docs/concepts/failures.md.
 
 A request that can never run (engine/input_processor.py) finishes at once with finish_reason "error"
-and the limit to change. A proposer's failure after the commit is its own: the error is raised.
+and the limit to change. A proposer's failure after the commit is its own: the error is raised, and the
+step's outputs are held for the next step (or `take_pending`). A request whose output cannot be made
+(`OutputProcessor.output` raised) ends with finish_reason "error"; the others are reported as usual.
 """
 
 from __future__ import annotations
@@ -202,8 +204,26 @@ class LLMEngine:
                 del self.requests[group_id]
             elif only_changed and state.seqs[0].sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
-            outputs.append(self.output_processor.output(state))
+            try:
+                outputs.append(self.output_processor.output(state))
+            except Exception as error:  # making its output failed (its text, its logprobs): it fails alone
+                outputs.append(self._failed_output(group_id, state, error))
         return outputs
+
+    def _failed_output(self, group_id: str, state: RequestState, error: Exception) -> RequestOutput:
+        """A request whose output could not be made ends with finish_reason "error" (a finished one too:
+        its final output is what failed) and leaves; its bare output names the error."""
+        message = f"making this request's output failed: {type(error).__name__}: {error}"
+        for seq in state.seqs:
+            self.scheduler.finish(seq, FinishReason.ERROR, error=message)
+        self.requests.pop(group_id, None)
+        return self.output_processor.failed_output(state, message)
+
+    def take_pending(self) -> list[RequestOutput]:
+        """The outputs held for the next step (refused or aborted requests, or those of a step whose proposer
+        failed after its commit), taken: a caller that will not step again delivers them itself."""
+        pending, self._pending = self._pending, []
+        return self._counted(pending)
 
     @contextmanager
     def _reported_later_if_it_raises(self, outputs: list[RequestOutput]) -> Iterator[None]:

@@ -82,6 +82,17 @@ class OutputProcessor:
                              prompt_logprobs=prompt_logprobs)
 
     @staticmethod
+    def failed_output(state: RequestState, error: str) -> RequestOutput:
+        """What a request whose `output` raised reports: its token ids, no text, finish_reason "error" and
+        `error`. Reads nothing that can fail (no detokenizer, no logprob conversion)."""
+        first = state.seqs[0]
+        delta = first.sampling_params.output_kind is RequestOutputKind.DELTA  # only the tokens not yet sent
+        completions = [CompletionOutput(s.index, "", s.output_token_ids[state.sent[s.index][0] if delta else 0:],
+                                        FinishReason.ERROR.value, None) for s in state.seqs]
+        return RequestOutput(first.group_id, first.prompt, first.prompt_token_ids, completions, True,
+                             first.num_cached_tokens, error)
+
+    @staticmethod
     def _delta(state: RequestState, c: CompletionOutput) -> CompletionOutput:
         tokens, chars, logprobs = state.sent[c.index]
         state.sent[c.index] = (len(c.token_ids), len(c.text), len(c.logprobs or ()))
