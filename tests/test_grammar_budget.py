@@ -181,3 +181,37 @@ def test_the_two_fields_are_validated_and_are_cli_flags():
     kw = engine_kwargs(parser.parse_args(["--no-strict-json-schema", "--grammar-mask-budget-ms", "7.5"]))
     assert kw == {"strict_json_schema": False, "grammar_mask_budget_ms": 7.5}
     assert EngineConfig(model="m").strict_json_schema is True
+
+
+@pytest.mark.parametrize("strict", [None, True, False])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_tools_strict_decides_its_own_schema(llm, strict, choice):
+    """tools[i].function.strict under a required or named tool_choice: false compiles that tool's parameters
+    open (JSON Schema's rule, an unnamed argument fits), true or absent closed (the engine's strict default);
+    a strict that is no boolean is a 400 naming it; a response_format json_schema's strict works the same."""
+    from minivllm.entrypoints.openai.field_policy import RequestError
+    from minivllm.entrypoints.openai.structured import structured_outputs_params
+    from minivllm.entrypoints.openai.tool_calls import tool_plan
+
+    function = {"name": "f", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    if strict is not None:
+        function["strict"] = strict
+    tool_so = tool_plan([{"type": "function", "function": function}], choice, True).constraint()
+    fmt = {"type": "json_schema", "json_schema": {"name": "f", "schema": function["parameters"]}}
+    if strict is not None:
+        fmt["json_schema"]["strict"] = strict
+    text = '{"unit":"c"}' if isinstance(choice, dict) else '[{"name":"f","parameters":{"unit":"c"}}]'
+    for so, written in ((tool_so, text), (structured_outputs_params(fmt, None), '{"unit":"c"}')):
+        m = llm.llm_engine.input_processor.grammars.matcher(so)
+        tokens = llm.get_tokenizer().encode(written, add_special_tokens=False)
+        taken = 0
+        while taken < len(tokens) and m.accept(tokens[taken]):
+            taken += 1
+        assert (taken == len(tokens)) is (strict is False), (so, written, taken)
+    for bad, param in (({**function, "strict": "no"}, "tools[0].function.strict"),):
+        with pytest.raises(RequestError) as e:
+            tool_plan([{"type": "function", "function": bad}], choice, True)
+        assert e.value.param == param
+    with pytest.raises(RequestError) as e:
+        structured_outputs_params({"type": "json_schema", "json_schema": {**fmt["json_schema"], "strict": 1}}, None)
+    assert e.value.param == "response_format.json_schema.strict"

@@ -4,7 +4,9 @@
     response_format {"type": "text"}                                   nothing asked
     response_format {"type": "json_object"}                            any JSON object
     response_format {"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}
-                                                                       JSON valid against "schema"
+                                                                       JSON valid against "schema" (strict:
+                                                                       false leaves it open, true closes it,
+                                                                       absent: the engine's default)
     structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
                                                                        vLLM's (the openai client sends it
                                                                        in extra_body); one key, as in Python
@@ -20,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from minivllm.entrypoints.openai.field_policy import RequestError
-from minivllm.structured_outputs import StructuredOutputsParams
+from minivllm.structured_outputs import StructuredOutputsParams, with_strictness
 
 _SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
@@ -65,4 +67,10 @@ def _from_response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise RequestError("response_format.json_schema.schema", "must be a JSON Schema (an object)")
-    return StructuredOutputsParams(json=schema)
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise RequestError("response_format.json_schema.strict", f"must be true or false, got {strict!r}")
+    try:
+        return StructuredOutputsParams(json=with_strictness(schema, strict))
+    except ValueError as e:
+        raise RequestError("response_format.json_schema.schema", str(e)) from None

@@ -10,9 +10,10 @@
                   exactly one call of f                            the output IS the arguments
 
 With "required" and a named function the call is valid by construction (the arguments are valid against
-the tool's `parameters` schema); with "auto" a small model may write anything, and only well-formed
-blocks become calls. A choice with calls has finish_reason "tool_calls" and `message.tool_calls`, each
-with an id ("chatcmpl-tool-<hex>"); its content is the text outside the blocks (None when empty).
+the tool's `parameters` schema, strictly unless the tool says `"strict": false`); with "auto" a small model
+may write anything (`strict` constrains nothing there, as in vLLM), and only well-formed blocks become calls.
+A choice with calls has finish_reason "tool_calls" and `message.tool_calls`, each with an id
+("chatcmpl-tool-<hex>"); its content is the text outside the blocks (None when empty).
 A constrained output the grammar did not finish is no call: its text stays content, with its own finish_reason
 ("length": max_tokens; "stop": the client's stop / stop_token_ids, or an end inside <think>), never a 500.
 
@@ -46,10 +47,11 @@ from pydantic import BaseModel, ConfigDict
 
 from minivllm.entrypoints.openai.field_policy import RequestError
 from minivllm.entrypoints.openai.structured import structured_outputs_params
-from minivllm.structured_outputs import StructuredOutputsParams
+from minivllm.structured_outputs import StructuredOutputsParams, with_strictness
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CUT = object()  # what _json gives for a text that holds no JSON value
+_NO_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes no arguments
 _BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
 
@@ -77,7 +79,7 @@ class ToolPlan:
         """What "required" and a named function constrain decoding to (None: free text)."""
         if self.mode is ToolMode.NAMED:
             return StructuredOutputsParams(json=_parameters(self._function(self.name)))
-        if self.mode is ToolMode.REQUIRED:
+        if self.mode is ToolMode.REQUIRED:  # each tool's arguments as strict as it says (_parameters)
             calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                        "parameters": _parameters(t["function"])},
                       "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
@@ -125,7 +127,11 @@ class ToolCallingFields(BaseModel):
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
-    return function.get("parameters") or {"type": "object", "properties": {}}
+    """A function's arguments schema as its `strict` asks (absent: EngineConfig.strict_json_schema decides)."""
+    try:
+        return with_strictness(function.get("parameters") or _NO_PARAMETERS, function.get("strict"))
+    except ValueError as e:
+        raise RequestError("tools", f"{function['name']}'s parameters: {e}") from None
 
 
 def _json(text: str) -> Any:
@@ -149,6 +155,8 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
                                               '"parameters": {...}}}')
         if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
             raise RequestError(f"tools[{i}].function.parameters", "must be a JSON Schema (an object)")
+        if f.get("strict") is not None and not isinstance(f["strict"], bool):
+            raise RequestError(f"tools[{i}].function.strict", f"must be true or false, got {f['strict']!r}")
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise RequestError("tools", "two tools have the same name; give each function its own")
