@@ -18,8 +18,8 @@ from minivllm import LLMEngine
 from minivllm.config import EngineConfig
 from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.entrypoints.openai.server import build_app
-from minivllm.entrypoints.openai.tool_calls import (ToolCallStream, ToolMode, parse_hermes, tool_plan,
-                                                    with_tools_in_system)
+from minivllm.entrypoints.openai.tool_calls import ToolCallStream, ToolMode, parse_hermes, tool_plan
+from minivllm.entrypoints.openai.tool_prompt import with_tools_in_system
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",

@@ -29,7 +29,7 @@ from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.engine.input_processor import PromptTooLong
 from minivllm.entrypoints.openai.errors import ApiError, api_error
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, Limits
-from minivllm.entrypoints.openai.tool_calls import with_tools_in_system
+from minivllm.entrypoints.openai.tool_prompt import with_tools_in_system
 from minivllm.sampling_params import SamplingParams
 
 TokensPrompt = dict[str, Any]  # {"prompt": text | None, "prompt_token_ids": [...]}

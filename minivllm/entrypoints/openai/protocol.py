@@ -6,11 +6,10 @@ ignored and logged, by field_policy.py. vLLM's extras (`top_k`, `min_p`, `repeti
 `prompt_logprobs`, ...) are top-level fields, which is where the openai client's `extra_body` puts them.
 
 Fields left out fall back to the model's `generation_config.json` (temperature, top_p, top_k, min_p,
-repetition_penalty), then to OpenAI's defaults. Types are strict (pydantic's strict mode): an integer
-field refuses `true` and `2.0`, a boolean refuses `"yes"` and `1`, a number refuses `"0.5"` (an integer
-is a number); nothing is coerced, so a client's mistake is a 400 naming the field, not a different
-request. Numbers must be finite (NaN and ±inf are refused, naming the field). What pydantic cannot
-check raises `RequestError` naming the field (400).
+repetition_penalty), then to OpenAI's defaults. Types are strict (pydantic's strict mode): an integer field refuses
+`true` and `2.0`, a boolean refuses `"yes"` and `1`, a number refuses `"0.5"` (an integer is a number); nothing is
+coerced, so a client's mistake is a 400 naming the field, not a different request. Numbers must be finite (NaN and
+±inf are refused, naming the field). What pydantic cannot check raises `RequestError` naming the field (400).
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from minivllm.beam_search import BeamSearchParams
 from minivllm.entrypoints.openai.field_policy import RequestError, check_undeclared
 from minivllm.entrypoints.openai.reasoning import ReasoningFields
 from minivllm.entrypoints.openai.structured import structured_outputs_params
-from minivllm.entrypoints.openai.tool_calls import ToolCallingFields, check_history_calls
+from minivllm.entrypoints.openai.tool_calls import ToolCallingFields
+from minivllm.entrypoints.openai.tool_prompt import check_history_calls
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_outputs import StructuredOutputsParams
 

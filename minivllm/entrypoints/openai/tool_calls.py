@@ -17,21 +17,7 @@ A choice with calls has finish_reason "tool_calls" and `message.tool_calls`, eac
 A constrained output the grammar did not finish is no call: its text stays content, with its own finish_reason
 ("length": max_tokens; "stop": the client's stop / stop_token_ids, or an end inside <think>), never a 500.
 
-The prompt: tools go to the chat template (`tools=`). A template that ignores them (the default model's)
-gets them as a system message instead, in this format (`tools_system_prompt`), which also tells the
-model how to write a call:
-
-    # Tools
-    The functions below can be called. Each is described by a JSON object on its own line:
-    {"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}
-    To call one, write a JSON object with its name and arguments between <tool_call> and </tool_call>:
-    <tool_call>
-    {"name": "<function name>", "arguments": {<arguments as a JSON object>}}
-    </tool_call>
-
-prepended to the first system message, or as one of its own. Assistant turns' `tool_calls` (checked first,
-whatever the template: OpenAI's shape, a 400 naming the field) are then written into their content as such
-blocks, and `role: "tool"` turns render as the template renders any role. `content: null` renders as "".
+How tools and earlier calls reach the prompt: tool_prompt.py.
 """
 
 from __future__ import annotations
@@ -47,9 +33,9 @@ from pydantic import BaseModel, ConfigDict
 
 from minivllm.entrypoints.openai.field_policy import RequestError
 from minivllm.entrypoints.openai.structured import structured_outputs_params
+from minivllm.entrypoints.openai.tool_prompt import CALL_CLOSE, CALL_OPEN, json_shape
 from minivllm.structured_outputs import StructuredOutputsParams, with_strictness
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CUT = object()  # what _json gives for a text that holds no JSON value
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes no arguments
 _BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -179,43 +165,13 @@ def _named_function(choice: dict[str, Any]) -> str:
     the part that has another shape (a string for "function" is a common mistake)."""
     if choice.get("type") != "function" or set(choice) != {"type", "function"}:
         raise RequestError("tool_choice", 'an object must be {"type": "function", "function": {"name": ...}}, '
-                                          f"got {_shape(choice)}")
+                                          f"got {json_shape(choice)}")
     function = choice["function"]
     if not isinstance(function, dict) or set(function) != {"name"}:
-        raise RequestError("tool_choice.function", f'must be {{"name": ...}}, got {_shape(function)}')
+        raise RequestError("tool_choice.function", f'must be {{"name": ...}}, got {json_shape(function)}')
     if not isinstance(function["name"], str):
-        raise RequestError("tool_choice.function.name", f"must be a string, got {_shape(function['name'])}")
+        raise RequestError("tool_choice.function.name", f"must be a string, got {json_shape(function['name'])}")
     return function["name"]
-
-
-def _shape(value: Any) -> str:
-    """What a client sent, for an error message: its JSON type (an object also lists its keys)."""
-    if isinstance(value, dict):
-        return f"an object with {sorted(value)}"
-    names = {str: "a string", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
-    return names.get(type(value), "null")
-
-
-def check_history_calls(calls: Any, where: str) -> None:
-    """A message's `tool_calls` (an earlier answer's calls, sent back): OpenAI's shape, checked before the
-    template sees them; RequestError naming the field (`where` is the message, "messages[1]")."""
-    if calls is not None and not isinstance(calls, list):
-        raise RequestError(f"{where}.tool_calls", f"must be an array of calls, got {_shape(calls)}")
-    for j, call in enumerate(calls or []):
-        at = f"{where}.tool_calls[{j}]"
-        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-            raise RequestError(at, 'must be {"id": ..., "type": "function", "function": {"name": ..., '
-                                   f'"arguments": "<JSON>"}}}}, got {_shape(call)}')
-        if call.get("type", "function") != "function":
-            raise RequestError(f"{at}.type", 'must be "function"')
-        if not isinstance(call.get("id", ""), str):
-            raise RequestError(f"{at}.id", f"must be a string, got {_shape(call['id'])}")
-        function = call["function"]
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise RequestError(f"{at}.function.name", f"must be a non-empty string, got {_shape(function.get('name'))}")
-        if not isinstance(function.get("arguments"), str):
-            raise RequestError(f"{at}.function.arguments", "must be a string (the arguments as JSON, as answers "
-                                                           f"give them), got {_shape(function.get('arguments'))}")
 
 
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:
@@ -241,40 +197,6 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     kept.append(text[at:])
     content = "".join(kept).strip()
     return content or None, calls
-
-
-def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
-    """The tools as a system message (the format in the module docstring)."""
-    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\nThe functions below can be called. Each is described by a JSON object on its own line:\n"
-            f"{lines}\nTo call one, write a JSON object with its name and arguments between {CALL_OPEN} and "
-            f"{CALL_CLOSE}:\n{CALL_OPEN}\n"
-            '{"name": "<function name>", "arguments": {<arguments as a JSON object>}}\n'
-            f"{CALL_CLOSE}")
-
-
-def with_tools_in_system(conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For a template that ignores `tools=`: the tools as (the start of) the system message, and assistant
-    turns' tool_calls written as hermes blocks in their content."""
-    prompt = tools_system_prompt(tools)
-    out = [dict(m) for m in conversation]
-    for m in out:
-        calls = m.pop("tool_calls", None) if m["role"] == "assistant" else None
-        if calls:
-            blocks = [f"{CALL_OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                                     "arguments": _arguments(c["function"]["arguments"])},
-                                                    ensure_ascii=False) + f"\n{CALL_CLOSE}" for c in calls]
-            m["content"] = "\n".join(filter(None, [m["content"], *blocks]))
-    if out and out[0]["role"] == "system":
-        out[0]["content"] = prompt + "\n\n" + out[0]["content"]
-        return out
-    return [{"role": "system", "content": prompt}, *out]
-
-
-def _arguments(arguments: str) -> Any:
-    """OpenAI sends a call's arguments as a JSON string (check_history_calls); the block holds the object."""
-    found = _json(arguments)
-    return arguments if found is _CUT else found
 
 
 class ToolCallStream:
