@@ -207,6 +207,21 @@ def test_required_and_named_calls_on_the_default_model():
             args = "".join(d.function.arguments or "" for chunk in stream for c in chunk.choices
                            for d in c.delta.tool_calls or [])
             jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+            # An ordinary schema, as clients write them (no additionalProperties): strict by default, as in vLLM,
+            # so the model cannot wander into keys it copies from the schema ("maxLength") until max_tokens.
+            ordinary = {"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"]}}}
+            for choice_ in ("required", named):
+                r = client.chat.completions.create(model="smol", messages=messages, tools=[ordinary],
+                                                   tool_choice=choice_, max_tokens=60)
+                (choice,) = r.choices
+                assert choice.finish_reason == "tool_calls", choice
+                (tc,) = choice.message.tool_calls
+                arguments = json.loads(tc.function.arguments)
+                jsonschema.validate(arguments, ordinary["function"]["parameters"])
+                assert set(arguments) == {"city", "unit"}  # no key the schema does not name
             # the default model's template ignores tools: they reach it as a system message
             r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "tools": [WEATHER],
                                                                "tool_choice": "none", "max_tokens": 2,
