@@ -20,6 +20,11 @@ configuration and a sequence of actions:
                that finishes it — "error", never "length" one token short — or before its tokens), the
                commit's tail after every request's own part (the step's finished requests are reported,
                its others fail; nothing escapes the committed step), the proposer
+    over budget
+               a structured request's masks go over its budget once it has k tokens (k = 0 or 2; drawn
+               with the request, so no rule's share of the search shrinks): engine/grammar_fill.py's real
+               check, its budget made negative. The step's one fill names it, the recovery finishes it
+               with "error" and that message in that step, re-running nothing (no bisection)
     abort      a live request
     beam       a beam search (minivllm/beam_search.py): each step's beams join the load as one-token
                requests; a step whose beam failed or was aborted ends the search and aborts its siblings
@@ -52,7 +57,7 @@ from minivllm.beam_search import BeamSearch, new_search, step_sampling_params
 from minivllm.engine.kv_cache_groups import KVCacheCoordinator
 from minivllm.engine.state_cache import StateCache, snapshot_bytes
 from minivllm.models.hf_config import load_model_spec
-from minivllm.engine.sequence import SequenceStatus
+from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.layers.logits_processors import unpack_bitmask
 from minivllm.reasoning import ReasoningPhase
 from minivllm.engine.spec_decode.proposer import Draft, Proposer
@@ -68,7 +73,8 @@ REQUESTS = st.fixed_dictionaries(dict(
     prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(5, 40), min_size=1, max_size=9),
     n=st.sampled_from([1, 1, 2, 3]), greedy=st.booleans(), max_tokens=st.sampled_from([1, 3, 6, 9, 12, 12]),
     poisoned=st.sampled_from([False] * 8 + [True]), restricted=st.sampled_from([False] * 3 + [True]),
-    structured=st.sampled_from([False] * 3 + [True]), think=st.sampled_from([None, "open", "open", "closed"])))
+    structured=st.sampled_from([False] * 3 + [True]), think=st.sampled_from([None, "open", "open", "closed"]),
+    over_budget=st.sampled_from([None] * 5 + [0, 2])))
 # A structured request's output matches this (structured outputs: engine/grammar.py); it may end early, "stop"
 STRUCTURED = StructuredOutputsParams(regex=r"[a-e ]{1,24}\.?")
 ALLOWED = list(range(5, 200))  # a restricted (sampled) request draws only these; never a bad word's last token
@@ -188,6 +194,16 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             self.fail_commit: tuple[str | None, str] | None = None
             self.fail_tail = False  # the next commit's tail raises, after its work (once)
             self.failed_last: set[tuple[str, int]] = set()  # (request, completion) whose last token's commit raised
+            self.over_budget: dict[tuple[str, int], Sequence] = {}  # (request, completion): grammar over budget
+            self.over_budget_at: dict[str, tuple[Sequence, int]] = {}  # its grammar goes over budget at k tokens
+            self.num_executes = 0  # forwards asked of the executor, the recovery's re-runs included
+            execute_model = engine.executor.execute_model
+
+            def counted_execute_model(plan):
+                self.num_executes += 1
+                return execute_model(plan)
+
+            engine.executor.execute_model = counted_execute_model
             forward = engine.model_runner.model.forward
 
             def injected_forward(*args, **kwargs):
@@ -239,7 +255,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             self.add(**request)
 
         def add(self, prefix: list[int], extra: list[int], n: int, greedy: bool, max_tokens: int,
-                poisoned: bool, restricted: bool, structured: bool, think: str | None) -> None:
+                poisoned: bool, restricted: bool, structured: bool, think: str | None, over_budget: int | None) -> None:
             reasoning = self.engine.resolved.reasoning
             if reasoning is not None and think is not None:  # the prompt opens (or closes) a <think> block
                 prefix = prefix + [reasoning.start_token_id if think == "open" else reasoning.end_token_id]
@@ -255,6 +271,18 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             rid = f"r{len(self.requests)}"
             self.requests[rid] = Request(prompt, params, poisoned)
             self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            if structured and over_budget is not None and rid in self.engine.requests:
+                self.over_budget_at[rid] = (self.engine.requests[rid].seqs[0], over_budget)
+                self._arm_over_budget()
+
+        def _arm_over_budget(self) -> None:
+            """A sequence with its k tokens (and still running) costs more than its budget a mask from now on."""
+            for rid, (seq, k) in list(self.over_budget_at.items()):
+                if seq.is_finished or seq.num_output_tokens >= k:
+                    del self.over_budget_at[rid]
+                if not seq.is_finished and seq.num_output_tokens >= k:
+                    seq.grammar.mask_budget_ms = -1.0  # any CPU time measured is over it
+                    self.over_budget[seq.group_id, seq.index] = seq
 
         @rule(prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(5, 40), min_size=1, max_size=6),
               width=st.sampled_from([2, 3]), max_tokens=st.sampled_from([2, 4]))
@@ -294,7 +322,8 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
         def step(self) -> None:
             if not self.engine.has_unfinished_requests():
                 return
-            before = self._snapshot()
+            before, executes = self._snapshot(), self.num_executes
+            marked = [s for s in self.over_budget.values() if not s.is_finished]
             try:
                 outs = self.engine.step()
             except ProposerFailed:  # after the commit: the step stands, its outputs come with the next step
@@ -316,6 +345,13 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             for out in outs:
                 if out.finished:
                     self.requests[out.request_id].finals.append(out)
+                if out.error is not None and "grammar_mask_budget_ms" in out.error:  # never one that was not armed
+                    assert any(g == out.request_id for g, _ in self.over_budget), (out.request_id, out.error)
+            for seq in marked:  # over budget in this step: named by its one fill, finished, nothing re-run
+                if seq.is_finished and "grammar_mask_budget_ms" in (seq.error or ""):
+                    reach["grammar over budget"] += 1
+                    assert self.num_executes - executes == 1, "a request the fill named was bisected"
+            self._arm_over_budget()
             self._drive_beams()
 
         @rule()
@@ -428,6 +464,9 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             for rid, index in self.failed_last:  # its last token came, then its commit raised: an error, not "length"
                 c = next(c for c in self.requests[rid].finals[0].outputs if c.index == index)
                 assert c.finish_reason == "error" and self.requests[rid].finals[0].error, (rid, c)
+            for rid, index in self.over_budget:  # every mask it needed after that was over budget (none inside <think>)
+                c = next(c for c in self.requests[rid].finals[0].outputs if c.index == index)
+                assert c.finish_reason in ("error", "abort") or self.setup.reasoning, (rid, c)
 
         def _grammar_masks(self, r: Request, c) -> list[torch.Tensor]:
             """A structured completion walked through a fresh matcher: every token allowed where it was
@@ -530,11 +569,11 @@ def test_engine_machine(models, which, examples):
     # The search must cross the paths it exists for (in every run: these counts are tens or more), or it proves
     # nothing about them.
     wanted = ["forked", "preempted", "rolled back", "mixed steps", "a request failed on its own", "beam search",
-              "structured", "tail failed", "last token failed"]
+              "structured", "tail failed", "last token failed", "grammar over budget"]
     wanted += ["drafts accepted", "prefix hit"]
     wanted += ["state snapshot hit", "state snapshot evicted"] if which == "hybrid" else []
     if which == "reasoning":  # one setup, fewer runs: its own paths (a structured output crossed </think>)
         wanted = ["forked", "rolled back", "structured", "reasoning ended", "drafts accepted", "tail failed",
-                  "last token failed"]
+                  "last token failed", "grammar over budget"]
     wanted += [f"setup {s.name}" for s in setups]  # each setup's paths (e.g. batch-invariant's) were crossed
     assert all(reach[w] for w in wanted), ([w for w in wanted if not reach[w]], dict(reach))
