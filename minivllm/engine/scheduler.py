@@ -181,7 +181,9 @@ class Scheduler(StepCommit):
             seq.finish(reason, stop_reason, error)
             return
         self.transaction.record_seq(seq)
-        if seq.status is SequenceStatus.RUNNING:
+        # By membership, not status: if `_release` raised, the retry (the commit's `fail`) finds the sequence
+        # out of both queues but not finished, and gives back what it still holds.
+        if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)

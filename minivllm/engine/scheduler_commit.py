@@ -95,7 +95,13 @@ class StepCommit:
         for s in [s for row in rows for s in (row.seq, *result.changed.get(row.seq.group_id, []))]:
             if not s.is_finished:
                 result.changed.setdefault(s.group_id, [])  # reported, with the tokens it has
-                self.fail(s, commit_error("step", error))
+                message = commit_error("step", error)
+                try:
+                    self.fail(s, message)
+                except Exception:  # giving back what it holds failed again: it still ends (what it held is
+                    if s in self.running:  # lost), and the other rows still fail: nothing escapes
+                        self.running.remove(s)
+                    s.finish(FinishReason.ERROR, error=message)
 
     def _advance(self, sched: ScheduledSequence, out: RowGroupOutput) -> None:
         """What the forward computed is the sequence's now: K/V (and a hybrid model's state) up to the
@@ -115,14 +121,16 @@ class StepCommit:
         children = []
         for index in range(1, len(first_tokens) + 1):
             child = seq.fork(index, seq.seed + index)
+            # Registered before it holds anything: if what follows raises, the commit fails it with its parent
+            # (`_fail_commit`), which gives back the blocks and state it was given so far.
+            self.running.append(child)
+            result.changed[seq.group_id].append(child)
             copy = self.block_manager.fork(seq, child)
             if copy is not None:
                 result.blocks_to_copy.append(copy)
                 result.copy_owners.append(child.group_id)
             if self.state_pool is not None:
                 self.state_pool.fork(seq, child)
-            self.running.append(child)
-            result.changed[seq.group_id].append(child)
             children.append(child)
         seq.num_forks_pending = 0
         return children
