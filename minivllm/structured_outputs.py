@@ -18,12 +18,11 @@ the regex or the grammar is valid is found when it is compiled, at the engine's 
 `spec` is the kind's value as one string (a schema as compact JSON, its keys in order), which keys the compiled-grammar
 cache: two requests with the same schema compile it once.
 
-Strict schemas (`strict_schema`, applied by the engine when `EngineConfig.strict_json_schema`, the default): an
-object schema that names its `properties` and says nothing of `additionalProperties` allows no other property,
-as vLLM's default backend (xgrammar) compiles it. JSON Schema itself allows any unnamed property there, and a
-small model asked for `{"city": ...}` then writes keys of its own until `max_tokens` runs out. A request's own
-`strict` (a tool's `function.strict`, a response_format json_schema's `strict`) decides for its schema
-(`with_strictness`): true closes it, false leaves it open (`loose_schema`), absent follows the engine.
+Strict schemas (schema_strictness.py, applied by the engine when `EngineConfig.strict_json_schema`, the
+default): a self-contained object schema that names its `properties` and says nothing of `additionalProperties`
+allows no other property, as vLLM's default backend (xgrammar) compiles it. A request's own `strict` (a tool's
+`function.strict`, a response_format json_schema's `strict`) decides for its schema: true closes it, false
+leaves it open, absent follows the engine.
 """
 
 from __future__ import annotations
@@ -34,11 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_SPEC_CHARS = 200_000  # a schema, regex or grammar this long is refused (its compilation grows with it)
-# Keywords whose value is one subschema, a list of them, or a map of names to them (JSON Schema 2020-12 and draft 7).
-_ONE_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
-               "unevaluatedItems", "unevaluatedProperties", "propertyNames")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")  # draft 7's tuple form of items is a list
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 class StructuredOutputKind(enum.Enum):
@@ -120,49 +114,3 @@ class StructuredOutputsParams:
             raise ValueError(f"{where}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not supported; "
                              f"use one of {', '.join(sorted(known))}")
         return cls(**body)
-
-
-def strict_schema(schema: Any, *, member_of_all_of: bool = False) -> Any:
-    """A copy of `schema` in which every object schema with `properties` and neither `additionalProperties`
-    nor `unevaluatedProperties` gets `additionalProperties: false`, at every depth ($defs, items, anyOf, ...).
-    Members of an `allOf` are left open at their own level: each names only its share of the properties, so
-    closing them would forbid what the others name. Anything that is not a schema object comes back as it is."""
-    return _pin_additional_properties(schema, False, member_of_all_of)
-
-
-def loose_schema(schema: Any) -> Any:
-    """The opposite pin: `additionalProperties: true` where `strict_schema` would write false, so the engine's
-    strict default leaves the schema open (a tool that says `"strict": false`: JSON Schema's own rule)."""
-    return _pin_additional_properties(schema, True, False)
-
-
-def with_strictness(schema: dict[str, Any], strict: bool | None) -> dict[str, Any]:
-    """A schema as a request's `strict` asks: True closed, False open, None as the engine's
-    `strict_json_schema` says. ValueError (not RecursionError) for one nested too deeply to rewrite."""
-    if strict is None:
-        return schema
-    try:
-        return strict_schema(schema) if strict else loose_schema(schema)
-    except RecursionError:
-        raise ValueError("the schema is nested too deeply") from None
-
-
-def _pin_additional_properties(schema: Any, value: bool, member_of_all_of: bool) -> Any:
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if (isinstance(out.get("properties"), dict) and not member_of_all_of
-            and "additionalProperties" not in out and "unevaluatedProperties" not in out):
-        out["additionalProperties"] = value
-    for key in _ONE_SCHEMA:
-        if isinstance(out.get(key), dict):
-            out[key] = _pin_additional_properties(out[key], value, False)
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_pin_additional_properties(s, value, False) for s in out[key]]
-    if isinstance(out.get("allOf"), list):
-        out["allOf"] = [_pin_additional_properties(s, value, True) for s in out["allOf"]]
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _pin_additional_properties(s, value, False) for name, s in out[key].items()}
-    return out

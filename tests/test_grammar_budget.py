@@ -17,7 +17,7 @@ from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.config import EngineConfig
 from minivllm.engine.grammar import MAX_ERROR_CHARS, GrammarCompiler, GrammarMatcher
 from minivllm.entrypoints.engine_args import add_engine_args, engine_kwargs
-from minivllm.structured_outputs import strict_schema
+from minivllm.schema_strictness import strict_schema
 
 PROMPT = {"prompt_token_ids": [5, 17, 33, 48, 9]}
 CANNOT_RUN = {  # each compiles, then explodes at its first token, or can only end at once
@@ -153,6 +153,53 @@ def test_strict_schema_closes_named_objects_at_every_depth():
     assert props["both"]["allOf"] == [item, {"properties": {"z": {}}}]  # each member names only its share
     assert "additionalProperties" not in schema and "additionalProperties" not in item  # a copy
     assert strict_schema({"type": "string"}) == {"type": "string"}
+
+
+COMPOSED = {  # valid schemas whose objects share their instance: closing any of them refuses valid outputs
+    "allOf_ref": ({"$defs": {"Base": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}},
+                   "allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+                  '{"a":"x","b":1}'),
+    "anyOf_beside_properties": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                                 "anyOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]},
+                                           {"properties": {"c": {"type": "integer"}}, "required": ["c"]}]},
+                                '{"a":1,"c":2}'),
+    "ref_chain_beside_keywords": ({"$defs": {"B": {"$ref": "#/$defs/C"}, "C": {"properties": {"a": {"type": "integer"}}}},
+                                   "$ref": "#/$defs/B", "properties": {"b": {"type": "integer"}}, "required": ["a", "b"]},
+                                  '{"a":1,"b":2}'),
+    "allOf_in_a_choice": ({"$defs": {"A": {"properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+                           "anyOf": [{"allOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": {"type": "integer"}}}]},
+                                     {"type": "null"}]},
+                          '{"a":1,"b":2}'),
+}
+
+
+@pytest.mark.parametrize("name", COMPOSED)
+def test_strict_schema_leaves_objects_that_share_their_instance_open(llm, name):
+    """A strict default that closed every object it reached (but direct allOf members) turned these valid
+    schemas into ones no output fits (a 400 on the server). The rewrite leaves them as they are, and the
+    engine's grammar takes the valid output whole."""
+    schema, valid = COMPOSED[name]
+    assert strict_schema(schema) == schema
+    m = llm.llm_engine.input_processor.grammars.matcher(StructuredOutputsParams(json=schema))
+    tokens = llm.get_tokenizer().encode(valid, add_special_tokens=False)
+    assert all(m.accept(t) for t in tokens) and m.is_complete
+
+
+def test_strict_schema_still_closes_a_choice_and_the_models_it_names():
+    """pydantic's Optional[Model] (`anyOf` of a $ref and null, beside only a default) is a choice: the model's
+    $defs entry is the whole of its instance and is closed; one also used as an allOf member stays open."""
+    closed = {"additionalProperties": False}
+    model = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {"$defs": {"M": model, "Shared": model}, "type": "object", "properties": {
+        "m": {"anyOf": [{"$ref": "#/$defs/M"}, {"type": "null"}], "default": None},
+        "s": {"allOf": [{"$ref": "#/$defs/Shared"}, {"properties": {"y": {}}}]}, "t": {"$ref": "#/$defs/Shared"}}}
+    strict = strict_schema(schema)
+    assert strict["$defs"] == {"M": {**model, **closed}, "Shared": model} and strict["additionalProperties"] is False
+    assert strict["properties"]["s"] == schema["properties"]["s"]
+    then = {"properties": {"a": {}}, "if": {"properties": {"a": {"const": 1}}}, "then": {"properties": {"b": {}}}}
+    assert strict_schema(then) == then  # llguidance compiles no if/then; the rule still reads them
+    anchored = {"properties": {"a": model}, "allOf": [{"$ref": "#anchor"}]}  # a $ref it cannot follow: all open
+    assert strict_schema(anchored) == anchored
 
 
 @pytest.mark.parametrize("strict", [True, False])

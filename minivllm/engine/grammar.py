@@ -57,7 +57,8 @@ from llguidance.gbnf_to_lark import any_to_lark
 from transformers import PreTrainedTokenizerBase
 
 from minivllm.reasoning import ReasoningConfig, ReasoningPhase
-from minivllm.structured_outputs import StructuredOutputKind, StructuredOutputsParams, strict_schema
+from minivllm.schema_strictness import strict_schema
+from minivllm.structured_outputs import StructuredOutputKind, StructuredOutputsParams
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (most recently used), by (kind, spec); refusals too
 MAX_ERROR_CHARS = 300  # llguidance's message is cut here: a request's error names the problem, never dumps state

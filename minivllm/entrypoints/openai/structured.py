@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from minivllm.entrypoints.openai.field_policy import RequestError
-from minivllm.structured_outputs import StructuredOutputsParams, with_strictness
+from minivllm.schema_strictness import with_strictness
+from minivllm.structured_outputs import StructuredOutputsParams
 
 _SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 

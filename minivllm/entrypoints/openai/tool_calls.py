@@ -34,7 +34,8 @@ from pydantic import BaseModel, ConfigDict
 from minivllm.entrypoints.openai.field_policy import RequestError
 from minivllm.entrypoints.openai.structured import structured_outputs_params
 from minivllm.entrypoints.openai.tool_prompt import CALL_CLOSE, CALL_OPEN, json_shape
-from minivllm.structured_outputs import StructuredOutputsParams, with_strictness
+from minivllm.schema_strictness import with_strictness
+from minivllm.structured_outputs import StructuredOutputsParams
 
 _CUT = object()  # what _json gives for a text that holds no JSON value
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes no arguments
