@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from minivllm.layers import tuner
 from minivllm.layers.matmul_forms import MatmulForm
 from minivllm.layers.matmul_plan import PREFILL_BUCKET, MatmulPlan
-from minivllm.layers.tuning_cache import TuningCache
+from minivllm.layers.tuning_cache import MAX_FILE_BYTES, TuningCache
 
 
 def fast_b(name: str) -> None:  # a probe where candidate "b" is clearly faster than the default "a"
@@ -57,6 +58,31 @@ def test_a_file_that_is_not_utf8(caplog):
 def test_a_file_nested_too_deep_for_the_parser(caplog):
     write("[" * 100_000 + "]" * 100_000)
     assert_measured_again_and_rewritten(toy, caplog)
+
+
+def test_a_fifo_is_never_waited_on(caplog):
+    """A FIFO at the file's path: opening it to read would wait for a writer, at every start."""
+    path = TuningCache().path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    assert_measured_again_and_rewritten(toy, caplog)  # the rewrite replaces it with a regular file
+
+
+def test_a_file_over_the_size_cap(caplog):
+    """A well-formed file padded past the cap: never read whole (a link to /dev/zero would be endless)."""
+    write(json.dumps({"format": 1, "entries": {}}) + " " * MAX_FILE_BYTES)
+    assert_measured_again_and_rewritten(toy, caplog)
+
+
+def test_a_symbolic_link_is_not_followed(tmp_path, caplog):
+    """A link to a well-formed file elsewhere (it could as well be /dev/zero): never read through."""
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps({"format": 1, "entries": {}}))
+    path = TuningCache().path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(target)
+    assert_measured_again_and_rewritten(toy, caplog)
+    assert json.loads(target.read_text())["entries"] == {}  # the rewrite replaced the link, not its target
 
 
 def test_a_choice_that_is_not_a_candidate(caplog):

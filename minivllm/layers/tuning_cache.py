@@ -19,7 +19,9 @@ a temporary file beside it and moved into place with `os.replace`, which a reade
 or after, never half-done.
 
 Anything the cache cannot use counts as absent: it is ignored with one warning, measured again and
-rewritten; no file stops a start until someone deletes it. Here: a file that is not UTF-8, not JSON
+rewritten; no file stops a start until someone deletes it. Here: a path that is not a regular file (a
+symbolic link is not followed, a FIFO is never waited on, a link to /dev/zero never read), a file over
+16 MiB (ours are a few KiB), a file that is not UTF-8, not JSON
 (cut short by a full disk), nested too deep for the parser, or of another layout; an entry whose
 choices are not a candidate name and a speed-up per timed candidate (positive, finite numbers). The
 tuner (tuner.py) then checks an entry's meaning: its names and candidates must be the chooser's.
@@ -36,6 +38,7 @@ import json
 import logging
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,6 +54,7 @@ from minivllm.model_cache import cache_root
 
 FORMAT = 1  # bumped when the file's layout changes: older files are then another file, not a corrupt one
 log = logging.getLogger("minivllm")
+MAX_FILE_BYTES = 16 << 20  # a choice file is a few KiB: anything larger is not one of ours, and is never read whole
 LIBRARY_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
@@ -135,15 +139,14 @@ class TuningCache:
         """The well-formed entries of the file; {} for a missing or unreadable file. What is dropped is
         said in a warning unless `quiet`."""
         try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            return {}
-        try:
-            # RecursionError: a file nested thousands deep; UnicodeDecodeError is a ValueError, as is json's
-            data = json.loads(raw.decode("utf-8"))
+            # RecursionError: a file nested thousands deep; UnicodeDecodeError is a ValueError, as is json's;
+            # OSError: a symbolic link (ELOOP) or a file we may not read
+            data = json.loads(_read_regular_file(self.path).decode("utf-8"))
             if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
                 raise ValueError(f"not a format-{FORMAT} choice file")
-        except (ValueError, RecursionError) as error:
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, RecursionError) as error:
             if not quiet:
                 log.warning("ignoring the tuning cache %s, which cannot be read (%s); the kernels are measured "
                             "again and the file rewritten", self.path, _short(error))
@@ -184,6 +187,21 @@ def malformed(decided: object) -> str | None:
         if not all(type(v) in (int, float) and 0 < v < math.inf for v in speedups.values()):  # NaN fails too
             return f"choice {name!r} has a speed-up that is not a positive number: {speedups!r}"[:200]
     return None
+
+
+def _read_regular_file(path: Path) -> bytes:
+    """The bytes of `path` if it is a regular file of at most MAX_FILE_BYTES; ValueError if not. Opened
+    without following a link (O_NOFOLLOW) and without waiting for a writer (O_NONBLOCK: a FIFO planted
+    there would block every start in `open`); the type and size come from the open file (fstat), so
+    nothing can be swapped in between the check and the read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        raw = f.read(MAX_FILE_BYTES + 1)  # never more: the file may grow after the fstat
+    if len(raw) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+    return raw
 
 
 def _short(error: BaseException) -> str:
