@@ -33,6 +33,32 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_SPEC_CHARS = 200_000  # a schema, regex or grammar this long is refused (its compilation grows with it)
+# Levels of JSON nesting (objects and arrays) a schema may have. Every pass over a schema recurses once a level or
+# more (json.dumps, the strict rewrite, llguidance's conversion) within Python's 1,000 frames, so a deeper one
+# escaped as a RecursionError (a 500) instead of a refusal. Real schemas are shallow (pydantic names each model
+# once in $defs): 128 levels are about 60 levels of nested objects, far below the frames the passes need.
+MAX_SCHEMA_DEPTH = 128
+
+
+_TOO_DEEP = f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep; flatten it (name a repeated " \
+            "object once in $defs and $ref it)"
+
+
+def check_schema_size(schema: Any, where: str) -> None:
+    """ValueError naming `where` for a schema nested more than MAX_SCHEMA_DEPTH levels, or with more values than
+    MAX_SPEC_CHARS allows characters. Iterative (a stack, no recursion): it is what makes the recursive passes
+    after it safe."""
+    stack, seen = [(schema, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        seen += 1
+        if seen > MAX_SPEC_CHARS:  # every value takes a character or more: over the size cap whatever its text
+            raise ValueError(f"{where} has more than {MAX_SPEC_CHARS} values; give at most {MAX_SPEC_CHARS} characters")
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{where} {_TOO_DEEP}")
+        stack.extend((c, depth + 1) for c in (value.values() if isinstance(value, dict) else value))
 
 
 class StructuredOutputKind(enum.Enum):
@@ -65,11 +91,14 @@ class StructuredOutputsParams:
                     parsed = json.loads(value)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+                except RecursionError:  # json's own decoder recurses once a level
+                    raise ValueError(f"StructuredOutputsParams.json {_TOO_DEEP}") from None
             else:
                 parsed = value
             if not isinstance(parsed, dict):
                 raise ValueError("StructuredOutputsParams.json must be a JSON Schema: an object (a dict, or its "
                                  f"JSON text), got {type(parsed).__name__}")
+            check_schema_size(parsed, "StructuredOutputsParams.json")
         elif kind is StructuredOutputKind.JSON_OBJECT and value is not True:
             raise ValueError(f"StructuredOutputsParams.json_object must be True, got {value!r}")
         elif kind in (StructuredOutputKind.REGEX, StructuredOutputKind.GRAMMAR) and \

@@ -55,6 +55,9 @@ def stopped(choices) -> list:
     return done
 
 
+NESTED_440 = '{"type":"object","properties":{"a":' * 440 + '{"type":"string"}' + "}}" * 440  # 881 JSON levels
+
+
 BOTH = pytest.mark.parametrize("served", ["plain", "ngram"], indirect=True)  # without and with n-gram drafts
 
 
@@ -123,12 +126,21 @@ def test_completions_take_structured_outputs_in_extra_body(served):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
      "response_format.json_schema.schema"),
     ({"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs"),
+    # nested past MAX_SCHEMA_DEPTH: a RecursionError (500) before the depth check
+    ({"structured_outputs": {"json": '{"type":"object","properties":{"a":' * 600 + "{}" + "}}" * 600}},
+     "structured_outputs"),
+    ('"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ' + NESTED_440 + "}}",
+     "response_format.json_schema.schema"),  # its text: json.dumps would recurse too deeply in the client
 ])
 def test_bad_structured_requests_are_400s(served, body, param):
     url, engine, _ = served
-    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
+    if isinstance(body, str):  # the fields as JSON text
+        r = httpx.post(f"{url}/v1/chat/completions", headers={"content-type": "application/json"},
+                       content=f'{{"messages": {json.dumps(ASK)}, "max_tokens": 4, {body}}}')
+    else:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param, r.json()
+    assert r.json()["error"]["param"] == param, r.text[:300]
     assert len(r.json()["error"]["message"]) < 500, r.text  # never llguidance's state or the grammar
     if param == "guided_json":
         assert "structured_outputs" in r.json()["error"]["message"]

@@ -50,6 +50,38 @@ def test_params_are_checked():
     assert StructuredOutputsParams(json=SCHEMA).spec == StructuredOutputsParams(json=json.dumps(SCHEMA, indent=2)).spec
 
 
+def nested_schema(levels: int) -> dict:
+    """An object schema `levels` properties deep (two JSON levels each), built without recursion."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_schema_nested_too_deeply_is_a_value_error_naming_the_field(llm, monkeypatch):
+    """A deep schema escaped as RecursionError (a 500 on the server): from json.loads of its text, json.dumps of a
+    dict (`spec`), or a pass after it. It is refused by an explicit, iterative check, and any RecursionError left
+    in the compile is a ValueError too."""
+    from minivllm.engine import grammar
+    from minivllm.structured_outputs import MAX_SCHEMA_DEPTH
+
+    text = '{"type":"object","properties":{"a":' * 600 + "{}" + "}}" * 600
+    for deep in (text, nested_schema(490), nested_schema(5000)):
+        with pytest.raises(ValueError, match=r"StructuredOutputsParams\.json nests .* more than 128 levels"):
+            StructuredOutputsParams(json=deep)
+    StructuredOutputsParams(json=nested_schema(MAX_SCHEMA_DEPTH // 2 - 1))  # the deepest allowed: 127 levels
+    with pytest.raises(ValueError, match="128 levels"):
+        StructuredOutputsParams(json=nested_schema(MAX_SCHEMA_DEPTH // 2))
+    with pytest.raises(ValueError, match="more than 200000 values"):
+        StructuredOutputsParams(json={"enum": [0] * 200_001})
+
+    def recurses(*a, **kw):
+        raise RecursionError("maximum recursion depth exceeded")
+    monkeypatch.setattr(grammar, "to_llguidance_grammar", recurses)
+    with pytest.raises(ValueError, match="structured_outputs.json is nested too deeply"):
+        llm.llm_engine.input_processor.grammars.matcher(StructuredOutputsParams(json={"type": "object", "x": 1}))
+
+
 def test_bitmask_unpacks_like_the_naive_loop():
     V = 70
     words = torch.randint(-2**31, 2**31 - 1, (3, bitmask_width(V)), dtype=torch.int32)

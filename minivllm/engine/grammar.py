@@ -229,7 +229,10 @@ class GrammarCompiler:
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         where = f"structured_outputs.{params.kind.value}"
-        grammar = to_llguidance_grammar(params.kind, params.spec, strict=self.strict_json_schema)
+        try:  # StructuredOutputsParams caps a schema's depth; this is the backstop for any pass that recurses
+            grammar = to_llguidance_grammar(params.kind, params.spec, strict=self.strict_json_schema)
+        except RecursionError:
+            raise ValueError(f"{where} is nested too deeply to compile; flatten it") from None
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer, limits=parser_limits())
         if problem:
             raise ValueError(f"{where} is invalid: {short_error(problem)}")

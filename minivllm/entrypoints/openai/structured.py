@@ -23,7 +23,7 @@ from typing import Any
 
 from minivllm.entrypoints.openai.field_policy import RequestError
 from minivllm.schema_strictness import with_strictness
-from minivllm.structured_outputs import StructuredOutputsParams
+from minivllm.structured_outputs import StructuredOutputsParams, check_schema_size
 
 _SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
@@ -47,6 +47,8 @@ def structured_outputs_params(response_format: dict[str, Any] | None, structured
             return StructuredOutputsParams.from_dict(structured_outputs)
         except (TypeError, ValueError) as e:
             raise RequestError("structured_outputs", str(e)) from None
+        except RecursionError:  # StructuredOutputsParams caps a schema's depth; a backstop, never a 500
+            raise RequestError("structured_outputs", "is nested too deeply") from None
     return from_format
 
 
@@ -72,6 +74,8 @@ def _from_response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None
     if strict is not None and not isinstance(strict, bool):
         raise RequestError("response_format.json_schema.strict", f"must be true or false, got {strict!r}")
     try:
+        check_schema_size(schema, "the schema")  # before the strict rewrite, which recurses once a level
         return StructuredOutputsParams(json=with_strictness(schema, strict))
-    except ValueError as e:
-        raise RequestError("response_format.json_schema.schema", str(e)) from None
+    except ValueError as e:  # the schema's own fault: named as the field the client sent
+        raise RequestError("response_format.json_schema.schema",
+                           str(e).removeprefix("StructuredOutputsParams.json ")) from None

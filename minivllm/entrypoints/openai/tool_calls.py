@@ -35,7 +35,7 @@ from minivllm.entrypoints.openai.field_policy import RequestError
 from minivllm.entrypoints.openai.structured import structured_outputs_params
 from minivllm.entrypoints.openai.tool_prompt import CALL_CLOSE, CALL_OPEN, json_shape
 from minivllm.schema_strictness import with_strictness
-from minivllm.structured_outputs import StructuredOutputsParams
+from minivllm.structured_outputs import StructuredOutputsParams, check_schema_size
 
 _CUT = object()  # what _json gives for a text that holds no JSON value
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes no arguments
@@ -116,7 +116,9 @@ class ToolCallingFields(BaseModel):
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     """A function's arguments schema as its `strict` asks (absent: EngineConfig.strict_json_schema decides)."""
     try:
-        return with_strictness(function.get("parameters") or _NO_PARAMETERS, function.get("strict"))
+        parameters = function.get("parameters") or _NO_PARAMETERS
+        check_schema_size(parameters, "the schema")  # before the strict rewrite, which recurses once a level
+        return with_strictness(parameters, function.get("strict"))
     except ValueError as e:
         raise RequestError("tools", f"{function['name']}'s parameters: {e}") from None
 
