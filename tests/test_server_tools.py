@@ -51,6 +51,16 @@ def test_hermes_parser_takes_well_formed_calls_out_of_the_text():
     assert parse_hermes("no calls here") == ("no calls here", [])
 
 
+def test_a_block_nested_too_deeply_for_json_stays_text():
+    """json.loads raises RecursionError (not JSONDecodeError) on '[' * 3000: it escaped parse_hermes as a 500
+    under tool_choice "auto", streamed (ToolCallStream.finish) or not."""
+    text = "<tool_call>" + "[" * 3000 + "</tool_call>"
+    assert parse_hermes(text) == (text, [])
+    stream = ToolCallStream(tool_plan([TIME], "auto", True))
+    sent = stream.content(text)
+    assert stream.finish("stop") == (text[len(sent):], [], "stop")
+
+
 @pytest.mark.parametrize("cut", [1, 3, 7, 11])
 def test_a_stream_never_sends_a_piece_of_a_call(cut):
     text = 'Sure.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'

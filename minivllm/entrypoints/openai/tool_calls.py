@@ -190,7 +190,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     for block in _BLOCK.finditer(text):
         try:
             call = json.loads(block.group(1))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested past json's recursion ('[' * 3000): text
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             continue
