@@ -78,6 +78,30 @@ def test_a_grammar_over_the_budget_is_refused_with_the_budget_named(qwen3_dir):
     assert not tight.llm_engine.has_unfinished_requests()
 
 
+def test_a_refusal_over_the_budget_is_not_cached(llm):
+    """The budget's refusal is a timing: one slow probe on a busy CPU was cached as a permanent 400 for that spec.
+    Refusals that say what the grammar is (invalid, only EOS) are still cached: compiled once."""
+    compiler = llm.llm_engine.input_processor.grammars
+    so = StructuredOutputsParams(choice=["a costly moment", "not cached"])
+    compiler.mask_budget_ms = 1e-6  # no mask takes under a nanosecond of CPU: the probe is "slow" this once
+    try:
+        with pytest.raises(ValueError, match="over the budget"):
+            compiler.matcher(so)
+    finally:
+        compiler.mask_budget_ms = llm.llm_engine.config.grammar_mask_budget_ms
+    assert compiler.matcher(so) is not None  # timed again, within the budget now
+    compiles = []
+    compile_ = compiler._compile
+    compiler._compile = lambda params: compiles.append(params) or compile_(params)
+    try:
+        for _ in range(2):
+            with pytest.raises(ValueError, match="is invalid"):
+                compiler.matcher(StructuredOutputsParams(regex="(unclosed, never cached before"))
+    finally:
+        del compiler._compile
+    assert len(compiles) == 1
+
+
 class SlowAfter(GrammarMatcher):
     """A matcher whose masks burn `burn_ms` of CPU once its output has `after` tokens (a grammar that turns
     costly mid-output, made deterministic: CPU time is what the budget counts)."""

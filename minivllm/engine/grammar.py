@@ -11,29 +11,25 @@
         draft verification draw only allowed tokens; logprobs are taken before, from the raw logits
     at commit (Scheduler.update_from_output): matcher.accept(token) — the only place it advances
 
-The grammar engine is llguidance (a maintained Rust library, one abi3 wheel without dependencies): it
-parses the output so far as bytes and answers, for every token of the vocabulary at once, whether the
-grammar can still be completed after it. It was chosen over xgrammar by measurement
-(benchmarks/grammar_backends.py, written up in docs/concepts/structured_outputs.md).
+The grammar engine is llguidance (a maintained Rust library, one abi3 wheel without dependencies): it parses
+the output so far as bytes and answers, for every token of the vocabulary at once, whether the grammar can
+still be completed after it; chosen over xgrammar by measurement (benchmarks/grammar_backends.py).
 
 Masks are written through llguidance's array API (`LLMatcher.unsafe_compute_mask_ptr` into a CPU tensor's
-memory, what `llguidance.numpy` wraps), never `llguidance.torch`: that module compiles a kernel with
-torch.compile when imported, so the first structured request of a process froze every stream for seconds
-(2.5 s to 61 s on 2 cores) while torch's compiler stack loaded inside the engine's step.
+memory), never `llguidance.torch`: it torch.compiles a kernel when imported, which froze every stream for
+seconds (2.5 s to 61 s on 2 cores) at the first structured request, inside the engine's step.
 
-Errors are short: llguidance's limits run with `verbose_errors=False` (a verbose error carries the parser's
-state and the grammar: ~100 KB for one request), and every message is cut to MAX_ERROR_CHARS.
+Errors are short: `verbose_errors=False` (a verbose one carries the parser's state and the grammar, ~100 KB),
+and every message is cut to MAX_ERROR_CHARS.
 
 Invariants:
-  * A matcher has seen exactly the sequence's committed output tokens. Speculative decoding asks for
-    d + 1 masks (after 0, 1, ..., d drafts): the matcher consumes the drafts the grammar allows,
-    fills each mask, and rolls them back before returning — the step leaves it as it found it. A draft
-    the grammar forbids has probability 0 in its row, so verification rejects it.
+  * A matcher has seen exactly the sequence's committed output tokens. Speculative decoding asks for d + 1
+    masks (after 0, 1, ..., d drafts): the matcher consumes the drafts the grammar allows, fills each mask, and
+    rolls them back — the step leaves it as it found it. A draft it forbids has probability 0: rejected.
   * EOS is allowed exactly where the grammar is complete (llguidance is given the model's EOS ids); a
     grammar that can take no further token (`is_complete`) ends the request with finish_reason "stop".
   * n > 1: each child gets a copy of its parent's matcher when it forks (`copy`).
-  * JSON is compact (no free whitespace between tokens: `{"a":1,"b":[2]}`): with free whitespace a
-    small model can emit newlines until max_tokens, and every valid value has a compact spelling.
+  * JSON is compact (`{"a":1,"b":[2]}`): with free whitespace a small model can emit newlines until max_tokens.
   * With a reasoning parser (minivllm/reasoning.py) the grammar governs the answer only. The matcher
     carries the sequence's `ReasoningPhase`: INSIDE, its rows are unconstrained (None) and it consumes
     nothing until the </think> token, which it skips; MAY_OPEN, the first row allows the grammar's
@@ -60,7 +56,7 @@ from minivllm.reasoning import ReasoningConfig, ReasoningPhase
 from minivllm.schema_strictness import strict_schema
 from minivllm.structured_outputs import StructuredOutputKind, StructuredOutputsParams
 
-GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (most recently used), by (kind, spec); refusals too
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (most recently used), by (kind, spec); lasting refusals too
 MAX_ERROR_CHARS = 300  # llguidance's message is cut here: a request's error names the problem, never dumps state
 _JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON (see the module docstring)
 
@@ -81,6 +77,10 @@ def short_error(text: str) -> str:
 def bitmask_width(vocab_size: int) -> int:
     """int32 words in one row's bitmask: token t is bit t % 32 of word t // 32."""
     return (vocab_size + 31) // 32
+
+
+class GrammarOverBudget(ValueError):
+    """A timed first mask over the budget: never cached (one slow probe on a busy CPU is no permanent 400)."""
 
 
 class GrammarMatcher:
@@ -180,9 +180,9 @@ class GrammarMatcher:
 class GrammarCompiler:
     """Turns `StructuredOutputsParams` into matchers for one tokenizer. The tokenizer's byte table for
     llguidance is built on the first structured request (about a second for a 49k vocabulary), then
-    kept; compiled grammars are kept by (kind, spec), each as a matcher at its start that new requests
-    copy, and so are refusals (a costly grammar sent again costs nothing). Thread-safe: the server
-    compiles off its event loop and off the engine's step.
+    kept; compiled grammars are kept by (kind, spec), each as a matcher at its start that new requests copy,
+    and so are refusals but the timed one (GrammarOverBudget). Thread-safe: the server compiles off its
+    event loop and off the engine's step.
     A grammar is accepted once its first mask is computed and a copy took its first token: llguidance finds
     the grammars it cannot run (a schema that requires itself, `start: "a" start`, `a{1000000}`, 5,000
     alternatives) only there, at a limit; one whose only token is EOS could write nothing; a copy's mask,
@@ -217,7 +217,9 @@ class GrammarCompiler:
         if template is None:
             try:
                 template = self._compile(params)
-            except ValueError as e:
+            except GrammarOverBudget:
+                raise  # a measurement, not a property of the grammar: the next request times it again
+            except ValueError as e:  # invalid, cannot run, only EOS: refused alike every time
                 template = str(e)
             with self._lock:
                 self._cache[key] = template
@@ -229,10 +231,7 @@ class GrammarCompiler:
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         where = f"structured_outputs.{params.kind.value}"
-        try:  # StructuredOutputsParams caps a schema's depth; this is the backstop for any pass that recurses
-            grammar = to_llguidance_grammar(params.kind, params.spec, strict=self.strict_json_schema)
-        except RecursionError:
-            raise ValueError(f"{where} is nested too deeply to compile; flatten it") from None
+        grammar = to_llguidance_grammar(params.kind, params.spec, strict=self.strict_json_schema)
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer, limits=parser_limits())
         if problem:
             raise ValueError(f"{where} is invalid: {short_error(problem)}")
@@ -253,14 +252,12 @@ class GrammarCompiler:
 
     def _probe(self, probe: GrammarMatcher, first: torch.Tensor, where: str) -> None:
         """On a copy: one mask, in CPU time (what every step pays for each of its rows), refused over the budget;
-        then its first allowed token taken, where a grammar that explodes (too many parser items, too many
-        lexer states) hits llguidance's limit at once."""
-        out = torch.zeros(bitmask_width(self.vocab_size), dtype=torch.int32)
-        start = time.thread_time()
+        then its first allowed token taken, where a grammar that explodes hits llguidance's limit at once."""
+        out, start = torch.zeros(bitmask_width(self.vocab_size), dtype=torch.int32), time.thread_time()
         probe.fill_bitmask(out)
         took_ms = (time.thread_time() - start) * 1e3
-        if took_ms > self.mask_budget_ms:
-            raise ValueError(f"{where} costs {took_ms:.0f} ms of CPU a token, over the budget of "
+        if took_ms > self.mask_budget_ms:  # GrammarOverBudget: not cached (GrammarCompiler.matcher)
+            raise GrammarOverBudget(f"{where} costs {took_ms:.0f} ms of CPU a token, over the budget of "
                              f"{self.mask_budget_ms:g} ms (the engine's grammar_mask_budget_ms); a long literal "
                              "or a huge repetition count is the usual cause: simplify it")
         bits = (first[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # (W, 32): bit t % 32 of word t // 32
@@ -283,13 +280,12 @@ def to_llguidance_grammar(kind: StructuredOutputKind, spec: str, *, strict: bool
     """A request's kind and spec (StructuredOutputsParams.spec) as one llguidance grammar; `strict`: a JSON
     schema's objects allow no property they do not name, unless they say otherwise (structured_outputs.py)."""
     if kind is StructuredOutputKind.JSON:
-        schema = json.loads(spec)
-        if strict:
-            try:
-                schema = strict_schema(schema)
-            except RecursionError:
-                raise ValueError("structured_outputs.json is nested too deeply") from None
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, _JSON_OPTIONS)
+        try:  # StructuredOutputsParams caps a schema's depth: the backstop for every pass that recurses
+            schema = json.loads(spec)
+            return llguidance.LLMatcher.grammar_from_json_schema(strict_schema(schema) if strict else schema,
+                                                                 _JSON_OPTIONS)
+        except RecursionError:
+            raise ValueError("structured_outputs.json is nested too deeply to compile; flatten it") from None
     if kind is StructuredOutputKind.JSON_OBJECT:
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', _JSON_OPTIONS)
     if kind is StructuredOutputKind.REGEX:
