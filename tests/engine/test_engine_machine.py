@@ -49,7 +49,7 @@ from pathlib import Path
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minivllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -409,7 +409,10 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
         def teardown(self) -> None:
             if not hasattr(self, "engine"):
                 return
-            self.fail_batch, self.fail_commit, self.fail_tail = False, None, False
+            # A commit fault armed last (the next finishing token's, the tail's) is spent in the drain below: lost
+            # whenever the search ended right after arming it, those paths were the ones a run could miss.
+            self.fail_batch = False
+            self.fail_commit = self.fail_commit if self.fail_commit and self.fail_commit[1] == "last token" else None
             if self.setup.spec == "noisy":
                 self.engine.speculator.proposer.fail = False
             for _ in range(500):
@@ -550,6 +553,9 @@ def models(tmp_path_factory, model_factory, hf_factory):
     return paths, hf
 
 
+SEEDS = {"attention": 1, "hybrid": 2, "sliding": 3, "reasoning": 4}  # the search's seed per setup group
+
+
 @pytest.mark.parametrize("which,examples", [("attention", 150), ("hybrid", 80), ("sliding", 40), ("reasoning", 40)])
 def test_engine_machine(models, which, examples):
     from hypothesis.stateful import run_state_machine_as_test
@@ -557,12 +563,14 @@ def test_engine_machine(models, which, examples):
     setups = [s for s in SETUPS if {"qwen3": "attention", "thinking": "reasoning", "hybrid": "hybrid",
                                     "gemma3": "sliding"}[s.model] == which]
     reach: collections.Counter[str] = collections.Counter()
-    machine = engine_machine(*models, setups, reach)
+    # One fixed search per setup group (a seed, no example database): CI runs the suite once, so the paths
+    # checked below must be crossed in every run, not in most; new bugs come from new code meeting it.
+    machine = seed(SEEDS[which])(engine_machine(*models, setups, reach))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a second thread only adds synchronisation
     try:
         run_state_machine_as_test(machine, settings=settings(
-            max_examples=examples, stateful_step_count=30, deadline=None,
+            max_examples=examples, stateful_step_count=30, deadline=None, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     finally:
         torch.set_num_threads(threads)
