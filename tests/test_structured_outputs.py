@@ -227,20 +227,26 @@ class _EndOnlyMatcher:
         return [out[0]]
 
 
-@pytest.mark.parametrize("allowed,lifted", [([2], True), ([2, 40], False), ([31, 63], True)])
-def test_a_grammar_that_can_only_end_lifts_the_min_tokens_hold(allowed, lifted):
-    """A row holding EOS / stop ids off until min_tokens, whose grammar allows only those: the hold is lifted
-    (else the row has nothing to draw and the request fails); where the grammar allows more, it holds."""
+@pytest.mark.parametrize("allowed,held_after,drawable", [
+    ([2], [31], [2]), ([63], [31], [63]), ([2, 31], [31], [2]),  # only an end (and a stop id): EOS's hold lifts
+    ([2, 40], [2, 31, 63], [40]),  # the grammar allows more: all held
+    ([31], [31], []),  # only the client's stop id (regex "x;y", stop ";"): held, the row has no choice (an error)
+])
+def test_a_grammar_that_can_only_end_lifts_the_eos_hold(allowed, held_after, drawable):
+    """A row holding EOS / stop ids off until min_tokens, whose grammar allows only those: EOS's hold is lifted
+    (else the row has nothing to draw and the request fails), never the client's stop_token_ids (lifting
+    those ended `x;y` with stop `;` at "x;", before min_tokens); where the grammar allows more, it holds."""
     from minivllm.engine.grammar_fill import GrammarRows
     from minivllm.engine.sampling_metadata import SamplingBatch
     from minivllm.layers.logits_processors import RowProcessing, apply_logits_processing, rows_without_choice
 
-    V, held = 70, [2, 31, 63]  # EOS 2; 31 and 63 are bit 31 of their words (the int32's sign bit)
-    batch = SamplingBatch(processing=[RowProcessing(held_token_ids=held)],
+    V, held = 70, [2, 31, 63]  # EOS 2 and 63, stop id 31; 31 and 63 are bit 31 of their words (the sign bit)
+    batch = SamplingBatch(processing=[RowProcessing(held_token_ids=held)], eos_token_ids=frozenset({2, 63}),
                           grammar_rows=[GrammarRows("r", _EndOnlyMatcher(allowed, V), [])], grammar_targets=[[[0]]])
     batch.fill_grammar_bitmasks(V)
     row = batch.processing[0]
-    assert row.held_token_ids == ([] if lifted else held)
+    assert row.held_token_ids == held_after
     logits = apply_logits_processing(torch.zeros(1, V), [row])
-    assert rows_without_choice(logits, [row]) == []
-    assert set(torch.isfinite(logits[0]).nonzero().flatten().tolist()) == set(allowed if lifted else [40])
+    assert rows_without_choice(logits, [row]) == ([] if drawable else [0])
+    if drawable:  # (a row without choice is failed by the engine, whatever its logits)
+        assert set(torch.isfinite(logits[0]).nonzero().flatten().tolist()) == set(drawable)

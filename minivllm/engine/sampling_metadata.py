@@ -15,8 +15,10 @@ packed: engine/grammar_fill.py); a request whose grammar fails or runs over its 
 raise `RequestsFailedError` naming it, before the forward, and the recovery finishes exactly it.
 
 The grammar's end wins over `min_tokens`: a row that holds EOS and stop ids off until min_tokens, whose
-grammar allows nothing else (the output is complete, only EOS may follow), has the hold lifted; the
+grammar allows nothing else (the output is complete, only EOS may follow), has EOS's hold lifted; the
 request then ends "stop" with its complete output instead of failing on a row where nothing may be drawn.
+The client's stop_token_ids stay held: a grammar that can only go on with one (regex `x;y`, stop `;`) is a
+conflict, and the request fails with that message rather than ending before min_tokens.
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ class SamplingBatch:
     # rows that take it (a prompt about to fork: its 1 + n - 1 rows all take mask 0)
     grammar_rows: list[GrammarRows] = field(default_factory=list)
     grammar_targets: list[list[list[int]]] = field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()  # the model's; the only hold a grammar's end may lift
 
     def add_sampled(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int]) -> None:
         """The sampled row(s) of a chunk that reaches the end of `seq`."""
-        sp = seq.sampling_params
+        sp, self.eos_token_ids = seq.sampling_params, eos_token_ids
         processing = row_processing(seq, eos_token_ids)
         if seq.grammar is not None:  # children share the parent's first mask
             self._add_grammar(seq, [], [list(range(len(self.sampled), len(self.sampled) + 1 + seq.num_forks_pending))])
@@ -90,7 +93,7 @@ class SamplingBatch:
         """Rows hidden_row .. hidden_row + d: the target's distribution after the last token and after
         each of the first d drafts attached to `seq`. Row j sees the history with drafts[:j], for
         penalties, bad words and min_tokens."""
-        sp, drafts = seq.sampling_params, seq.spec_token_ids[:num_drafts]
+        sp, drafts, self.eos_token_ids = seq.sampling_params, seq.spec_token_ids[:num_drafts], eos_token_ids
         probs = seq.draft_probs[:num_drafts] if seq.draft_probs is not None else None
         self.spec_groups.append(SpecGroup(entry, len(self.sampled), drafts, probs))
         if seq.grammar is not None:
@@ -121,8 +124,8 @@ class SamplingBatch:
                 mask = step.bitmask[mask_row]  # (W,)
                 for i in sampled_rows:
                     held = self.processing[i].held_token_ids
-                    if held and only_allows(mask, held):  # the grammar can only end: min_tokens yields
-                        held = []
+                    if held and only_allows(mask, held):  # the grammar can only end: min_tokens yields EOS,
+                        held = [t for t in held if t not in self.eos_token_ids]  # never the client's stop ids
                     self.processing[i] = dataclasses.replace(self.processing[i], grammar_bitmask=mask,
                                                              held_token_ids=held)
 
