@@ -329,3 +329,23 @@ def test_serve_flags_and_environment_reach_the_app(qwen3_dir, monkeypatch):
         r = httpx.post(f"{url}/v1/completions", headers=headers, json={"prompt": "x" * 200})
         assert r.status_code == 413 and "100 bytes" in r.json()["error"]["message"]
     assert cli.main(["serve", "--model", qwen3_dir, "--max-request-bytes", "0"]) == 1  # refused, says why
+
+
+def test_a_constraint_over_a_cap_names_the_field_it_came_from():
+    """StructuredOutputsParams' own caps ("StructuredOutputsParams.json is N characters", too deep) raised
+    under a required tool_choice used to name `messages`; they name `tools` (or the response_format's schema)
+    as the other grammar errors do."""
+    from minivllm.entrypoints.openai.errors import api_error
+    from minivllm.entrypoints.openai.preprocess import _constraint_error
+    from minivllm.entrypoints.openai.protocol import ChatCompletionRequest
+
+    e = ValueError("StructuredOutputsParams.json is 250123 characters; give at most 200000")
+    assert api_error(e, "messages").param == "structured_outputs"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "hi"}]
+    for req, param in ((ChatCompletionRequest(messages=messages, tools=[tool], tool_choice="required"), "tools"),
+                       (ChatCompletionRequest(messages=messages, response_format={"type": "json_schema", "json_schema":
+                        {"name": "x", "schema": {}}}), "response_format.json_schema.schema")):
+        error = _constraint_error(req, api_error(e, "messages"))
+        assert error.param == param and "StructuredOutputsParams" not in error.message, error.message
+        assert "250123 characters" in error.message

@@ -85,6 +85,8 @@ def _field(message: str, prompt_param: str) -> str | None:
     beam search's width is the request's n), the engine a token-id field out of the vocabulary
     ("request 'x': logit_bias [99999] are outside ..."); the engine's other refusals are about the
     prompt (empty, out of the vocabulary, too long)."""
+    if message.startswith("StructuredOutputsParams."):  # a constraint over a cap (a tools schema too long, too
+        return "structured_outputs"  # deep): preprocess names the field it came from, as for other grammar errors
     for owner, renamed in (("SamplingParams.", {}), ("BeamSearchParams.", {"beam_width": "n"})):
         if message.startswith(owner):
             field = message.removeprefix(owner).split("=")[0]

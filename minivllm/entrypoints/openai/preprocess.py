@@ -85,6 +85,8 @@ def _constraint_error(req: Request, error: ApiError) -> ApiError:
     grammar came from: name the one the client sent. Under a required or named tool_choice it is the tools'
     `parameters`; from a `response_format` it is its json_schema's `schema` (json_object has no schema)."""
     why = error.message.split(": ", 1)[1] if error.message.startswith("request '") else error.message
+    if why.startswith("StructuredOutputsParams."):  # StructuredOutputsParams' own caps (size, depth)
+        why = "structured_outputs." + why.removeprefix("StructuredOutputsParams.")
     if isinstance(req, ChatCompletionRequest) and req.tool_plan().constraint() is not None:
         return ApiError(400, f"tools: the tools' parameters schema {why.removeprefix('structured_outputs.json ')}",
                         "tools", error.code)
