@@ -286,3 +286,33 @@ def test_a_tools_strict_decides_its_own_schema(llm, strict, choice):
     with pytest.raises(RequestError) as e:
         structured_outputs_params({"type": "json_schema", "json_schema": {**fmt["json_schema"], "strict": 1}}, None)
     assert e.value.param == "response_format.json_schema.strict"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
+def test_tool_parameters_with_refs_compile_under_required_and_named(llm, choice):
+    """pydantic writes nested models as `$defs` + `#/$defs/Loc`. Under "required" each tool's parameters sit at
+    items.anyOf[i].properties.parameters, where `#/$defs/Loc` resolved against the array (a 400: "Pointer
+    '/$defs/Loc' does not exist") and `#` meant the array; they are hoisted into the root's $defs."""
+    from minivllm.entrypoints.openai.tool_calls import tool_plan
+
+    weather = {"$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                                  "near": {"$ref": "#/$defs/Loc"}},
+                                 "required": ["city"]}},
+               "type": "object", "properties": {"where": {"$ref": "#/$defs/Loc"}, "same": {"$ref": "#"}},
+               "required": ["where"]}
+    other = {"definitions": {"Loc": {"type": "integer"}}, "type": "object",
+             "properties": {"n": {"$ref": "#/definitions/Loc"}}, "required": ["n"]}
+    tools = [{"type": "function", "function": {"name": name, "parameters": p}}
+             for name, p in (("weather", weather), ("other", other))]
+    plan = tool_plan(tools, choice, True)
+    args = '{"where":{"city":"Rome","near":{"city":"Ostia"}},"same":{"where":{"city":"Bari"}}}'
+    text = args if isinstance(choice, dict) else f'[{{"name":"weather","parameters":{args}}},' \
+                                                 '{"name":"other","parameters":{"n":3}}]'
+    m = llm.llm_engine.input_processor.grammars.matcher(plan.constraint())
+    tokens = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    assert all(m.accept(t) for t in tokens) and m.is_complete
+    m = llm.llm_engine.input_processor.grammars.matcher(plan.constraint())  # strict: no unnamed key in Loc
+    bad = llm.get_tokenizer().encode(text.replace('"city":"Rome"', '"city":"Rome","x":1'), add_special_tokens=False)
+    assert not all(m.accept(t) for t in bad)
+    if not isinstance(choice, dict):
+        assert [c["function"]["name"] for c in plan.calls(text)[1]] == ["weather", "other"]

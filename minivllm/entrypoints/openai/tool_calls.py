@@ -67,10 +67,13 @@ class ToolPlan:
         if self.mode is ToolMode.NAMED:
             return StructuredOutputsParams(json=_parameters(self._function(self.name)))
         if self.mode is ToolMode.REQUIRED:  # each tool's arguments as strict as it says (_parameters)
-            calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                       "parameters": _parameters(t["function"])},
-                      "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            calls, defs = [], {}
+            for i, t in enumerate(self.tools):
+                calls.append({"type": "object", "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    "parameters": _hoisted(_parameters(t["function"]), f"tool{i}", defs)},
+                    "required": ["name", "parameters"], "additionalProperties": False})
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({"$defs": defs} if defs else {})}
             if not self.parallel:
                 schema["maxItems"] = 1
             return StructuredOutputsParams(json=schema)
@@ -121,6 +124,38 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
         return with_strictness(parameters, function.get("strict"))
     except ValueError as e:
         raise RequestError("tools", f"{function['name']}'s parameters: {e}") from None
+
+
+def _hoisted(parameters: dict[str, Any], key: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters as they go at items.anyOf[i].properties.parameters of the "required" schema, where its
+    local `$ref`s would resolve against that schema's root: with a $ref, the parameters move to the root's
+    `$defs[key]`, their `$defs` / `definitions` entries to `$defs[key_$defs_X]` (pydantic's `#/$defs/Loc`), and
+    every `#...` ref is rewritten to match (`#` itself is the parameters). What stays in place is a $ref to them."""
+    if '"$ref"' not in json.dumps(parameters):
+        return parameters
+    body = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    for section in ("$defs", "definitions"):
+        for name, sub in (parameters.get(section) or {}).items():
+            defs[f"{key}_{section}_{name}"] = _rewrite_refs(sub, key)
+    defs[key] = _rewrite_refs(body, key)
+    return {"$ref": f"#/$defs/{key}"}
+
+
+def _rewrite_refs(schema: Any, key: str) -> Any:
+    """`schema` with each local ref (`#`, `#/...`, its tokens kept as written) pointed into `$defs` (_hoisted)."""
+    if isinstance(schema, list):
+        return [_rewrite_refs(s, key) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rewrite_refs(v, key) for k, v in schema.items()}  # a $ref string comes back as it is
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        tokens = ref[2:].split("/") if ref != "#" else []
+        if len(tokens) >= 2 and tokens[0] in ("$defs", "definitions"):
+            out["$ref"] = "/".join([f"#/$defs/{key}_{tokens[0]}_{tokens[1]}", *tokens[2:]])
+        else:
+            out["$ref"] = "/".join([f"#/$defs/{key}", *tokens])
+    return out
 
 
 def _json(text: str) -> Any:
