@@ -51,8 +51,11 @@ class NormRopeKernels:
     def active(self, x: torch.Tensor) -> bool:
         """Whether the kernels run for this tensor now: chosen, on CPU, in their dtypes, not while tracing, and
         without autograd (the engine runs in inference mode; the kernels record no gradients)."""
-        return (self.used and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-                and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+        # Tracing is asked first, so Dynamo never traces the tensor checks after it: with them traced before the
+        # residual add and F.rms_norm, torch 2.13's compiled graph corrupted the heap on 2 threads (AMD EPYC
+        # Zen 4; tests/test_cpu_norm_rope.py's compiled-graph test aborted the suite there).
+        return (not torch.compiler.is_compiling() and self.used and x.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled())
 
     @torch.inference_mode()
     def choose(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
