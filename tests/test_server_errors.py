@@ -349,3 +349,15 @@ def test_a_constraint_over_a_cap_names_the_field_it_came_from():
         error = _constraint_error(req, api_error(e, "messages"))
         assert error.param == param and "StructuredOutputsParams" not in error.message, error.message
         assert "250123 characters" in error.message
+
+
+def test_a_body_the_framework_cannot_parse_and_an_unknown_route_answer_in_openais_error_shape(url):
+    """Starlette's own refusals (a body nested past what it parses, a route or method that does not exist)
+    come back as OpenAI's error object too, not FastAPI's {"detail": ...}: clients read `error.message`."""
+    deep = '{"prompt": "hi", "max_tokens": 1, "stop": ' + "[" * 5000 + "]" * 5000 + "}"
+    answers = [httpx.post(f"{url}/v1/completions", content=deep, headers={"content-type": "application/json"}),
+               httpx.get(f"{url}/v1/nowhere"), httpx.get(f"{url}/v1/completions")]
+    assert [r.status_code for r in answers][1:] == [404, 405] and 400 <= answers[0].status_code < 500
+    for r in answers:
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], r.text

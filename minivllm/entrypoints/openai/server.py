@@ -41,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minivllm
 from minivllm.engine.async_engine import AsyncLLMEngine
@@ -156,6 +157,11 @@ def _error_handlers(app: FastAPI) -> None:
         status = 422 if not where or first.get("type") in _MALFORMED else 400
         return JSONResponse(error_body(f"{where or 'body'}: {message or 'invalid request'}", param=where or None),
                             status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:  # a body it cannot parse, 404, 405
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, e: Exception) -> JSONResponse:  # a bug: Starlette also logs the traceback
