@@ -4,6 +4,8 @@ match HF's whichever way they run."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import varied_prompts
@@ -68,6 +70,10 @@ def test_without_warm_up_or_for_fp16_torch_ops_run():
     assert "float16" in kernels.detail
 
 
+# Inductor compiles its C++ for the CPU at hand while ATEN_CPU_CAPABILITY=avx2 picks AVX2 vector code: under that
+# emulation (CI's second pass) torch 2.13's compiled residual + F.rms_norm gives garbage with no minivllm code in it
+# at all. A real AVX2 CPU has no such mismatch; the emulation does not cover compiled graphs (docs/concepts/kernels.md).
+@pytest.mark.skipif(bool(os.environ.get("ATEN_CPU_CAPABILITY")), reason="Inductor under an emulated ATen ISA level")
 @needs_kernels
 def test_a_compiled_graph_traces_torch_ops_not_the_kernels():
     """Inductor fuses the element-wise ops itself; the kernels have no shape-only (fake) version to trace."""
