@@ -241,9 +241,9 @@ def test_a_grammar_that_can_only_end_lifts_the_eos_hold(allowed, held_after, dra
     from minivllm.layers.logits_processors import RowProcessing, apply_logits_processing, rows_without_choice
 
     V, held = 70, [2, 31, 63]  # EOS 2 and 63, stop id 31; 31 and 63 are bit 31 of their words (the sign bit)
-    batch = SamplingBatch(processing=[RowProcessing(held_token_ids=held)], eos_token_ids=frozenset({2, 63}),
+    batch = SamplingBatch(processing=[RowProcessing(held_token_ids=held)],
                           grammar_rows=[GrammarRows("r", _EndOnlyMatcher(allowed, V), [])], grammar_targets=[[[0]]])
-    batch.fill_grammar_bitmasks(V)
+    batch.fill_grammar_bitmasks(V, frozenset({2, 63}))
     row = batch.processing[0]
     assert row.held_token_ids == held_after
     logits = apply_logits_processing(torch.zeros(1, V), [row])

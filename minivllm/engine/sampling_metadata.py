@@ -72,11 +72,10 @@ class SamplingBatch:
     # rows that take it (a prompt about to fork: its 1 + n - 1 rows all take mask 0)
     grammar_rows: list[GrammarRows] = field(default_factory=list)
     grammar_targets: list[list[list[int]]] = field(default_factory=list)
-    eos_token_ids: frozenset[int] = frozenset()  # the model's; the only hold a grammar's end may lift
 
     def add_sampled(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int]) -> None:
         """The sampled row(s) of a chunk that reaches the end of `seq`."""
-        sp, self.eos_token_ids = seq.sampling_params, eos_token_ids
+        sp = seq.sampling_params
         processing = row_processing(seq, eos_token_ids)
         if seq.grammar is not None:  # children share the parent's first mask
             self._add_grammar(seq, [], [list(range(len(self.sampled), len(self.sampled) + 1 + seq.num_forks_pending))])
@@ -93,7 +92,7 @@ class SamplingBatch:
         """Rows hidden_row .. hidden_row + d: the target's distribution after the last token and after
         each of the first d drafts attached to `seq`. Row j sees the history with drafts[:j], for
         penalties, bad words and min_tokens."""
-        sp, drafts, self.eos_token_ids = seq.sampling_params, seq.spec_token_ids[:num_drafts], eos_token_ids
+        sp, drafts = seq.sampling_params, seq.spec_token_ids[:num_drafts]
         probs = seq.draft_probs[:num_drafts] if seq.draft_probs is not None else None
         self.spec_groups.append(SpecGroup(entry, len(self.sampled), drafts, probs))
         if seq.grammar is not None:
@@ -109,9 +108,9 @@ class SamplingBatch:
         self.grammar_rows.append(GrammarRows(seq.request_id, seq.grammar, list(drafts)))
         self.grammar_targets.append(targets)
 
-    def fill_grammar_bitmasks(self, vocab_size: int) -> None:
+    def fill_grammar_bitmasks(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         """Every grammar row's mask, in one call for the step (engine/grammar_fill.py), into the rows'
-        processing; raises RequestsFailedError naming the requests whose grammar failed or ran over budget."""
+        processing (the model's `eos_token_ids`: the only hold a grammar's end may lift); raises RequestsFailedError naming the requests whose grammar failed or ran over budget."""
         if not self.grammar_rows:
             return
         step = fill_bitmask(self.grammar_rows, vocab_size)
@@ -125,7 +124,7 @@ class SamplingBatch:
                 for i in sampled_rows:
                     held = self.processing[i].held_token_ids
                     if held and only_allows(mask, held):  # the grammar can only end: min_tokens yields EOS,
-                        held = [t for t in held if t not in self.eos_token_ids]  # never the client's stop ids
+                        held = [t for t in held if t not in eos_token_ids]  # never the client's stop ids
                     self.processing[i] = dataclasses.replace(self.processing[i], grammar_bitmask=mask,
                                                              held_token_ids=held)
 
@@ -144,10 +143,9 @@ class SamplingBatch:
 NO_PROCESSING = RowProcessing()  # what a row that asks for nothing gets (shared: nothing may change it)
 
 
-def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[int] = (), *,
-                   grammar_bitmask: torch.Tensor | None = None) -> RowProcessing:
-    """What `seq` asks the logits processors to do at its next token (after `drafts`, if any);
-    `grammar_bitmask`: what its grammar allows there (structured outputs, engine/grammar.py)."""
+def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[int] = ()) -> RowProcessing:
+    """What `seq` asks the logits processors to do at its next token (after `drafts`, if any); its grammar's
+    mask is added for the whole step at once (`SamplingBatch.fill_grammar_bitmasks`)."""
     sp = seq.sampling_params
     before_min_tokens = seq.num_output_tokens + len(drafts) < sp.min_tokens
     if not before_min_tokens and not sp.needs_logits_processing:
@@ -171,7 +169,7 @@ def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[in
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty,
         prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1 else None,
-        output_token_ids=output, grammar_bitmask=grammar_bitmask)
+        output_token_ids=output)
 
 
 def only_allows(mask: torch.Tensor, token_ids: list[int]) -> bool:
