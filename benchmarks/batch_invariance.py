@@ -17,7 +17,7 @@ import time
 
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.bench import BENCH_MODEL, workload
-from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.teaching.checkpoints import make_tiny_model
 
 

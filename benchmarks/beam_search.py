@@ -28,7 +28,7 @@ import time
 from minivllm import LLM, BeamSearchParams, SamplingParams
 from minivllm.beam_search import BeamSearch, new_search
 from minivllm.entrypoints.bench import BENCH_MODEL
-from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.teaching.checkpoints import make_tiny_model
 
 

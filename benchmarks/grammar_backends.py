@@ -21,7 +21,7 @@ from importlib.metadata import version
 
 import torch
 
-from minivllm.layers.cpu_info import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},

@@ -91,7 +91,7 @@ def main() -> None:
              or str(make_tiny_model(tempfile.mkdtemp(), "qwen3", num_layers=4, hidden_size=256, intermediate_size=512,
                                     max_position_embeddings=2048)))
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model)))
-    from minivllm.layers.matmul_plan import CpuInfo
+    from minivllm.cpu.cpu_info import CpuInfo
 
     print(f"{CpuInfo.read()}\nmodel {model}; medians of {args.rounds} alternating rounds")
     try:

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers.matmul_forms import MatmulForm
+from minivllm.cpu.matmul_forms import MatmulForm
 
 PROMPT, NEW_TOKENS = "The capital of France is", 64
 

@@ -25,7 +25,7 @@ import torch
 
 from minivllm import LLM
 from minivllm.entrypoints.roofline import matmul_weights, measure_read_bandwidth
-from minivllm.layers.cpu_info import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.teaching.step_cost import OpProfile, achieved, profile_decode, time_decode
 
 

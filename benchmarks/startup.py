@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 
 
 # What the child does, timed phase by phase from inside (the whole process is timed from outside). torch and

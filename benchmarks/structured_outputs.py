@@ -22,7 +22,7 @@ import os
 import time
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
-from minivllm.layers.cpu_info import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},

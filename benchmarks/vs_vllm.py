@@ -261,7 +261,7 @@ def main(argv: list[str]) -> int:
 
     from minivllm.default_model import default_model_dir
     from minivllm.entrypoints.bench import BENCH_MODEL, workload as make_workload
-    from minivllm.layers.cpu_info import CpuInfo
+    from minivllm.cpu.cpu_info import CpuInfo
     from minivllm.teaching.checkpoints import make_tiny_model
 
     systems = {System(s) for s in args.systems}

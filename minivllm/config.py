@@ -27,7 +27,7 @@ from minivllm.engine.block_allocator import BlockAllocator
 from minivllm.engine.scheduling_policy import SchedulingPolicy, get_policy
 from minivllm.layers.attention_interface import AttentionBackend
 from minivllm.layers.sampler import SamplingFilter
-from minivllm.layers.tuner import TUNING_MODES, Tuning
+from minivllm.cpu.tuner import TUNING_MODES, Tuning
 from minivllm.reasoning import ReasoningParserName
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -99,7 +99,7 @@ class EngineConfig:
     # on AMD EPYC, even with eager on a Xeon guest whose eager step runs C++ kernels (docs/guides/benchmarks.md).
     enforce_eager: bool | None = None
     compile_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-    # The CPU kernels' choices (matmul forms, norm/RoPE, decode attention, greedy argmax; layers/tuner.py):
+    # The CPU kernels' choices (matmul forms, norm/RoPE, decode attention, greedy argmax; cpu/tuner.py):
     # "cached" measures once per machine, dtype and shapes and reuses the answer from
     # $MINIVLLM_CACHE/tuning; "remeasure" times again and saves; "off" times nothing (the fixed rules).
     tuning: Tuning = "cached"

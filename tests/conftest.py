@@ -17,7 +17,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minivllm.layers import tuner  # noqa: E402
+from minivllm.cpu import tuner  # noqa: E402
 from minivllm.teaching.checkpoints import make_tiny_model  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -39,7 +39,7 @@ MODEL_VARIANTS = {
 
 @pytest.fixture(autouse=True)
 def own_tuning_cache(tmp_path_factory, monkeypatch):
-    """Each test its own tuning cache (layers/tuning_cache.py), inherited by the processes it starts: a
+    """Each test its own tuning cache (cpu/tuning_cache.py), inherited by the processes it starts: a
     choice timed (or forced) by one test never decides another's kernels, whatever the order, and the
     user's cache is never written by a test."""
     monkeypatch.setenv("MINIVLLM_TUNING_CACHE", str(tmp_path_factory.mktemp("tuning")))

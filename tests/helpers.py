@@ -35,7 +35,7 @@ def force_cpu_kernels(llm, used: bool) -> None:
     decode attention with the K/V write, and the greedy argmax (another CPU may choose either way)."""
     from minivllm.layers.sampler import GREEDY_CANDIDATES, GREEDY_SUBJECT
     from minivllm.layers.torch_attention import DECODE_CANDIDATES, DECODE_SUBJECT
-    from minivllm.layers.tuner import forced
+    from minivllm.cpu.tuner import forced
 
     runner = llm.llm_engine.model_runner
     kernels = llm.llm_engine.model.norm_rope_kernels

@@ -17,7 +17,7 @@ from minivllm.config import EngineConfig
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers.attention_interface import AttentionMetadata
 from minivllm.layers.batch_invariance import BatchInvariance, reference_linear, tiled_linear
-from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.layers.per_row_attention import PerRowAttentionBackend
 
 DTYPES = [torch.float32, torch.bfloat16]

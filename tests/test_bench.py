@@ -12,7 +12,7 @@ import torch
 from minivllm.entrypoints import bench, cli, roofline
 from minivllm.entrypoints.roofline import (MatmulWeights, Peaks, ceiling_report, matmul_weights,
                                            measure_read_bandwidth, report)
-from minivllm.layers.cpu_info import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 
 CEILING = re.compile(r"single-stream ceiling on (.+): read ([\d.]+) GB/s / ([\d.]+) MB of matmul weights a token "
                      r"\((.+)\) = ([\d.]+) tok/s; reached ([\d.]+) tok/s = ([\d.]+)% of it")

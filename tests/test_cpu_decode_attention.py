@@ -12,7 +12,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers.sampler import GREEDY_CANDIDATES, Sampler
 from minivllm.layers.torch_attention import DECODE_CANDIDATES, TorchAttentionBackend
-from minivllm.layers.tuner import forced
+from minivllm.cpu.tuner import forced
 from minivllm.teaching.hf_check import assert_hf_greedy
 
 needs_kernels = pytest.mark.skipif(not load_cpu_kernels().available, reason=load_cpu_kernels().detail)

@@ -1,4 +1,4 @@
-"""What minivllm reads of the CPU (layers/cpu_info.py) and that no matmul form is tried where the CPU
+"""What minivllm reads of the CPU (cpu/cpu_info.py) and that no matmul form is tried where the CPU
 cannot run it: oneDNN's bf16 reorder (the PACKED form) raises on a CPU without AVX-512 BW+VL+DQ or
 AVX-NE-CONVERT, so `LLM(dtype="bfloat16")` once failed to start on every AVX2-only CPU. The no-AVX-512
 path is forced two ways: an injected `CpuInfo` (with the op made to raise as torch does there), and a
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm.layers.cpu_info import CpuInfo, onednn_runs_bf16
+from minivllm.cpu.cpu_info import CpuInfo, onednn_runs_bf16
 from minivllm.layers.linear import linear
-from minivllm.layers.matmul_forms import MatmulForm, can_pack
-from minivllm.layers.matmul_plan import ROW_BUCKETS, MatmulPlan
-from minivllm.layers.tuning_cache import TuningCache
+from minivllm.cpu.matmul_forms import MatmulForm, can_pack
+from minivllm.cpu.matmul_plan import ROW_BUCKETS, MatmulPlan
+from minivllm.cpu.tuning_cache import TuningCache
 from minivllm.teaching.checkpoints import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +60,7 @@ def test_the_isa_cap_hides_every_avx512_and_amx_answer(monkeypatch):
     assert CpuInfo.read().model_name == capped.model_name
 
 
-PROBE = ("import json, torch\nfrom minivllm.layers.cpu_info import CpuInfo\n"
+PROBE = ("import json, torch\nfrom minivllm.cpu.cpu_info import CpuInfo\n"
          "print(json.dumps([CpuInfo.read().onednn_bf16, torch.ops.mkldnn._is_mkldnn_bf16_supported()]))")
 
 
@@ -135,8 +135,8 @@ def test_a_cached_packed_bf16_choice_is_measured_again_on_a_cpu_that_cannot_run_
 START = textwrap.dedent("""
     import sys
     from minivllm import LLM, SamplingParams
-    from minivllm.layers.cpu_info import CpuInfo
-    from minivllm.layers.matmul_forms import MatmulForm
+    from minivllm.cpu.cpu_info import CpuInfo
+    from minivllm.cpu.matmul_forms import MatmulForm
     assert not CpuInfo.read().onednn_bf16, CpuInfo.read()
     llm = LLM(sys.argv[1], dtype="bfloat16", block_size=4, num_kv_blocks=64)
     plan = llm.llm_engine.model.matmul_plan

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers.norm import RMSNorm
-from minivllm.layers.norm_rope_kernels import NormRopeKernels, silu_and_mul
+from minivllm.cpu.norm_rope_kernels import NormRopeKernels, silu_and_mul
 from minivllm.teaching.hf_check import assert_hf_greedy
 
 needs_kernels = pytest.mark.skipif(not load_cpu_kernels().available, reason=load_cpu_kernels().detail)
@@ -106,7 +106,7 @@ def test_inputs_the_kernel_does_not_take_run_torch_ops_instead():
 def test_the_mlp_runs_the_kernel_only_where_it_was_chosen(monkeypatch):
     x = torch.randn(4, 32)
     calls = []
-    monkeypatch.setattr("minivllm.layers.norm_rope_kernels.silu_and_mul_kernel", lambda t: calls.append(t) or t[:, :16])
+    monkeypatch.setattr("minivllm.cpu.norm_rope_kernels.silu_and_mul_kernel", lambda t: calls.append(t) or t[:, :16])
     with torch.inference_mode():
         silu_and_mul(x, NormRopeKernels(False, "not chosen"))
         silu_and_mul(x.half(), NormRopeKernels(True, "chosen"))  # fp16: torch's ops

@@ -35,7 +35,7 @@ def test_chat_answers_paris(default_llm):
 
 def test_runs_bf16_by_default_where_the_cpu_computes_it(default_llm):
     """The GGUF is quantized (config.json says bfloat16), so dtype "auto" picks bf16 on such a CPU."""
-    from minivllm.layers.matmul_plan import CpuInfo
+    from minivllm.cpu.cpu_info import CpuInfo
 
     assert default_llm.llm_engine.spec.dtype == "bfloat16"
     assert default_llm.llm_engine.dtype == (torch.bfloat16 if CpuInfo.read().native_bf16 else torch.float32)

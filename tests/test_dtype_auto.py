@@ -12,7 +12,7 @@ from gguf_writer import write_llama_gguf
 
 from minivllm.config import EngineConfig
 from minivllm.engine.loading import resolve_dtype
-from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.models.hf_config import load_model_spec
 
 CPU = torch.device("cpu")

@@ -137,7 +137,7 @@ def test_unsupported_gemma_settings_are_refused_by_name(gemma_dir):
 def test_the_cpu_decode_kernel_honours_the_window(gemma_dir, hf):
     from minivllm.kernels.cpu_build import load_cpu_kernels
     from minivllm.layers.torch_attention import DECODE_CANDIDATES
-    from minivllm.layers.tuner import forced
+    from minivllm.cpu.tuner import forced
 
     if not load_cpu_kernels().available:
         pytest.skip("the C++ CPU kernels cannot be built here")

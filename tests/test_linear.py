@@ -13,10 +13,10 @@ from helpers import force_cpu_kernels, varied_prompts
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.cpu_build import load_cpu_kernels
-from minivllm.layers import matmul_plan
+from minivllm.cpu import matmul_plan
 from minivllm.layers.linear import Linear, linear
-from minivllm.layers.matmul_forms import MatmulForm, can_pack, matmul
-from minivllm.layers.matmul_plan import MARGIN, PREFILL_BUCKET, ROW_BUCKETS, CpuInfo, MatmulKey, MatmulPlan, row_bucket
+from minivllm.cpu.matmul_forms import MatmulForm, can_pack, matmul
+from minivllm.cpu.matmul_plan import MARGIN, PREFILL_BUCKET, ROW_BUCKETS, CpuInfo, MatmulKey, MatmulPlan, row_bucket
 from minivllm.teaching.hf_check import assert_hf_greedy
 
 def available_forms(dtype: torch.dtype = torch.float32) -> list[MatmulForm]:
@@ -210,8 +210,8 @@ def test_a_skinny_product_builds_the_kernels_it_needs_in_a_fresh_process():
     SKINNY by hand must load them before it looks their op up."""
     code = ("import torch, torch.nn.functional as F\n"
             "from minivllm.layers.linear import linear\n"
-            "from minivllm.layers.matmul_forms import MatmulForm\n"
-            "from minivllm.layers.matmul_plan import ROW_BUCKETS, MatmulKey, MatmulPlan\n"
+            "from minivllm.cpu.matmul_forms import MatmulForm\n"
+            "from minivllm.cpu.matmul_plan import ROW_BUCKETS, MatmulKey, MatmulPlan\n"
             "plan = MatmulPlan(forms={MatmulKey(32, 16, torch.float32, b): MatmulForm.SKINNY for b in ROW_BUCKETS})\n"
             "x, w = torch.randn(2, 16), torch.randn(32, 16)\n"
             "torch.testing.assert_close(linear(x, w, None, plan), F.linear(x, w), rtol=1e-5, atol=1e-5)\n")

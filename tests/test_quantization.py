@@ -12,7 +12,7 @@ from helpers import prompt_logits
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.layers.linear import Linear
-from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.layers.quantization import Int8Linear, quantize_model
 
 VNNI = CpuInfo.read().vnni

@@ -12,7 +12,7 @@ import pytest
 import transformers
 from minivllm.engine import tokenizer as tokenizer_module
 from minivllm.engine.tokenizer import get_tokenizer
-from minivllm.layers.tuning_cache import tuning_folder
+from minivllm.cpu.tuning_cache import tuning_folder
 
 TEXTS = ["Hello world", "  two  spaces and ünïcödé 🙂", "<|im_start|>user\nhi<|im_end|>", ""]
 

@@ -1,4 +1,4 @@
-"""The one tuner (layers/tuner.py) and its cache (layers/tuning_cache.py): measured once per machine
+"""The one tuner (cpu/tuner.py) and its cache (cpu/tuning_cache.py): measured once per machine
 setting, reused without timing, re-measured when any part of the key changes, a corrupt file ignored
 and rewritten, concurrent processes agreeing, and the same greedy tokens in every process.
 
@@ -20,9 +20,9 @@ import torch
 
 from minivllm import LLM
 from minivllm.kernels.cpu_build import load_cpu_kernels
-from minivllm.layers import tuner, tuning_cache
-from minivllm.layers.norm_rope_kernels import NormRopeKernels
-from minivllm.layers.tuning_cache import MachineKey, TuningCache
+from minivllm.cpu import tuner, tuning_cache
+from minivllm.cpu.norm_rope_kernels import NormRopeKernels
+from minivllm.cpu.tuning_cache import MachineKey, TuningCache
 
 needs_kernels = pytest.mark.skipif(not load_cpu_kernels().available, reason=load_cpu_kernels().detail)
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def test_a_corrupt_file_is_ignored_with_a_warning_and_rewritten(timings, caplog)
 
 RACE = textwrap.dedent("""
     import random, sys, time
-    from minivllm.layers import tuner
+    from minivllm.cpu import tuner
     def noisy(name):  # a tie made of noise: each process may well decide otherwise
         time.sleep(random.random() * 0.004)
     start = float(sys.argv[1])
@@ -152,7 +152,7 @@ def test_two_fresh_processes_give_the_same_greedy_tokens(qwen3_dir, tmp_path):
 
 def test_minivllm_tune_measures_ahead_and_a_later_start_reads_it(qwen3_dir, tmp_path, capsys, monkeypatch):
     from minivllm.entrypoints.cli import main
-    from minivllm.layers.tuning_cache import TuningCache
+    from minivllm.cpu.tuning_cache import TuningCache
 
     monkeypatch.setenv("MINIVLLM_TUNING_CACHE", str(tmp_path / "tune"))
     assert main(["tune", "--model", qwen3_dir]) == 0

@@ -1,4 +1,4 @@
-"""Tuning-cache files a start cannot use (layers/tuning_cache.py, layers/tuner.py): each is ignored with one
+"""Tuning-cache files a start cannot use (cpu/tuning_cache.py, cpu/tuner.py): each is ignored with one
 warning, measured again and rewritten, so the next start reads it back. Each of these once stopped
 every start until the file was deleted (or, for the choices that parse, was replayed as if valid).
 
@@ -15,10 +15,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from minivllm.layers import tuner
-from minivllm.layers.matmul_forms import MatmulForm
-from minivllm.layers.matmul_plan import PREFILL_BUCKET, MatmulPlan
-from minivllm.layers.tuning_cache import MAX_FILE_BYTES, TuningCache
+from minivllm.cpu import tuner
+from minivllm.cpu.matmul_forms import MatmulForm
+from minivllm.cpu.matmul_plan import PREFILL_BUCKET, MatmulPlan
+from minivllm.cpu.tuning_cache import MAX_FILE_BYTES, TuningCache
 
 
 def fast_b(name: str) -> None:  # a probe where candidate "b" is clearly faster than the default "a"

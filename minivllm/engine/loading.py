@@ -24,7 +24,7 @@ from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.engine.kv_cache import num_kv_blocks_for
 from minivllm.layers.attention import AttentionBackend, get_attention_backend
 from minivllm.layers.batch_invariance import BatchInvariance
-from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.layers.per_row_attention import PerRowAttentionBackend
 from minivllm.layers.quantization import quantize_model
 from minivllm.models import MODEL_REGISTRY

@@ -51,7 +51,7 @@ from minivllm.layers.logits_processors import apply_logits_processing, rows_with
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
 from minivllm.models.compiled_forward import padded_num_tokens
 from minivllm.models.hf_config import ModelSpec
-from minivllm.layers.tuner import Tuning
+from minivllm.cpu.tuner import Tuning
 from minivllm.models.interface import CausalLM
 
 PROMPT_LOGPROBS_CHUNK = 256  # prompt rows whose logits and log-softmax exist at once (prompt_logprobs)

@@ -10,7 +10,7 @@ ends by doing (the same files, the same arguments), so the tokenizer is the same
 
     $MINIVLLM_CACHE/tuning/tokenizers/<digest>.json     {"module": ..., "qualname": ...}
 
-(beside the tuner's choices, layers/tuning_cache.py: what a start remembers so the next one is
+(beside the tuner's choices, cpu/tuning_cache.py: what a start remembers so the next one is
 quicker; MINIVLLM_TUNING_CACHE moves both, as the tests do)
 
 The digest covers everything the choice reads: the folder's path (AutoTokenizer matches it against
@@ -33,7 +33,7 @@ from pathlib import Path
 import transformers
 from transformers import PreTrainedTokenizerBase
 
-from minivllm.layers.tuning_cache import tuning_folder
+from minivllm.cpu.tuning_cache import tuning_folder
 
 CHOICE_INPUTS = ("config.json", "tokenizer_config.json", "tokenizer.json")  # what AutoTokenizer reads to choose
 log = logging.getLogger("minivllm")

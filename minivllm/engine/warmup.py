@@ -1,9 +1,9 @@
 """Warm-up: the CPU kernels chosen by timing them on this machine, and the first steps run before any request.
 
-    measure_cpu_kernels   choose the matmul forms (layers/matmul_plan.py), RMSNorm's and RoPE's two ways
-                          (layers/norm_rope_kernels.py), decode attention's (layers/torch_attention.py)
+    measure_cpu_kernels   choose the matmul forms (cpu/matmul_plan.py), RMSNorm's and RoPE's two ways
+                          (cpu/norm_rope_kernels.py), decode attention's (layers/torch_attention.py)
                           and greedy sampling's (layers/sampler.py) through the one tuner
-                          (layers/tuner.py): read from the tuning cache, or timed, the faster kept and
+                          (cpu/tuner.py): read from the tuning cache, or timed, the faster kept and
                           saved; say what was chosen and whether it was cached or measured
     warmup_batch          prompts on free, uncached blocks: one small prefill through the whole stack,
                           so that lazy initialisation (allocators, kernels' first calls, a compiled
@@ -24,7 +24,7 @@ from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.batch_invariance import BatchInvariance
 from minivllm.layers.sampler import Sampler, TritonSampler
 from minivllm.layers.torch_attention import TorchAttentionBackend
-from minivllm.layers.tuner import Tuning
+from minivllm.cpu.tuner import Tuning
 from minivllm.models.interface import CausalLM
 from minivllm.sampling_params import SamplingParams
 

@@ -18,7 +18,7 @@ bytes a token streams (as the run stores them: fp32, bf16 or int8), and the frac
 The prompt's step streams the weights once too, so N new tokens stream them N times.
 
 Both first print the CPU (model name, AMX, avx512_bf16), the dtype, and the matmul form minivllm chose
-by measurement for each weight shape and row bucket (see `minivllm/layers/matmul_plan.py`); after the
+by measurement for each weight shape and row bucket (see `minivllm/cpu/matmul_plan.py`); after the
 run, the achieved weight bandwidth and matmul FLOP/s against the machine's peaks, measured at start
 (`roofline.py`). Every engine flag is passed on: `--dtype bfloat16`, `--quantization int8`,
 `--speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'`, ...
@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.roofline import ceiling_report, matmul_weights, measure_peaks, report, single_stream_ceiling
-from minivllm.layers.cpu_info import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.teaching.checkpoints import make_tiny_model
 
 BENCH_MODEL = dict(family="qwen3", vocab_size=32000, hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2,

@@ -203,7 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
-    from minivllm.layers.tuning_cache import TuningCache
+    from minivllm.cpu.tuning_cache import TuningCache
     from minivllm.llm import LLM
 
     if getattr(args, "tuning", "remeasure") != "remeasure":

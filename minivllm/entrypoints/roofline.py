@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from minivllm.layers.cpu_info import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.layers.linear import Linear
 from minivllm.layers.quantization import Int8Linear
 

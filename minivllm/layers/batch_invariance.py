@@ -16,7 +16,7 @@ The mode (`EngineConfig.batch_invariant`, vLLM's VLLM_BATCH_INVARIANT) removes e
     same kernel with the same blocking on every tile, and a row's sum is computed in one order
     wherever the row sits (its position in the tile does not matter: the reduction runs along the
     inner dimension, per output, the same for every row; tests/test_batch_invariance.py checks it bit
-    for bit). No measured form (layers/matmul_plan.py) is used: a choice by timing could differ from
+    for bit). No measured form (cpu/matmul_plan.py) is used: a choice by timing could differ from
     one process to the next.
   * attention: every row, prefill rows too, is a one-row query over its own context
     (layers/per_row_attention.py), so a prompt gives the same bits however it was chunked.

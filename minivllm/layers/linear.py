@@ -18,8 +18,8 @@ from torch import nn
 from minivllm.layers.batch_invariance import BatchInvariance, tiled_linear
 from minivllm.layers.custom_op import direct_register_custom_op
 from minivllm.layers.direct_call import DirectCall
-from minivllm.layers.matmul_forms import MatmulForm, bound_product
-from minivllm.layers.matmul_plan import MatmulPlan
+from minivllm.cpu.matmul_forms import MatmulForm, bound_product
+from minivllm.cpu.matmul_plan import MatmulPlan
 
 # What a model hands its linear layers: the measured plan, or the batch-invariant mode's fixed tiles.
 LinearPlan = MatmulPlan | BatchInvariance

@@ -60,7 +60,7 @@ from torch import nn
 
 from minivllm.layers.custom_op import direct_register_custom_op
 from minivllm.layers.linear import Linear
-from minivllm.layers.matmul_plan import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 
 QUANTIZATIONS = ("int8",)
 

@@ -6,7 +6,7 @@ The cos/sin table for every position up to `max_position` is built once, in floa
 half negated so that a rotation needs no negation of its own (`rotate`). Models without a per-head q/k
 norm rotate q's and k's heads in one call (they are neighbours in the fused qkv output).
 
-On CPU, where warm-up measured it faster (layers/norm_rope_kernels.py), a rotation is one call of
+On CPU, where warm-up measured it faster (cpu/norm_rope_kernels.py), a rotation is one call of
 minivllm's C++ kernel (kernels/rotary_embedding.py) that reads the float32 tables at each row's position
 itself: `lookup(..., kernel=True)` then hands it the whole tables and the positions instead of rows.
 

@@ -29,7 +29,7 @@ maximum (a short argmax), then the first maximum inside that block (another) = t
 maximum, exactly `argmax`'s answer, ties and NaN included. 4-6x faster for 1-128 rows.
 
 A step whose rows are all greedy needs nothing but that argmax. On a CPU where warm-up measured it
-faster (`Sampler.choose_greedy_kernel`, through the cached tuner of tuner.py), minivllm's C++ kernel takes it straight from the model's bf16
+faster (`Sampler.choose_greedy_kernel`, through the cached tuner of cpu/tuner.py), minivllm's C++ kernel takes it straight from the model's bf16
 or fp32 logits (kernels/greedy_argmax.py): one pass, no float32 copy.
 """
 
@@ -44,10 +44,10 @@ import torch
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.greedy_argmax import greedy_argmax
 from minivllm.kernels.seeding import noise_seed  # also imported from here by the engine
-from minivllm.layers.tuner import Choice, Probe, Tuning, choose, untimed
+from minivllm.cpu.tuner import Choice, Probe, Tuning, choose, untimed
 
 # Where warm-up times greedy sampling both ways: (rows, of the model's vocabulary). The kernel must win
-# both, as every tuned choice must (layers/tuner.py).
+# both, as every tuned choice must (cpu/tuner.py).
 GREEDY_PROBES = (32, 1)
 GREEDY_CANDIDATES = ("argmax_rows", "kernel")  # the first is the default (tuning off, no kernels built)
 # "kernel": all-greedy steps take their argmax from minivllm's CPU kernel (else argmax_rows, float32)

@@ -4,7 +4,7 @@ Per layer:
   1. store the step's new k/v:  k_cache.view(-1, Hkv, D)[slot_mapping] = k
   2. decode rows (query_len == 1), all at once: gather each request's blocks into a padded
      (Bd, Hkv, K, D) tensor and run one SDPA with a key-length mask -- or, on a CPU where warm-up
-     measured it faster (`choose_decode_kernel`, through the cached tuner of tuner.py), minivllm's C++ kernel that reads the blocks in place
+     measured it faster (`choose_decode_kernel`, through the cached tuner of cpu/tuner.py), minivllm's C++ kernel that reads the blocks in place
      (kernels/paged_decode_attention.py): no copy, no mask. With it, step 1 is minivllm's C++ copy
      loop too (kernels/kv_cache_write_cpu.py), and the timing covers both;
   3. prefill chunks, one request at a time: gather its context from the cache (this is what makes
@@ -33,10 +33,10 @@ from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.kv_cache_write_cpu import kv_cache_write_cpu
 from minivllm.kernels.paged_decode_attention import paged_decode_attention
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
-from minivllm.layers.tuner import Choice, Probe, Tuning, choose, forced, untimed
+from minivllm.cpu.tuner import Choice, Probe, Tuning, choose, forced, untimed
 
 # Where warm-up times the decode kernel against gather + SDPA: (rows, context) pairs, a batch of short
-# contexts and a few long ones. The kernel must win both, as every tuned choice must (tuner.py).
+# contexts and a few long ones. The kernel must win both, as every tuned choice must (cpu/tuner.py).
 DECODE_PROBES = ((16, 128), (2, 1024))
 DECODE_CANDIDATES = ("sdpa", "kernel")  # the first is the default (tuning off, no kernels built)
 # "kernel": decode rows run minivllm's CPU kernel and K/V writes its memcpy loop (else gather + SDPA, index_copy_)

@@ -32,7 +32,7 @@ from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear import Linear, LinearPlan
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
-from minivllm.layers.matmul_plan import MatmulPlan
+from minivllm.cpu.matmul_plan import MatmulPlan
 from minivllm.layers.norm_variants import ZeroCenteredRMSNorm
 from minivllm.layers.parallel_linear import VocabParallelEmbedding
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary

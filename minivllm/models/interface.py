@@ -27,8 +27,8 @@ from torch import nn
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
 from minivllm.layers.linear import LinearPlan
-from minivllm.layers.norm_rope_kernels import NormRopeKernels
-from minivllm.layers.tuner import Tuning
+from minivllm.cpu.norm_rope_kernels import NormRopeKernels
+from minivllm.cpu.tuner import Tuning
 from minivllm.models.compiled_forward import CompiledForward
 from minivllm.models.hf_config import ModelSpec
 

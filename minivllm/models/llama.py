@@ -10,11 +10,11 @@ The three families differ in two switches read from config.json (see `ModelSpec`
 Weights are packed as vLLM packs them: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj`
 (one matmul instead of three or two); the loader slices the checkpoint's tensors into them.
 Every `Linear` shares the model's `matmul_plan`: on CPU, warm-up (`plan_matmuls`) times two forms of
-the same product on this machine and each projection uses the faster (see `layers/matmul_plan.py`).
+the same product on this machine and each projection uses the faster (see `cpu/matmul_plan.py`).
 In batch-invariant mode the model is built with a `BatchInvariance` in the plan's place: nothing is
 timed, every product runs in fixed 16-row tiles (layers/batch_invariance.py).
 Likewise every RMSNorm and the RoPE step share `norm_rope_kernels`: warm-up times torch's ops against
-minivllm's C++ kernels for them (see `layers/norm_rope_kernels.py`).
+minivllm's C++ kernels for them (see `cpu/norm_rope_kernels.py`).
 There is no batch dimension and no padding: tokens of all requests are rows of one matrix.
 
 Tensor parallelism (`tp`, a `ParallelContext` of N ranks): the layers are built from `rank_spec`, the
@@ -33,10 +33,10 @@ from minivllm.layers.attention_interface import AttentionBackend, AttentionMetad
 from minivllm.layers.batch_invariance import BatchInvariance
 from minivllm.layers.direct_call import DirectCall
 from minivllm.layers.linear import Linear, LinearPlan
-from minivllm.layers.matmul_plan import MatmulPlan
+from minivllm.cpu.matmul_plan import MatmulPlan
 from minivllm.layers.norm import RMSNorm
-from minivllm.layers.norm_rope_kernels import NormRopeKernels, silu_and_mul
-from minivllm.layers.tuner import Tuning
+from minivllm.cpu.norm_rope_kernels import NormRopeKernels, silu_and_mul
+from minivllm.cpu.tuner import Tuning
 from minivllm.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rotate
 from minivllm.models.compiled_forward import Attend, CompiledForward
@@ -183,7 +183,7 @@ class LlamaForCausalLM(LMHeadMixin, CausalLM):
         return self.tp.gather_last_dim(super().compute_logits(hidden))
 
     def choose_norm_rope_kernels(self, tuning: Tuning = "cached") -> NormRopeKernels:
-        """Time this model's norms, RoPE and silu·mul both ways on this CPU and keep the faster (layers/norm_rope_kernels.py).
+        """Time this model's norms, RoPE and silu·mul both ways on this CPU and keep the faster (cpu/norm_rope_kernels.py).
         Called at warm-up."""
         s = self.shard_layout.rank_spec(self.spec)  # this rank's heads
         return self.norm_rope_kernels.choose(s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim,

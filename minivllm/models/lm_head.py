@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from minivllm.layers.linear import Linear, LinearPlan, linear
-from minivllm.layers.matmul_plan import MatmulPlan
-from minivllm.layers.tuner import Tuning
+from minivllm.cpu.matmul_plan import MatmulPlan
+from minivllm.cpu.tuner import Tuning
 from minivllm.models.hf_config import ModelSpec
 
 

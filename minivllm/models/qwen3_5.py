@@ -31,7 +31,7 @@ from minivllm.layers.gated_deltanet import (causal_conv1d, causal_conv1d_update,
                                             recurrent_gated_delta_rule)
 from minivllm.layers.linear import Linear
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata, LinearAttnState
-from minivllm.layers.matmul_plan import MatmulPlan
+from minivllm.cpu.matmul_plan import MatmulPlan
 from minivllm.layers.norm_variants import GatedRMSNorm, ZeroCenteredRMSNorm
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from minivllm.models.hf_config import ModelSpec

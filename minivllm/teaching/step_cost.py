@@ -25,7 +25,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.roofline import MatmulWeights
 
 # The ops whose self time is a linear layer's matmul kernel, in every form the engine may choose
-# (layers/matmul_plan.py, layers/quantization.py): x W^T and (W x^T)^T, oneDNN's packed weight, minivllm's
+# (cpu/matmul_plan.py, layers/quantization.py): x W^T and (W x^T)^T, oneDNN's packed weight, minivllm's
 # skinny kernel (kernels/skinny_gemm.cpp), fbgemm's int8.
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "minivllm_cpu::skinny_gemm",
                         "quantized::linear_with_input_q_dq_qweight_dq_output_fp32"})

@@ -11,7 +11,7 @@ from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.paged_attention import naive_paged_attention
 from minivllm.layers.attention_interface import AttentionMetadata
 from minivllm.layers.torch_attention import DECODE_CANDIDATES, TorchAttentionBackend
-from minivllm.layers.tuner import forced
+from minivllm.cpu.tuner import forced
 
 
 @pytest.mark.parametrize("kernel", [False, True])

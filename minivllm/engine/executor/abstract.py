@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
-from minivllm.layers.tuner import Tuning
+from minivllm.cpu.tuner import Tuning
 
 T = TypeVar("T")
 

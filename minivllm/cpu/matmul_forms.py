@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.skinny_gemm import pack_skinny_weight, skinny_gemm
-from minivllm.layers.cpu_info import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # x (rows, in) -> x W^T + b (rows, out), W and b fixed

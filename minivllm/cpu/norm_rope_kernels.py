@@ -30,9 +30,9 @@ from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.silu_and_mul import naive_silu_and_mul, silu_and_mul as silu_and_mul_kernel
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RopeSpec, RotaryEmbedding, rotate
-from minivllm.layers.tuner import Probe, Tuning, choose, untimed
+from minivllm.cpu.tuner import Probe, Tuning, choose, untimed
 
-# A decode step of a batch, and a single stream: the kernels must win both (layers/tuner.py).
+# A decode step of a batch, and a single stream: the kernels must win both (cpu/tuner.py).
 PROBE_ROWS = (32, 1)
 CANDIDATES = ("torch", "kernels")  # the first is the default (tuning off, no kernels built)
 

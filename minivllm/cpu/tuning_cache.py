@@ -49,7 +49,7 @@ from typing import TypedDict
 import torch
 
 from minivllm.kernels.cpu_build import build_key
-from minivllm.layers.cpu_info import CpuInfo
+from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.model_cache import cache_root
 
 FORMAT = 1  # bumped when the file's layout changes: older files are then another file, not a corrupt one

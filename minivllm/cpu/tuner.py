@@ -3,7 +3,7 @@
 Four places in minivllm have a choice that only timing can settle, because the answer differs from
 one CPU to the next: the matmul form of each weight shape and row bucket (matmul_plan.py), RMSNorm
 and RoPE as torch ops or C++ kernels (norm_rope_kernels.py), decode attention as gather + SDPA or a
-C++ kernel (torch_attention.py), and greedy argmax likewise (sampler.py). Each states its candidates
+C++ kernel (layers/torch_attention.py), and greedy argmax likewise (layers/sampler.py). Each states its candidates
 (the first is the default, its fixed rule) and its probes (inputs of the sizes it meets); `choose`
 does the rest, the same way for all four:
 
@@ -39,7 +39,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from minivllm.layers.tuning_cache import Entry, StoredChoice, TuningCache
+from minivllm.cpu.tuning_cache import Entry, StoredChoice, TuningCache
 
 Tuning = Literal["cached", "remeasure", "off"]
 TUNING_MODES: tuple[Tuning, ...] = ("cached", "remeasure", "off")

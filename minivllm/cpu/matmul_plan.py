@@ -62,12 +62,12 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
-from minivllm.layers.cpu_info import CpuInfo  # also imported from here (quantization.py, engine/loading.py)
-from minivllm.layers.matmul_forms import MatmulForm, Product, bound_product, pack, pack_skinny
-from minivllm.layers.matmul_timing import (  # noqa: F401 (ROW_BUCKETS, PREFILL_BUCKET, row_bucket: re-exported)
+from minivllm.cpu.cpu_info import CpuInfo  # also imported from here (layers/quantization.py, engine/loading.py)
+from minivllm.cpu.matmul_forms import MatmulForm, Product, bound_product, pack, pack_skinny
+from minivllm.cpu.matmul_timing import (  # noqa: F401 (ROW_BUCKETS, PREFILL_BUCKET, row_bucket: re-exported)
     PREFILL_BUCKET, ROW_BUCKETS, MatmulKey, RowBucket, cache_flushing_sample, form_candidates, key_name,
     measure_speedups, row_bucket, shape_of, shape_text)
-from minivllm.layers.tuner import MARGIN, Tuning, choose_many
+from minivllm.cpu.tuner import MARGIN, Tuning, choose_many
 
 
 @dataclass

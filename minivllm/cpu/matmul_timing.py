@@ -21,8 +21,8 @@ from typing import NamedTuple
 import torch
 
 from minivllm.kernels.skinny_gemm import can_pack_skinny
-from minivllm.layers.cpu_info import CpuInfo
-from minivllm.layers.matmul_forms import MatmulForm, can_pack, matmul, pack, pack_skinny
+from minivllm.cpu.cpu_info import CpuInfo
+from minivllm.cpu.matmul_forms import MatmulForm, can_pack, matmul, pack, pack_skinny
 
 
 class RowBucket(NamedTuple):

@@ -1,6 +1,6 @@
 """`CpuInfo`: what a CPU is called and what it computes natively, read once from /proc/cpuinfo and /sys.
 
-The matmul plan (matmul_plan.py) and int8 quantization (quantization.py) print it beside what they chose,
+The matmul plan (matmul_plan.py) and int8 quantization (layers/quantization.py) print it beside what they chose,
 the dtype rule reads `native_bf16` (engine/loading.py), the matmul forms read `onednn_bf16` (a form the
 CPU cannot run is never tried: matmul_forms.py `can_pack`), and the tuning cache (tuning_cache.py) keys
 its file with the model name: a choice timed on one CPU is no evidence about another.
