@@ -30,16 +30,30 @@ def prompt_logits(llm, ids: list[int]) -> torch.Tensor:  # (len(ids), V) fp32: t
         return runner.model.compute_logits(hidden).float()
 
 
+def force_matmul_form(llm, form) -> None:
+    """Every product of the engine's model in `form` (a MatmulForm), for every shape and row bucket, whatever
+    this machine would measure: a plan made by hand, attached as warm-up attaches one (cpu/attach.py)."""
+    from minivllm.cpu.matmul_plan import ROW_BUCKETS, MatmulKey, MatmulPlan
+    from minivllm.cpu.planned_linear import PlannedLinearMethod
+    from minivllm.layers.linear import set_linear_method
+
+    model = llm.llm_engine.model
+    weights = [m.weight for m in model.modules() if hasattr(m, "quant_method")]
+    set_linear_method(model, PlannedLinearMethod(MatmulPlan(
+        forms={MatmulKey(*w.shape, w.dtype, b): form for w in weights for b in ROW_BUCKETS})))
+
+
 def force_cpu_kernels(llm, used: bool) -> None:
     """Every CPU kernel chosen at warm-up on or off, whatever this machine would measure: RMSNorm, RoPE and silu·mul,
     decode attention with the K/V write, and the greedy argmax (another CPU may choose either way)."""
     from minivllm.layers.sampler import GREEDY_CANDIDATES, GREEDY_SUBJECT
     from minivllm.layers.torch_attention import DECODE_CANDIDATES, DECODE_SUBJECT
+    from minivllm.cpu.attach import set_norm_rope_kernels
+    from minivllm.cpu.norm_rope_kernels import NormRopeKernels
     from minivllm.cpu.tuner import forced
 
     runner = llm.llm_engine.model_runner
-    kernels = llm.llm_engine.model.norm_rope_kernels
-    kernels.used, kernels.detail = used, "forced by the test"
+    set_norm_rope_kernels(llm.llm_engine.model, NormRopeKernels(used, "forced by the test"))
     why = "forced by the test"
     runner.backend.decode_kernel = forced(DECODE_CANDIDATES, DECODE_CANDIDATES[used], why).about(DECODE_SUBJECT)
     runner.sampler.greedy_kernel = forced(GREEDY_CANDIDATES, GREEDY_CANDIDATES[used], why).about(GREEDY_SUBJECT)

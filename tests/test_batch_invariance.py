@@ -16,7 +16,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers.attention_interface import AttentionMetadata
-from minivllm.layers.batch_invariance import BatchInvariance, reference_linear, tiled_linear
+from minivllm.layers.batch_invariance import TiledLinearMethod, reference_linear, tiled_linear
 from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.layers.per_row_attention import PerRowAttentionBackend
 
@@ -113,12 +113,12 @@ def test_a_prompt_gets_the_same_tokens_and_logprobs_alone_and_in_any_batch(famil
 def test_the_mode_runs_its_fixed_paths_and_says_so(model_factory):
     llm = LLM(model_factory("qwen3"), block_size=4, num_kv_blocks=64, batch_invariant=True)
     engine = llm.llm_engine
-    assert isinstance(engine.model.matmul_plan, BatchInvariance)
+    assert isinstance(engine.model.lm_head_layer.quant_method, TiledLinearMethod)
     assert isinstance(engine.model_runner.backend, PerRowAttentionBackend)
     assert engine.model.compiled is None  # eager
     said = "\n".join(engine.model_runner.measure_cpu_kernels())
     assert "fixed tiles of 16 rows" in said and "nothing measured" in said
-    assert not engine.model.norm_rope_kernels.used and not engine.model_runner.sampler.greedy_kernel.used
+    assert engine.model.model.norm.kernels is None and not engine.model_runner.sampler.greedy_kernel.used
     llm.shutdown()
 
 

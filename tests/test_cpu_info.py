@@ -19,6 +19,7 @@ import torch
 from minivllm.cpu.cpu_info import CpuInfo, onednn_runs_bf16
 from minivllm.layers.linear import linear
 from minivllm.cpu.matmul_forms import MatmulForm, can_pack
+from minivllm.cpu.attach import attached_plan
 from minivllm.cpu.matmul_plan import ROW_BUCKETS, MatmulPlan
 from minivllm.cpu.tuning_cache import TuningCache
 from minivllm.teaching.checkpoints import make_tiny_model
@@ -139,7 +140,7 @@ START = textwrap.dedent("""
     from minivllm.cpu.matmul_forms import MatmulForm
     assert not CpuInfo.read().onednn_bf16, CpuInfo.read()
     llm = LLM(sys.argv[1], dtype="bfloat16", block_size=4, num_kv_blocks=64)
-    plan = llm.llm_engine.model.matmul_plan
+    plan = attached_plan(llm.llm_engine.model.lm_head_layer)
     assert plan.source == "measured", plan.summary()  # the timing pass (where the reorder was called) ran
     assert MatmulForm.PACKED not in plan.forms.values(), plan.summary()
     out = llm.generate([{"prompt_token_ids": [5, 9, 2, 7]}], SamplingParams(temperature=0, max_tokens=6,

@@ -14,14 +14,15 @@ from transformers import AutoModelForCausalLM
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers.norm import RMSNorm
-from minivllm.cpu.norm_rope_kernels import NormRopeKernels, silu_and_mul
+from minivllm.cpu.norm_rope_kernels import NormRopeKernels
+from minivllm.layers.activation import silu_and_mul
 from minivllm.teaching.hf_check import assert_hf_greedy
 
 needs_kernels = pytest.mark.skipif(not load_cpu_kernels().available, reason=load_cpu_kernels().detail)
 
 
 def force(llm: LLM, used: bool) -> None:
-    kernels = llm.llm_engine.model.norm_rope_kernels
+    kernels = llm.llm_engine.model.model.norm.kernels
     kernels.used, kernels.detail = used, "forced by the test"
 
 
@@ -57,7 +58,7 @@ def test_bfloat16_tokens_match_hf_in_bfloat16_with_the_kernels(model_factory):
 @needs_kernels
 def test_warm_up_measures_the_kernels_and_says_what_it_chose(model_factory):
     llm = LLM(model_factory("qwen3"), num_kv_blocks=32)
-    choice = llm.llm_engine.model.norm_rope_kernels
+    choice = llm.llm_engine.model.model.norm.kernels
     assert "measured" in choice.detail and "32 rows" in choice.detail and "1 rows" in choice.detail
     assert str(choice).startswith("RMSNorm, RoPE and silu·mul: ")
     llm.shutdown()
@@ -106,7 +107,7 @@ def test_inputs_the_kernel_does_not_take_run_torch_ops_instead():
 def test_the_mlp_runs_the_kernel_only_where_it_was_chosen(monkeypatch):
     x = torch.randn(4, 32)
     calls = []
-    monkeypatch.setattr("minivllm.cpu.norm_rope_kernels.silu_and_mul_kernel", lambda t: calls.append(t) or t[:, :16])
+    monkeypatch.setattr("minivllm.layers.activation.silu_and_mul_kernel", lambda t: calls.append(t) or t[:, :16])
     with torch.inference_mode():
         silu_and_mul(x, NormRopeKernels(False, "not chosen"))
         silu_and_mul(x.half(), NormRopeKernels(True, "chosen"))  # fp16: torch's ops

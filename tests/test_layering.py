@@ -4,6 +4,11 @@
                       one-dot relative import `from .x import y` may reach a sibling kernel module)
     minivllm/         no import cycle between its modules (kernels/ included, as `minivllm.kernels`)
     minivllm/layers/  imports nothing from minivllm/models/ (models are built from layers, not back)
+    minivllm/cpu/     (the CPU tuning wing) imports nothing from minivllm/models/ or the engine; the layers and
+                      models import nothing from it: warm-up attaches its choices to a built model from
+                      outside (cpu/attach.py), so the arrows run engine -> cpu -> layers, engine -> models
+                      -> layers. One exception, named below: the PyTorch attention backend and sampler still
+                      ask the tuner for their own kernel choice
     minivllm/distributed/, layers/, models/
                       import nothing from minivllm/engine/: the process groups and the command channel
                       are the low layer the layers use too; the engine's executors and workers sit on
@@ -78,6 +83,28 @@ def test_kernels_import_nothing_from_minivllm():
 
 def test_layers_import_nothing_from_models():
     assert violations(ROOT / "minivllm" / "layers", "minivllm.layers", "minivllm.models") == []
+
+
+# Layers that still call the tuner themselves (their kernel choice is not yet attached from outside).
+LAYERS_USING_THE_TUNER = {"layers/torch_attention.py": "minivllm.cpu.tuner", "layers/sampler.py": "minivllm.cpu.tuner"}
+
+
+def test_layers_and_models_import_nothing_from_cpu_and_cpu_nothing_from_models_or_the_engine():
+    found = [v for folder in ("layers", "models") for v in violations(ROOT / "minivllm" / folder, f"minivllm.{folder}",
+                                                                      "minivllm.cpu")]
+    allowed = {f"{file}:{name}" for file, name in LAYERS_USING_THE_TUNER.items()}
+    assert [v for v in found if f"{v.split(':')[0]}:{v.split(' imports ')[1]}" not in allowed] == []
+    for forbidden in ("minivllm.models", "minivllm.engine"):
+        assert violations(ROOT / "minivllm" / "cpu", "minivllm.cpu", forbidden) == []
+
+
+def test_model_files_carry_no_tuning_plumbing():
+    """A model file reads like its HF counterpart: no plan, no tuner, no kernel choice threaded through it."""
+    for path in sorted((ROOT / "minivllm" / "models").glob("*.py")):
+        text = path.read_text()
+        for word in ("MatmulPlan", "matmul_plan", "plan_matmuls", "NormRopeKernels", "Tuning", "DirectCall",
+                     "plan=", "batch_invariance"):
+            assert word not in text, f"models/{path.name} mentions {word}"
 
 
 # The engine's only use of the teaching code, {file: module}: `minivllm bench` without --model times a

@@ -9,12 +9,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import force_cpu_kernels, varied_prompts
+from helpers import force_cpu_kernels, force_matmul_form, varied_prompts
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.cpu import matmul_plan
-from minivllm.layers.linear import Linear, linear
+from minivllm.cpu.attach import attached_plan
+from minivllm.cpu.planned_linear import planned_linear
+from minivllm.layers.linear import Linear
 from minivllm.cpu.matmul_forms import MatmulForm, can_pack, matmul
 from minivllm.cpu.matmul_plan import MARGIN, PREFILL_BUCKET, ROW_BUCKETS, CpuInfo, MatmulKey, MatmulPlan, row_bucket
 from minivllm.teaching.hf_check import assert_hf_greedy
@@ -53,7 +55,7 @@ def test_both_forms_compute_the_same_product(rows, dtype):
         assert y.shape == (rows, 160) and y.dtype == dtype
         torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), **TOLERANCE[dtype])
         forced = MatmulPlan(forms={MatmulKey(160, 96, dtype, b): form for b in ROW_BUCKETS})
-        torch.testing.assert_close(linear(x, w, bias, forced).float(), reference, **TOLERANCE[dtype])
+        torch.testing.assert_close(planned_linear(x, w, bias, forced).float(), reference, **TOLERANCE[dtype])
 
 
 def test_prefill_bucket_skips_the_lm_head_and_dtypes_onednn_cannot_pack():
@@ -153,17 +155,18 @@ def test_cpu_info_reads_a_name_and_a_cache_size():
     assert f"AMX: {'yes' if info.amx else 'no'}" in str(info)
 
 
-def test_the_model_shares_one_plan_and_measures_it_once(qwen3_dir):
+def test_warmup_attaches_one_plan_to_every_linear_and_measures_it_once(qwen3_dir):
     llm = LLM(qwen3_dir, block_size=4, num_kv_blocks=64)
     model = llm.llm_engine.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.plan is model.matmul_plan for m in linears)
-    plan = model.plan_matmuls()
-    assert plan is model.matmul_plan and plan.measured_with_threads is not None
+    plan = attached_plan(model.lm_head_layer)
+    assert plan is not None and plan.measured_with_threads is not None
+    assert linears and all(attached_plan(m) is plan for m in linears)
     weights = {w.data_ptr(): w for w in [m.weight for m in linears] + [model.lm_head_weight]}.values()
     assert plan.weight_bytes == sum(w.numel() * w.element_size() for w in weights)  # each weight once
     plan.measured_with_threads = -1
-    assert model.plan_matmuls().measured_with_threads == -1  # measured once, not again
+    llm.llm_engine.model_runner.measure_cpu_kernels()
+    assert attached_plan(model.lm_head_layer) is plan and plan.measured_with_threads == -1  # measured once
     llm.shutdown()
 
 
@@ -186,7 +189,7 @@ def test_a_decode_product_is_bound_once_and_bound_again_when_the_forms_are_repla
     assert plan.product(w, None, 600) is not plan.product(w, None, 600)  # prefill sizes: bound per call
     plan.forms = {MatmulKey(160, 96, torch.float32, b): MatmulForm.LINEAR for b in ROW_BUCKETS}
     bound_forms.clear()
-    again = linear(x, w, None, plan)
+    again = planned_linear(x, w, None, plan)
     assert bound_forms == [MatmulForm.LINEAR] and plan.product(w, None, 3) is not first
     torch.testing.assert_close(again, F.linear(x, w), rtol=0, atol=0)  # F.linear itself, bit for bit
 
@@ -201,7 +204,7 @@ def test_a_bound_product_never_runs_another_weights_packed_copy(form):
     x = torch.randn(2, 16, generator=g)
     for _ in range(50):
         w = torch.randn(32, 16, generator=g)
-        torch.testing.assert_close(linear(x, w, None, plan), F.linear(x, w), **TOLERANCE[torch.float32])
+        torch.testing.assert_close(planned_linear(x, w, None, plan), F.linear(x, w), **TOLERANCE[torch.float32])
 
 
 @needs_kernels
@@ -209,12 +212,12 @@ def test_a_skinny_product_builds_the_kernels_it_needs_in_a_fresh_process():
     """In a process that has not loaded minivllm's CPU kernels yet (the tests above have), a plan set to
     SKINNY by hand must load them before it looks their op up."""
     code = ("import torch, torch.nn.functional as F\n"
-            "from minivllm.layers.linear import linear\n"
+            "from minivllm.cpu.planned_linear import planned_linear\n"
             "from minivllm.cpu.matmul_forms import MatmulForm\n"
             "from minivllm.cpu.matmul_plan import ROW_BUCKETS, MatmulKey, MatmulPlan\n"
             "plan = MatmulPlan(forms={MatmulKey(32, 16, torch.float32, b): MatmulForm.SKINNY for b in ROW_BUCKETS})\n"
             "x, w = torch.randn(2, 16), torch.randn(32, 16)\n"
-            "torch.testing.assert_close(linear(x, w, None, plan), F.linear(x, w), rtol=1e-5, atol=1e-5)\n")
+            "torch.testing.assert_close(planned_linear(x, w, None, plan), F.linear(x, w), rtol=1e-5, atol=1e-5)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -230,8 +233,7 @@ def test_engine_tokens_match_hf_whichever_form_is_chosen(family, form, kernels, 
     per head (3-D norms); the llama variant ties its LM head to the embedding and rotates q and k together."""
     llm = LLM(model_factory(family), block_size=4, num_kv_blocks=128, max_num_batched_tokens=32, warmup=False)
     model = llm.llm_engine.model
-    weights = [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_weight]
-    model.matmul_plan.forms = {MatmulKey(*w.shape, w.dtype, b): form for w in weights for b in ROW_BUCKETS}
+    force_matmul_form(llm, form)
     force_cpu_kernels(llm, kernels)
     prompts = varied_prompts(9, llm.llm_engine.spec.vocab_size, seed=4)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -255,8 +257,7 @@ def test_bfloat16_one_row_steps_run_every_form_through_the_kernels(form, model_f
     for chosen, kernels in ((MatmulForm.LINEAR, False), (form, True)):
         llm = LLM(path, dtype="bfloat16", block_size=4, num_kv_blocks=64, warmup=False)
         model = llm.llm_engine.model
-        weights = [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_weight]
-        model.matmul_plan.forms = {MatmulKey(*w.shape, w.dtype, b): chosen for w in weights for b in ROW_BUCKETS}
+        force_matmul_form(llm, chosen)
         force_cpu_kernels(llm, kernels)
         out = llm.generate(prompt, sp, use_tqdm=False)[0]
         assert out.outputs[0].finish_reason == "length", out.error

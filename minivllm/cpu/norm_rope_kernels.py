@@ -12,8 +12,8 @@ kernels/silu_and_mul.py (vLLM's name too).
 As for every CPU kernel, a speed-up measured on one CPU is not assumed on another: `choose` asks the
 tuner (tuner.py) to time a layer's worth of this work both ways on the machine at hand (PROBE_ROWS
 rows, this model's sizes) and keeps the kernels only if they win every probe by its margin; the
-answer is cached per machine, dtype and sizes. With tuning='off', torch's ops. The model runner calls
-it at warm-up and logs what it chose; `minivllm bench` prints it.
+answer is cached per machine, dtype and sizes. With tuning='off', torch's ops. Warm-up calls it and
+hands the result to the model's layers (cpu/attach.py), logs what it chose; `minivllm bench` prints it.
 
 Inside a compiled forward (models/compiled_forward.py) they never run: Inductor fuses these element-wise
 ops into its own generated loops, so `active` is False while Dynamo traces. Steps larger than the
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
-from minivllm.kernels.silu_and_mul import naive_silu_and_mul, silu_and_mul as silu_and_mul_kernel
+from minivllm.cpu.tuner import Probe, Tuning, choose, untimed
+from minivllm.layers.activation import silu_and_mul
 from minivllm.layers.norm import RMSNorm
 from minivllm.layers.rotary import RopeSpec, RotaryEmbedding, rotate
-from minivllm.cpu.tuner import Probe, Tuning, choose, untimed
 
 # A decode step of a batch, and a single stream: the kernels must win both (cpu/tuner.py).
 PROBE_ROWS = (32, 1)
@@ -39,7 +39,8 @@ CANDIDATES = ("torch", "kernels")  # the first is the default (tuning off, no ke
 
 @dataclass
 class NormRopeKernels:
-    """Shared by a model's RMSNorm layers and its rotary step; `choose` sets it."""
+    """The `KernelSwitch` (layers/custom_op.py) shared by a model's RMSNorms, MLPs and rotary step; `choose`
+    sets it, and warm-up hands it to those layers (cpu/attach.py)."""
 
     used: bool = False  # RMSNorm, RoPE and silu·mul run minivllm's C++ kernels on CPU (else torch's ops)
     detail: str = "not measured: no CPU warm-up"  # what was measured, or why it was not
@@ -87,7 +88,8 @@ def _layer_probe(rows: int, hidden_size: int, heads: int, head_dim: int, interme
     together, the residual add with the MLP's norm, the MLP's activation."""
     g = torch.Generator().manual_seed(0)
     probe = NormRopeKernels()
-    norm = RMSNorm(hidden_size, 1e-6, probe).to(dtype)
+    norm = RMSNorm(hidden_size, 1e-6).to(dtype)
+    norm.kernels = probe
     rope = RotaryEmbedding(head_dim, 1024, RopeSpec(), torch.device("cpu"))
     x, y = (torch.randn(rows, hidden_size, generator=g).to(dtype) for _ in range(2))
     qk = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
@@ -104,10 +106,3 @@ def _layer_probe(rows: int, hidden_size: int, heads: int, head_dim: int, interme
 
     return run
 
-
-def silu_and_mul(gate_up: torch.Tensor, kernels: NormRopeKernels | None) -> torch.Tensor:
-    """The MLP's activation: gate_up (rows, 2I) -> silu(gate) * up (rows, I); one pass of minivllm's kernel
-    where `kernels` are chosen and take this tensor, else torch's ops (the same rounding; kernels/silu_and_mul.py)."""
-    if kernels is not None and kernels.active(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
-        return silu_and_mul_kernel(gate_up)
-    return naive_silu_and_mul(gate_up)

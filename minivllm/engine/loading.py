@@ -23,7 +23,8 @@ from minivllm.config import EngineConfig
 from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.engine.kv_cache import num_kv_blocks_for
 from minivllm.layers.attention import AttentionBackend, get_attention_backend
-from minivllm.layers.batch_invariance import BatchInvariance
+from minivllm.layers.batch_invariance import TiledLinearMethod
+from minivllm.layers.linear import set_linear_method
 from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.layers.per_row_attention import PerRowAttentionBackend
 from minivllm.layers.quantization import quantize_model
@@ -61,18 +62,16 @@ def resolve_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device,
 
 
 def build_model(spec: ModelSpec, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-                max_position: int, tp: ParallelContext | None = None,
-                batch_invariance: BatchInvariance | None = None) -> CausalLM:
+                max_position: int, tp: ParallelContext | None = None, batch_invariant: bool = False) -> CausalLM:
     """Create the model without initialising weights (meta device), then fill it from disk; with `tp`
     of several ranks, only this rank's shard (only the Llama decoder is sharded: models/sharding.py).
-    With `batch_invariance` its linear layers multiply in fixed tiles (layers/batch_invariance.py)."""
+    `batch_invariant`: its linear layers multiply in fixed tiles (layers/batch_invariance.py)."""
     sharded = tp is not None and tp.world_size > 1
     with torch.device("meta"):
         model_cls = MODEL_REGISTRY[spec.architecture]
-        if batch_invariance is not None:  # one rank (EngineConfig refuses tensor parallelism with it)
-            model = model_cls(spec, batch_invariance=batch_invariance)
-        else:
-            model = model_cls(spec, tp) if sharded else model_cls(spec)
+        model = model_cls(spec, tp) if sharded else model_cls(spec)
+    if batch_invariant:  # one rank (EngineConfig refuses tensor parallelism with it)
+        set_linear_method(model, TiledLinearMethod())
     model = materialize(model, device, dtype)
     load_weights(model, spec, model_dir, ShardLayout.of(spec, tp.rank, tp.world_size) if sharded else None)
     model.init_rotary(max_position, device)
@@ -116,8 +115,7 @@ class RankModel(NamedTuple):
 def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
               tp: ParallelContext) -> RankModel:
     """This rank's model, KV pool size and attention backend (`config.max_model_len` resolved)."""
-    invariance = BatchInvariance() if config.batch_invariant else None
-    model = build_model(spec, config.model, device, dtype, config.max_model_len, tp, invariance)
+    model = build_model(spec, config.model, device, dtype, config.max_model_len, tp, config.batch_invariant)
     if config.quantization is not None:  # after loading: the checkpoint's weights are quantized here
         quantize_model(model, config.quantization, device)
     if compile_decision(model, config, device)[0]:

@@ -266,8 +266,8 @@ class ModelRunner:
 
     def measure_cpu_kernels(self, tuning: Tuning = "cached") -> list[str]:
         """Choose the CPU kernels on this machine (tuning cache or timing) and say what was chosen (engine/warmup.py)."""
-        return measure_cpu_kernels(self.model, self.backend, self.sampler, self.kv_cache.dtype, self.block_size,
-                                   self.spec.vocab_size, self.device, tuning)
+        return measure_cpu_kernels(self.model, self.spec, self.backend, self.sampler, self.kv_cache.dtype,
+                                   self.block_size, self.device, tuning)
 
     def warmup_plans(self, num_tokens: int = 8) -> list[SchedulerOutput]:
         """The steps warm-up runs: one small prefill through the whole stack (on free, uncached blocks), so

@@ -4,14 +4,16 @@
                           (cpu/norm_rope_kernels.py), decode attention's (layers/torch_attention.py)
                           and greedy sampling's (layers/sampler.py) through the one tuner
                           (cpu/tuner.py): read from the tuning cache, or timed, the faster kept and
-                          saved; say what was chosen and whether it was cached or measured
+                          saved; attach them to the model's plain layers (cpu/attach.py); say what was
+                          chosen and whether it was cached or measured
     warmup_batch          prompts on free, uncached blocks: one small prefill through the whole stack,
                           so that lazy initialisation (allocators, kernels' first calls, a compiled
                           model's graphs, one per size) happens before the first request is timed
 
 Every rank measures its own kernels on its own shapes (a tensor-parallel worker too). A GPU, or a
 model, backend or sampler without the choice, keeps its defaults. In batch-invariant mode nothing is
-timed: every path is fixed in advance (layers/batch_invariance.py), so no choice can differ.
+timed: every path is fixed in advance (layers/batch_invariance.py; its tiled matmul was attached when the
+model was loaded, engine/loading.py), so no choice can differ.
 """
 
 from __future__ import annotations
@@ -20,33 +22,35 @@ import torch
 
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_types import ScheduledSequence
+from minivllm.cpu.attach import NormRopeSizes, attach_cpu_kernels
+from minivllm.cpu.tuner import Tuning
 from minivllm.layers.attention import AttentionBackend
-from minivllm.layers.batch_invariance import BatchInvariance
+from minivllm.layers.batch_invariance import TiledLinearMethod
 from minivllm.layers.sampler import Sampler, TritonSampler
 from minivllm.layers.torch_attention import TorchAttentionBackend
-from minivllm.cpu.tuner import Tuning
+from minivllm.models.hf_config import ModelSpec
 from minivllm.models.interface import CausalLM
 from minivllm.sampling_params import SamplingParams
 
 
-def measure_cpu_kernels(model: CausalLM, backend: AttentionBackend, sampler: Sampler | TritonSampler, kv_dtype: torch.dtype,
-                        block_size: int, vocab_size: int, device: torch.device, tuning: Tuning = "cached") -> list[str]:
-    """Choose each kernel on this machine; one line each of what was chosen (logged at INFO, and
-    printed by `minivllm bench`). Idempotent for the matmuls."""
-    plan = model.plan_matmuls(tuning)
-    said = [plan.summary()]
-    if isinstance(plan, BatchInvariance):  # the kernels stay on their defaults: torch's ops, float32 argmax
-        return said + [str(backend), "RMSNorm, RoPE and silu·mul: torch ops; greedy sampling: argmax in float32 "
-                       "(batch_invariant=True: nothing measured)"]
+def measure_cpu_kernels(model: CausalLM, spec: ModelSpec, backend: AttentionBackend, sampler: Sampler | TritonSampler,
+                        kv_dtype: torch.dtype, block_size: int, device: torch.device, tuning: Tuning = "cached") -> list[str]:
+    """Choose each kernel on this machine for `model` (`spec`: this rank's view) and attach what was chosen;
+    one line each of what was chosen (logged at INFO, and printed by `minivllm bench`). Idempotent for the
+    matmuls."""
+    head = model.lm_head_layer
+    if isinstance(head.quant_method, TiledLinearMethod):  # the kernels stay on their defaults: torch's ops
+        return [head.quant_method.summary(), str(backend), "RMSNorm, RoPE and silu·mul: torch ops; greedy "
+                "sampling: argmax in float32 (batch_invariant=True: nothing measured)"]
     if device.type != "cpu":
-        return said
-    norm_rope = model.choose_norm_rope_kernels(tuning)
-    if norm_rope is not None:
-        said.append(str(norm_rope))
+        return ["matmul: F.linear everywhere (not measured: no CPU warm-up)"]
+    sizes = (NormRopeSizes(spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
+                           spec.intermediate_size) if model.cpu_norm_rope_kernels else None)
+    said = attach_cpu_kernels(model, head, tuning, sizes)
     if isinstance(backend, TorchAttentionBackend):  # the Triton backend has no CPU kernel to choose
         said.append(str(backend.choose_decode_kernel(kv_dtype, block_size, tuning)))
     if isinstance(sampler, Sampler):
-        said.append(str(sampler.choose_greedy_kernel(vocab_size, kv_dtype, tuning)))
+        said.append(str(sampler.choose_greedy_kernel(spec.vocab_size, kv_dtype, tuning)))
     return said
 
 

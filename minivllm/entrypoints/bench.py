@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.roofline import ceiling_report, matmul_weights, measure_peaks, report, single_stream_ceiling
+from minivllm.cpu.attach import describe
 from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.teaching.checkpoints import make_tiny_model
 
@@ -59,12 +60,10 @@ def _greedy(outputs: list[int]) -> list[SamplingParams]:
 
 
 def print_matmul_plan(llm: LLM) -> None:
-    """Measure the CPU matmul forms now if the engine's warm-up has not (idempotent), and print them with
-    the ways RMSNorm, RoPE and silu·mul, decode attention and greedy sampling run."""
-    print(llm.llm_engine.model.plan_matmuls().summary())
-    norm_rope = getattr(llm.llm_engine.model, "norm_rope_kernels", None)  # the Llama-family decoder's
-    if norm_rope is not None:
-        print(norm_rope)
+    """Print what warm-up attached to the model (the CPU matmul plan, the ways RMSNorm, RoPE and silu·mul run:
+    cpu/attach.py) and the ways decode attention and greedy sampling run."""
+    model = llm.llm_engine.model
+    print("\n".join(describe(model, model.lm_head_layer)))
     decode_kernel = getattr(llm.llm_engine.model_runner.backend, "decode_kernel", None)  # the PyTorch backend's
     if decode_kernel is not None:
         print(decode_kernel)

@@ -1,4 +1,4 @@
-"""`BatchInvariance`: the mode in which a request's numbers do not depend on the requests beside it.
+"""Batch invariance: the mode in which a request's numbers do not depend on the requests beside it.
 
 Floating-point addition is not associative: (a + b) + c and a + (b + c) may differ in the last bit.
 A matrix product's every output is a long sum, and the library that computes it (oneDNN or MKL on a
@@ -24,9 +24,9 @@ The mode (`EngineConfig.batch_invariant`, vLLM's VLLM_BATCH_INVARIANT) removes e
     by nature, and nothing is timed, so nothing can choose differently.
   * eager only: a compiled graph pads a step to a size and Inductor picks kernels per size.
 
-`BatchInvariance` is the model's matmul setting in this mode: the model is built with it in place of a
-`MatmulPlan` and hands it to every `Linear`, as it would hand its plan (no global switch). The engine
-refuses the mode where it is not shown to hold (config.py): CUDA, tensor parallelism, hybrid models.
+`TiledLinearMethod` is the mode's matmul, a linear method (layers/linear.py) the engine sets on every
+`Linear` of the model when it loads it (engine/loading.py): the model is built as always, no global switch.
+The engine refuses the mode where it is not shown to hold (config.py): CUDA, tensor parallelism, hybrid models.
 """
 
 from __future__ import annotations
@@ -35,14 +35,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from minivllm.layers.linear import LinearMethodBase
 
 TILE_ROWS = 16
 
 
 @dataclass(frozen=True)
-class BatchInvariance:
-    """Handed to a model's `Linear` layers in place of its `MatmulPlan`: `linear` then multiplies in
-    fixed tiles of `tile_rows` rows."""
+class TiledLinearMethod(LinearMethodBase):
+    """A `Linear`'s product in fixed tiles of `tile_rows` rows (`tiled_linear`), whatever the step's size."""
 
     tile_rows: int = TILE_ROWS
 
@@ -53,6 +55,9 @@ class BatchInvariance:
     def summary(self) -> str:
         return (f"matmul: F.linear over fixed tiles of {self.tile_rows} rows (batch_invariant=True: "
                 "nothing measured, one kernel for every row)")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return tiled_linear(x, layer.weight, bias, self.tile_rows)  # (rows, in) -> (rows, out)
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

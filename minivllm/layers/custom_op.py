@@ -1,4 +1,5 @@
-"""`direct_register_custom_op`: an opaque op for a compiled graph, registered at the dispatcher directly.
+"""`direct_register_custom_op`: an opaque op for a compiled graph, registered at the dispatcher directly;
+`KernelSwitch`: what a layer with a C++ CPU kernel is told from outside about when to run it.
 
 A compiled forward (models/compiled_forward.py) calls a few things Inductor must not look inside: the
 attention over the paged cache, a matmul through a prepacked weight, the int8 product. Each becomes an
@@ -17,7 +18,7 @@ The ops are for inference only: no autograd formula is registered, so they run u
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -37,3 +38,11 @@ def direct_register_custom_op(name: str, op: Callable[..., torch.Tensor], fake: 
         _LIBRARY.impl(name, lambda *args: _OPS[name][0](*args), "CompositeExplicitAutograd")
         torch.library.register_fake(f"minivllm::{name}", lambda *args: _OPS[name][1](*args), lib=_LIBRARY)
     _OPS[name] = (op, fake)
+
+
+class KernelSwitch(Protocol):
+    """Whether minivllm's C++ CPU kernels run for a tensor now, in place of torch's ops. A layer with such
+    kernels (RMSNorm, RoPE, silu·mul) holds one as `kernels`, None by default (torch's ops); the engine's
+    warm-up sets it from outside once it has measured which is faster here (minivllm/cpu/norm_rope_kernels.py)."""
+
+    def active(self, x: torch.Tensor) -> bool: ...

@@ -1,62 +1,62 @@
-"""`linear(x, weight, bias, plan)`: y = x W^T + b, in the matmul form the model's `MatmulPlan` chose.
+"""`Linear`: y = x W^T + b, computed by the layer's `quant_method` (vLLM's name and shape).
 
-Decode batches are skinny: a few rows against weights that do not fit in cache, so a decode step is
-bound by how fast the weights stream from memory, and on CPU that speed depends on how the product
-is computed (x W^T, (W x^T)^T, x W^T with W prepacked for oneDNN, or minivllm's skinny kernel) in a way
-that differs from one CPU to the next. `matmul_plan.py` times the forms on the machine at hand during
-warm-up; this module only asks the plan. Without a plan, or before it is measured, or on a GPU, every
-product is plain `F.linear`. In batch-invariant mode the model hands its layers a `BatchInvariance`
-instead of a plan, and every product runs in fixed 16-row tiles (layers/batch_invariance.py).
+A model builds plain `Linear` layers: `nn.Linear`'s parameters and checkpoint names, and one line of
+forward, `self.quant_method.apply(self, x, self.bias)`. How the product is computed is not the layer's
+business; it is an object set on the layer from outside, after the model is built:
+
+    UnquantizedLinearMethod   F.linear: the default (a GPU, before warm-up, a test that builds a model)
+    the CPU plan's method     the matmul form measured fastest for this weight and row count on this
+                              machine (minivllm/cpu/planned_linear.py), attached at warm-up
+    TiledLinearMethod         batch_invariant=True: fixed 16-row tiles (layers/batch_invariance.py)
+
+Every method computes the same y = x W^T + b (up to rounding), so swapping one never changes what
+the model means, only how fast (or, for the tiles, in which order each sum is added). The layer is an
+ordinary `nn.Module`: forward hooks, pre-hooks and `module.compile()` work on it as on any other.
+
+`LinearMethodBase` is a Protocol: anything with `apply(layer, x, bias)` serves, so minivllm/cpu/ can
+provide a method without this module knowing it (the imports point cpu -> layers, never back).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.batch_invariance import BatchInvariance, tiled_linear
-from minivllm.layers.custom_op import direct_register_custom_op
-from minivllm.layers.direct_call import DirectCall
-from minivllm.cpu.matmul_forms import MatmulForm, bound_product
-from minivllm.cpu.matmul_plan import MatmulPlan
 
-# What a model hands its linear layers: the measured plan, or the batch-invariant mode's fixed tiles.
-LinearPlan = MatmulPlan | BatchInvariance
+class LinearMethodBase(Protocol):
+    """How a linear layer multiplies: `apply(layer, x (rows, in), bias)` -> (rows, out), reading `layer.weight`."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           plan: LinearPlan | None = None) -> torch.Tensor:  # x (rows, in), weight (out, in) -> (rows, out)
-    if isinstance(plan, MatmulPlan) and not torch.compiler.is_compiling():
-        return plan.product(weight, bias, x.shape[0])(x)  # the measured form, bound once (matmul_plan.py)
-    if isinstance(plan, BatchInvariance):  # before the device check: the tiles are the mode, not a speed-up
-        return tiled_linear(x, weight, bias, plan.tile_rows)
-    if plan is None or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    # Inside a compiled forward (models/compiled_forward.py) Inductor would choose its own kernel for the
-    # product (and cannot see a prepacked weight); an opaque op keeps the kernel the plan measured.
-    return torch.ops.minivllm.planned_linear(x, weight, bias, plan.form_for(weight, x.shape[0]).name)
+class UnquantizedLinearMethod(LinearMethodBase):
+    """The plain product, `F.linear`."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)  # (rows, in) -> (rows, out)
+
+    def __repr__(self) -> str:
+        return "UnquantizedLinearMethod()"
 
 
-def _planned_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
-    return bound_product(weight, bias, MatmulForm[form])(x)  # contiguous, as the fake below promises
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint names) computed through its `quant_method`."""
 
-
-def _planned_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])  # shapes only, for tracing
-
-
-direct_register_custom_op("planned_linear", _planned_linear_op, _planned_linear_fake)
-
-
-class Linear(DirectCall, nn.Linear):
-    """`nn.Linear` (same parameters, same checkpoint names) computed through `linear` with the
-    model's shared `plan`; called straight through `forward` (layers/direct_call.py)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 plan: LinearPlan | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias)
-        self.plan = plan
+        self.quant_method: LinearMethodBase = UnquantizedLinearMethod()  # replaced from outside (see above)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.plan)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        return self.quant_method.apply(self, x, self.bias)
+
+
+def set_linear_method(model: nn.Module, method: LinearMethodBase) -> int:
+    """Give every layer of `model` that multiplies through a `quant_method` (each `Linear`, and an embedding
+    that serves as the tied LM head) `method`; returns how many."""
+    layers = [m for m in model.modules() if hasattr(m, "quant_method")]
+    for layer in layers:
+        layer.quant_method = method
+    return len(layers)

@@ -5,7 +5,7 @@ is what lets the half-precision tests agree with HF. In fp32 there is no cast, s
 
 `forward(x, residual)` also takes the residual add that comes just before a norm (vLLM's signature):
 it returns the normalised `x + residual` and `x + residual` itself, the next residual. On CPU, where
-warm-up measured it faster (cpu/norm_rope_kernels.py), both forms run as one pass of minivllm's C++
+warm-up measured it faster (minivllm/cpu/norm_rope_kernels.py sets `kernels`), both forms run as one pass of minivllm's C++
 kernel (kernels/rms_norm.py) instead of a handful of torch ops. Its results equal torch's up to the last
 bit of the normaliser (it sums the squares in another order, with fused multiply-adds): in bf16 the same
 values but rarely one ulp apart, in fp32 an ulp or two apart in a fifth of them.
@@ -13,25 +13,20 @@ values but rarely one ulp apart, in fp32 an ulp or two apart in a fifth of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minivllm.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from minivllm.layers.direct_call import DirectCall
-
-if TYPE_CHECKING:
-    from minivllm.cpu.norm_rope_kernels import NormRopeKernels
+from minivllm.layers.custom_op import KernelSwitch
 
 
-class RMSNorm(DirectCall):  # called straight through forward (layers/direct_call.py)
-    def __init__(self, dim: int, eps: float, kernels: NormRopeKernels | None = None) -> None:
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.kernels = kernels  # the model's shared choice; None: always torch's ops
+        self.kernels: KernelSwitch | None = None  # set at warm-up where the C++ kernel is faster; None: torch's ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

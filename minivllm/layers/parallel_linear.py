@@ -22,32 +22,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import ParallelContext
-from minivllm.layers.linear import Linear, LinearPlan, linear
+from minivllm.layers.linear import Linear, LinearMethodBase, UnquantizedLinearMethod
 
 
 class RowParallelLinear(Linear):
     """y = all_reduce(x_r W_r^T) + b. `in_features` is this rank's share; the bias is whole and
     added once, after the sum (adding it on every rank would count it N times)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, plan: LinearPlan | None,
-                 tp: ParallelContext) -> None:
-        super().__init__(in_features, out_features, bias, plan)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelContext) -> None:
+        super().__init__(in_features, out_features, bias)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in / N) -> (T, out)
         if self.tp.world_size == 1:
             return super().forward(x)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.plan))  # (T, out), summed over ranks
+        y = self.tp.all_reduce(self.quant_method.apply(self, x, None))  # (T, out), summed over ranks
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """`nn.Embedding` whose rows are split over the ranks; the parameter is still called `weight`."""
+    """`nn.Embedding` whose rows are split over the ranks; the parameter is still called `weight`. Where the
+    checkpoint ties the LM head to it, the logits are `quant_method.apply(self, hidden)` (models/lm_head.py),
+    as vLLM's `ParallelLMHead` computes them, so the head's product is attached like a `Linear`'s."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, vocab_start: int, tp: ParallelContext) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))  # (V / N, H): this rank's rows
         self.vocab_start, self.tp = vocab_start, tp
+        self.quant_method: LinearMethodBase = UnquantizedLinearMethod()  # used only as the tied LM head
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
         if self.tp.world_size == 1:

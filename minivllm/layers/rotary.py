@@ -6,7 +6,7 @@ The cos/sin table for every position up to `max_position` is built once, in floa
 half negated so that a rotation needs no negation of its own (`rotate`). Models without a per-head q/k
 norm rotate q's and k's heads in one call (they are neighbours in the fused qkv output).
 
-On CPU, where warm-up measured it faster (cpu/norm_rope_kernels.py), a rotation is one call of
+On CPU, where warm-up measured it faster (minivllm/cpu/norm_rope_kernels.py sets `kernels`), a rotation is one call of
 minivllm's C++ kernel (kernels/rotary_embedding.py) that reads the float32 tables at each row's position
 itself: `lookup(..., kernel=True)` then hands it the whole tables and the positions instead of rows.
 
@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from minivllm.kernels.rotary_embedding import rotary_embedding
+from minivllm.layers.custom_op import KernelSwitch
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_position, head_dim)
         self.cos = emb.cos()
         self.signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)  # (max_position, D): (-sin, sin)
+        self.kernels: KernelSwitch | None = None  # set at warm-up where the C++ kernel is faster; None: torch's ops
+
+    def kernel_runs(self, x: torch.Tensor) -> bool:
+        """Whether a step whose hidden states are `x` rotates with the C++ kernel (pass it to `lookup`)."""
+        return self.kernels is not None and self.kernels.active(x)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype, kernel: bool = False) -> RopeTables:
         """positions (T,) -> cos, sin (T, 1, D), broadcast over heads; sin's first half is negated,

@@ -30,9 +30,8 @@ from torch import nn
 
 from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
-from minivllm.layers.linear import Linear, LinearPlan
+from minivllm.layers.linear import Linear
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
-from minivllm.cpu.matmul_plan import MatmulPlan
 from minivllm.layers.norm_variants import ZeroCenteredRMSNorm
 from minivllm.layers.parallel_linear import VocabParallelEmbedding
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
@@ -42,11 +41,11 @@ from minivllm.models.lm_head import LMHeadMixin
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: LinearPlan) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias, plan=plan)
-        self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=spec.o_proj_bias, plan=plan)
+        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias)
+        self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=spec.o_proj_bias)
         self.q_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.rms_norm_eps)
         # the backend multiplies scores by head_dim ** -0.5; Gemma wants query_pre_attn_scalar ** -0.5
@@ -64,11 +63,11 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: LinearPlan) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, plan=plan)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False, plan=plan)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
@@ -76,11 +75,11 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: LinearPlan, layer_type: str) -> None:
+    def __init__(self, spec: ModelSpec, layer_type: str) -> None:
         super().__init__()
         self.is_sliding = layer_type == "sliding_attention"
-        self.self_attn = Gemma3Attention(spec, plan)
-        self.mlp = Gemma3MLP(spec, plan)
+        self.self_attn = Gemma3Attention(spec)
+        self.mlp = Gemma3MLP(spec)
         H, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = ZeroCenteredRMSNorm(H, eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(H, eps)
@@ -89,10 +88,10 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: LinearPlan) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, 0, ParallelContext())
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(spec, plan, t) for t in spec.layer_types)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(spec, t) for t in spec.layer_types)
         self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -103,10 +102,9 @@ class Gemma3ForCausalLM(LMHeadMixin, CausalLM):
         super().__init__(spec)
         if spec.local_rope is None or spec.query_pre_attn_scalar is None:
             raise ValueError(f"{spec.architecture} is not a Gemma 3 checkpoint: no local RoPE / query_pre_attn_scalar")
-        self.matmul_plan = MatmulPlan()
-        self.model = Gemma3Model(spec, self.matmul_plan)
+        self.model = Gemma3Model(spec)
         if not spec.tie_word_embeddings:
-            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False, plan=self.matmul_plan)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # global layers' tables, built by `init_rotary`
         self.local_rotary: RotaryEmbedding | None = None  # sliding layers' tables
 

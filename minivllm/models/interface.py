@@ -8,9 +8,12 @@ model runner calls one forward with one return type and never asks `hasattr`:
     compute_logits(hidden (S, hidden_size)) -> logits (S, V)   (None on a tensor-parallel worker:
                                                                 the logits are gathered on rank 0)
     init_rotary(max_position, device)      the RoPE tables, built once the weights are on the device
-    plan_matmuls()                         time the CPU matmul forms over its weights (warm-up)
-    choose_norm_rope_kernels()             time RMSNorm, RoPE and silu·mul both ways (warm-up); None: no choice
+    lm_head_layer                          the layer whose weight computes the logits (the embedding when tied)
     compile_forward(sizes)                 only where `supports_compile` (models/compiled_forward.py)
+
+A model is built from plain layers and knows nothing of how its products run on this machine: the
+engine attaches that from outside at warm-up (minivllm/cpu/attach.py). `cpu_norm_rope_kernels` says
+whether its RMSNorms, RoPE and MLP activation are the ones minivllm's C++ kernels compute (the Llama family).
 
 `linear_attn` is for hybrid models: where each row group's recurrent state lives (the pools and the
 slots; layers/linear_attn_metadata.py). A model whose layers keep such a state says so with
@@ -26,9 +29,6 @@ from torch import nn
 
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
-from minivllm.layers.linear import LinearPlan
-from minivllm.cpu.norm_rope_kernels import NormRopeKernels
-from minivllm.cpu.tuner import Tuning
 from minivllm.models.compiled_forward import CompiledForward
 from minivllm.models.hf_config import ModelSpec
 
@@ -36,6 +36,7 @@ from minivllm.models.hf_config import ModelSpec
 class CausalLM(nn.Module):
     supports_compile: ClassVar[bool] = False  # can `compile_forward` make graphs of its forward?
     needs_state_pool: ClassVar[bool] = False  # hybrid: linear-attention layers with a recurrent state
+    cpu_norm_rope_kernels: ClassVar[bool] = False  # Llama's RMSNorm, rotate-half RoPE and silu·mul MLP
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -59,11 +60,9 @@ class CausalLM(nn.Module):
     def init_rotary(self, max_position: int, device: torch.device) -> None:
         raise NotImplementedError
 
-    def plan_matmuls(self, tuning: Tuning = "cached") -> LinearPlan:
+    @property
+    def lm_head_layer(self) -> nn.Module:  # its `weight` (V, hidden) and `quant_method` compute the logits
         raise NotImplementedError
-
-    def choose_norm_rope_kernels(self, tuning: Tuning = "cached") -> NormRopeKernels | None:
-        return None  # no C++ norm/RoPE kernels to choose between
 
     def compile_forward(self, sizes: tuple[int, ...]) -> None:
         raise ValueError(f"{type(self).__name__} cannot be compiled (supports_compile is False)")

@@ -9,12 +9,8 @@ The three families differ in two switches read from config.json (see `ModelSpec`
   * Qwen3: RMSNorm over each head of q and k before RoPE (`qk_norm`).
 Weights are packed as vLLM packs them: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj`
 (one matmul instead of three or two); the loader slices the checkpoint's tensors into them.
-Every `Linear` shares the model's `matmul_plan`: on CPU, warm-up (`plan_matmuls`) times two forms of
-the same product on this machine and each projection uses the faster (see `cpu/matmul_plan.py`).
-In batch-invariant mode the model is built with a `BatchInvariance` in the plan's place: nothing is
-timed, every product runs in fixed 16-row tiles (layers/batch_invariance.py).
-Likewise every RMSNorm and the RoPE step share `norm_rope_kernels`: warm-up times torch's ops against
-minivllm's C++ kernels for them (see `cpu/norm_rope_kernels.py`).
+The residual stream travels beside the hidden state, as in vLLM: each residual add happens inside the
+next RMSNorm (`forward(x, residual)`), which returns both the normalised sum and the sum.
 There is no batch dimension and no padding: tokens of all requests are rows of one matrix.
 
 Tensor parallelism (`tp`, a `ParallelContext` of N ranks): the layers are built from `rank_spec`, the
@@ -25,18 +21,18 @@ all-reduce), the embedding and the LM head vocab-parallel (layers/parallel_linea
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
-from minivllm.layers.batch_invariance import BatchInvariance
-from minivllm.layers.direct_call import DirectCall
-from minivllm.layers.linear import Linear, LinearPlan
-from minivllm.cpu.matmul_plan import MatmulPlan
+from minivllm.layers.activation import silu_and_mul
+from minivllm.layers.custom_op import KernelSwitch
+from minivllm.layers.linear import Linear
 from minivllm.layers.norm import RMSNorm
-from minivllm.cpu.norm_rope_kernels import NormRopeKernels, silu_and_mul
-from minivllm.cpu.tuner import Tuning
 from minivllm.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rotate
 from minivllm.models.compiled_forward import Attend, CompiledForward
@@ -48,15 +44,15 @@ from minivllm.models.sharding import ShardLayout
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: LinearPlan, tp: ParallelContext, kernels: NormRopeKernels) -> None:
+    def __init__(self, spec: ModelSpec, tp: ParallelContext) -> None:
         super().__init__()
         self.spec = spec  # this rank's view: its heads only
-        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias,
-                               plan=plan)  # column-parallel: this rank's heads
-        self.o_proj = RowParallelLinear(spec.q_size, spec.hidden_size, bias=spec.o_proj_bias, plan=plan, tp=tp)
+        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size,
+                               bias=spec.attention_bias)  # column-parallel: this rank's heads
+        self.o_proj = RowParallelLinear(spec.q_size, spec.hidden_size, bias=spec.o_proj_bias, tp=tp)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, kernels)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, kernels)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
 
     def project(self, rope: RopeTables, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> q (T, Hq, D), k and v (T, Hkv, D), RoPE applied: everything before attention."""
@@ -71,77 +67,71 @@ class Attention(nn.Module):
         qk = rotate(qk, rope)
         return qk[:, :Hq], qk[:, Hq:], v
 
+    def forward(self, rope: RopeTables, x: torch.Tensor,
+                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x (T, hidden) -> o_proj(attention(q, k, v)) (T, hidden); `attend` returns (T, Hq*D)."""
+        return self.o_proj(attend(*self.project(rope, x)))
 
-class MLP(DirectCall):  # called straight through forward (layers/direct_call.py)
-    def __init__(self, spec: ModelSpec, plan: LinearPlan, tp: ParallelContext = ParallelContext(),
-                 kernels: NormRopeKernels | None = None) -> None:
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, tp: ParallelContext = ParallelContext()) -> None:
         super().__init__()
-        self.kernels = kernels  # the model's shared choice of element-wise kernels; None: torch's ops
         self.intermediate_size = spec.intermediate_size  # this rank's share
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias,
-                                   plan=plan)  # column-parallel
-        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, plan=plan,
-                                           tp=tp)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)  # column-parallel
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, tp=tp)
+        self.kernels: KernelSwitch | None = None  # silu·mul's C++ kernel, where set (layers/activation.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels))  # (T, 2I) -> (T, I) -> (T, hidden)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: LinearPlan, tp: ParallelContext, kernels: NormRopeKernels) -> None:
+    def __init__(self, spec: ModelSpec, tp: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, plan, tp, kernels)
-        self.mlp = MLP(spec, plan, tp, kernels)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+        self.self_attn = Attention(spec, tp)
+        self.mlp = MLP(spec, tp)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    # A layer is the code before attention and the code after it; between them, attention is the backend
-    # (eager) or an opaque op (compiled: models/compiled_forward.py). The residual stream travels beside the
-    # hidden state, as in vLLM: each residual add happens inside the next RMSNorm (`fused_add_rms_norm`, one
-    # pass), so a layer runs no add of its own (the MLP's output is added by the next layer's input norm).
-    def pre_attention(self, rope: RopeTables, h: torch.Tensor, residual: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Attention itself is the backend (eager) or an opaque op (compiled: models/compiled_forward.py), handed in
+    # as `attend(q, k, v)`. The residual stream travels beside the hidden state, as in vLLM: each residual add
+    # happens inside the next RMSNorm (`fused_add_rms_norm`, one pass), so a layer runs no add of its own (the
+    # MLP's output is added by the next layer's input norm).
+    def forward(self, rope: RopeTables, h: torch.Tensor, residual: torch.Tensor | None,
+                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """h (T, hidden), the last layer's MLP output (the embedding for layer 0, with residual None)
-        -> q (T, Hq, D), k, v (T, Hkv, D) and the residual stream h + residual."""
+        -> (this layer's MLP output, the residual stream), each (T, hidden)."""
         if residual is None:
             normed, residual = self.input_layernorm(h), h
         else:
             normed, residual = self.input_layernorm(h, residual=residual)
-        return (*self.self_attn.project(rope, normed), residual)
-
-    def post_attention(self, residual: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """o (T, Hq*D) -> (the MLP's output, the residual stream with o_proj(o) added), each (T, hidden)."""
-        normed, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual=residual)
+        o = self.self_attn(rope, normed, attend)  # (T, hidden), after o_proj
+        normed, residual = self.post_attention_layernorm(o, residual=residual)
         return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: LinearPlan, layout: ShardLayout, tp: ParallelContext,
-                 kernels: NormRopeKernels) -> None:
+    def __init__(self, spec: ModelSpec, layout: ShardLayout, tp: ParallelContext) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout.vocab_size, spec.hidden_size, layout.vocab_start, tp)
-        self.layers = nn.ModuleList(DecoderLayer(spec, plan, tp, kernels) for _ in range(spec.num_hidden_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels)
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class LlamaForCausalLM(LMHeadMixin, CausalLM):
     """Also serves Qwen2 and Qwen3 (their switches live in `spec`)."""
 
     supports_compile = True
+    cpu_norm_rope_kernels = True
 
-    def __init__(self, spec: ModelSpec, tp: ParallelContext | None = None,
-                 batch_invariance: BatchInvariance | None = None) -> None:
+    def __init__(self, spec: ModelSpec, tp: ParallelContext | None = None) -> None:
         super().__init__(spec)
         self.tp = tp = tp if tp is not None else ParallelContext()
         self.shard_layout = layout = ShardLayout.of(spec, tp.rank, tp.world_size)
-        # shared by every Linear; a MatmulPlan is filled by `plan_matmuls` at warm-up, the batch-invariant
-        # mode's fixed tiles are never measured
-        self.matmul_plan: LinearPlan = batch_invariance if batch_invariance is not None else MatmulPlan()
-        # shared by every RMSNorm, the RoPE step and the MLPs' silu·mul; set by `choose_norm_rope_kernels` at warm-up
-        self.norm_rope_kernels = NormRopeKernels()
-        self.model = DecoderModel(layout.rank_spec(spec), self.matmul_plan, layout, tp, self.norm_rope_kernels)
+        self.model = DecoderModel(layout.rank_spec(spec), layout, tp)
         if not spec.tie_word_embeddings:  # vocab-parallel: this rank's rows
-            self.lm_head = Linear(spec.hidden_size, layout.vocab_size, bias=False, plan=self.matmul_plan)
+            self.lm_head = Linear(spec.hidden_size, layout.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
@@ -165,11 +155,10 @@ class LlamaForCausalLM(LMHeadMixin, CausalLM):
         opaque op that calls it when compiled (models/compiled_forward.py)."""
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
         # once per step, shared by all layers (the C++ RoPE kernel reads the tables itself: no lookup)
-        rope = self.rotary.lookup(positions, h.dtype, kernel=self.norm_rope_kernels.active(h))
+        rope = self.rotary.lookup(positions, h.dtype, kernel=self.rotary.kernel_runs(h))
         residual = None
         for i, layer in enumerate(self.model.layers):
-            q, k, v, residual = layer.pre_attention(rope, h, residual)
-            h, residual = layer.post_attention(residual, attend(i, q, k, v))  # attention: (T, Hq*D)
+            h, residual = layer(rope, h, residual, functools.partial(attend, i))
         return self.model.norm(h, residual=residual)[0]  # the last residual add, inside the final norm
 
     def compile_forward(self, sizes: tuple[int, ...]) -> None:
@@ -182,9 +171,3 @@ class LlamaForCausalLM(LMHeadMixin, CausalLM):
         each rank computes its vocabulary slice (S, V/N), gathered on rank 0, which samples."""
         return self.tp.gather_last_dim(super().compute_logits(hidden))
 
-    def choose_norm_rope_kernels(self, tuning: Tuning = "cached") -> NormRopeKernels:
-        """Time this model's norms, RoPE and silu·mul both ways on this CPU and keep the faster (cpu/norm_rope_kernels.py).
-        Called at warm-up."""
-        s = self.shard_layout.rank_spec(self.spec)  # this rank's heads
-        return self.norm_rope_kernels.choose(s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim,
-                                             self.model.norm.weight.dtype, tuning, s.intermediate_size)

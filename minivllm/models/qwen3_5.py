@@ -26,13 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.layers.gated_deltanet import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, l2norm,
                                             recurrent_gated_delta_rule)
 from minivllm.layers.linear import Linear
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata, LinearAttnState
-from minivllm.cpu.matmul_plan import MatmulPlan
 from minivllm.layers.norm_variants import GatedRMSNorm, ZeroCenteredRMSNorm
+from minivllm.layers.parallel_linear import VocabParallelEmbedding
 from minivllm.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.interface import CausalLM
@@ -62,12 +63,12 @@ def text_weight_name(name: str) -> str | None:
 class GatedAttention(nn.Module):
     """Qwen3's attention (GQA, per-head q/k norms, paged KV) plus an output gate and partial RoPE."""
 
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
         # packed like llama.py's: q_proj (with its gate rows) | k_proj | v_proj
-        self.qkv_proj = Linear(spec.hidden_size, spec.q_proj_size + 2 * spec.kv_size, spec.attention_bias, plan)
-        self.o_proj = Linear(spec.q_size, spec.hidden_size, spec.attention_bias, plan)  # HF: o_proj has the bias too
+        self.qkv_proj = Linear(spec.hidden_size, spec.q_proj_size + 2 * spec.kv_size, spec.attention_bias)
+        self.o_proj = Linear(spec.q_size, spec.hidden_size, spec.attention_bias)  # HF: o_proj has the bias too
         self.q_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.rms_norm_eps)
 
@@ -88,19 +89,19 @@ class GatedAttention(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Linear attention: a short causal conv, then the gated delta rule over each request's carried state."""
 
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         la = self.la = spec.linear_attn
-        self.in_proj_qkv = Linear(spec.hidden_size, la.conv_dim, False, plan)
-        self.in_proj_z = Linear(spec.hidden_size, la.value_dim, False, plan)  # the output gate
-        self.in_proj_b = Linear(spec.hidden_size, la.num_v_heads, False, plan)  # -> beta, the write strength
-        self.in_proj_a = Linear(spec.hidden_size, la.num_v_heads, False, plan)  # -> g, the decay
+        self.in_proj_qkv = Linear(spec.hidden_size, la.conv_dim, False)
+        self.in_proj_z = Linear(spec.hidden_size, la.value_dim, False)  # the output gate
+        self.in_proj_b = Linear(spec.hidden_size, la.num_v_heads, False)  # -> beta, the write strength
+        self.in_proj_a = Linear(spec.hidden_size, la.num_v_heads, False)  # -> g, the decay
         # Only its weight (conv_dim, 1, K) is used, by our causal conv functions (they carry a window).
         self.conv1d = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel_size, groups=la.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(la.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(la.num_v_heads))  # decay rate per head, in log space
         self.norm = GatedRMSNorm(la.head_v_dim, spec.rms_norm_eps)
-        self.out_proj = Linear(la.value_dim, spec.hidden_size, False, plan)
+        self.out_proj = Linear(la.value_dim, spec.hidden_size, False)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearAttnState,
                 snapshot_offsets: list[list[int]] | None = None
@@ -145,23 +146,23 @@ class GatedDeltaNet(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan, layer_type: str) -> None:
+    def __init__(self, spec: ModelSpec, layer_type: str) -> None:
         super().__init__()
         self.is_linear = layer_type == "linear_attention"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(spec, plan)
+            self.linear_attn = GatedDeltaNet(spec)
         else:
-            self.self_attn = GatedAttention(spec, plan)
-        self.mlp = MLP(spec, plan)
+            self.self_attn = GatedAttention(spec)
+        self.mlp = MLP(spec)
         self.input_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: MatmulPlan) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, plan, t) for t in spec.layer_types)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, 0, ParallelContext())
+        self.layers = nn.ModuleList(DecoderLayer(spec, t) for t in spec.layer_types)
         self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -175,10 +176,9 @@ class Qwen3_5ForCausalLM(LMHeadMixin, CausalLM):
         if spec.linear_attn is None or not spec.layer_types:
             raise ValueError(f"{spec.architecture} is not a hybrid checkpoint: no layer_types / linear_* keys")
         super().__init__(spec)
-        self.matmul_plan = MatmulPlan()  # shared by every Linear; filled by `plan_matmuls` at warm-up
-        self.model = DecoderModel(spec, self.matmul_plan)
+        self.model = DecoderModel(spec)
         if not spec.tie_word_embeddings:
-            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, self.matmul_plan)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False)
         self.rotary: RotaryEmbedding | None = None  # built on the right device by `init_rotary`
 
     def init_rotary(self, max_position: int, device: torch.device) -> None:
