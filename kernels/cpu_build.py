@@ -40,6 +40,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -51,25 +52,45 @@ from pathlib import Path
 
 import torch
 
-HEADERS = ("cpu_simd.h",)  # included by the sources: the float32 / bfloat16 helpers they share
+HEADERS = ("cpu_simd.h", "paged_decode_simd.h")  # included by the sources: helpers, decode attention's paths
 SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp", "greedy_argmax.cpp", "rms_norm.cpp",
            "rotary_embedding.cpp", "silu_and_mul.cpp")
 LIBRARY = "minivllm_cpu"
 BUILD_WAIT_S = 900.0  # the longest wait for another process's build: ~1 min on 2 idle cores, several on a busy one
 PROGRESS_EVERY_S = 10.0
-ISA_ENV = "MINIVLLM_CPU_ISA"  # "avx2": run an AVX-512 machine as an AVX2 + FMA one (x86-64-v3); unset: native
-ISA_CFLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"]}
-# What a capped level hides from minivllm's view of the CPU (minivllm/layers/cpu_info.py reads this too).
-ISA_HIDDEN_FLAGS = {"native": frozenset(), "avx2": frozenset({"avx512*", "amx*", "avx_ne_convert", "avx_vnni*"})}
+ISA_ENV = "MINIVLLM_CPU_ISA"  # unset: native; "avx2" / "portable": run this machine as a lesser x86-64 one
+# The levels minivllm builds for. Each kernel has a path per level (its header says which): AVX-512 (and
+# avx512_bf16 where the CPU has it) under "native" on such a CPU, AVX2 + FMA under "avx2", the plain loops
+# under "portable" (SSE2, what any x86-64 has, and what any C++17 compiler builds).
+ISA_CFLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"], "portable": ["-march=x86-64"]}
+ISA_ALIASES = {"x86-64-v3": "avx2", "x86-64": "portable"}  # the compilers' names for the same levels
+# What a capped level hides from minivllm's view of the CPU (minivllm's CpuInfo reads this too): what the
+# level's -march does not enable. x86-64-v3 adds AVX, AVX2, FMA, F16C, BMI1/2, LZCNT (abm), MOVBE to
+# x86-64-v2's SSE3 (pni), SSSE3, SSE4.1/4.2, POPCNT, CX16, LAHF.
+_ABOVE_V3 = frozenset({"avx512*", "amx*", "avx_ne_convert", "avx_vnni*"})
+_V2_AND_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "pni", "ssse3", "sse4_1",
+                        "sse4_2", "popcnt", "cx16", "lahf_lm"})
+ISA_HIDDEN_FLAGS = {"native": frozenset(), "avx2": _ABOVE_V3, "portable": _ABOVE_V3 | _V2_AND_V3}
+# The CPU flags a level's build needs: a capped level the CPU cannot run is not built (the loader says so
+# and builds for the CPU instead).
+ISA_NEEDS = {"native": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"}),
+             "portable": frozenset()}
+# Levels compiled but never loaded here (`compile_only`): CI proves their code builds on a machine that cannot
+# run it. Only the sources that have code for the level are compiled (those that test one of its macros).
+COMPILE_ONLY = {"x86-64-v4": (["-march=x86-64-v4"], ("__AVX512F__",)),
+                "amx": (["-march=sapphirerapids"], ("__AMX_TILE__", "__AMX_BF16__", "__AVX512BF16__"))}
 
 
 def isa_level() -> str:
-    """The instruction-set level minivllm builds for and believes in: "native" (the CPU at hand) or "avx2"
-    (MINIVLLM_CPU_ISA=avx2: built for -march=x86-64-v3 and every AVX-512 / AMX flag hidden, so an AVX-512
-    machine runs the paths a student's AVX2 laptop runs). Read at each call: tests set it per process."""
-    level = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    """The instruction-set level minivllm builds for and believes in: "native" (the CPU at hand), "avx2"
+    (MINIVLLM_CPU_ISA=avx2 or x86-64-v3: built for -march=x86-64-v3 and every AVX-512 / AMX flag hidden, so
+    an AVX-512 machine runs the paths a student's AVX2 laptop runs) or "portable" (=x86-64: SSE2 only, the
+    plain loops, and a CPU that reports no AVX at all). Read at each call: tests set it per process."""
+    raw = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    level = ISA_ALIASES.get(raw, raw)
     if level not in ISA_CFLAGS:
-        raise ValueError(f"{ISA_ENV}={level!r} is not a level minivllm knows; use one of {sorted(ISA_CFLAGS)}")
+        known = sorted([*ISA_CFLAGS, *ISA_ALIASES])
+        raise ValueError(f"{ISA_ENV}={raw!r} is not a level minivllm knows; use one of {known} (or unset it)")
     return level
 
 
@@ -78,9 +99,31 @@ def hides_flag(flag: str, level: str) -> bool:
     return any(flag == p or (p.endswith("*") and flag.startswith(p[:-1])) for p in ISA_HIDDEN_FLAGS[level])
 
 
-def isa_cflags() -> list[str]:
-    """The instruction-set flags of this process's build (see `isa_level`)."""
-    return ISA_CFLAGS[isa_level()]
+def isa_cflags(level: str | None = None) -> list[str]:
+    """The instruction-set flags of a level's build (this process's level, `isa_level`, by default)."""
+    return ISA_CFLAGS[isa_level() if level is None else level]
+
+
+def build_level() -> str:
+    """The level this process's kernels are built for: `isa_level`, unless this CPU cannot run that level's
+    code (MINIVLLM_CPU_ISA=avx2 on a CPU without AVX2 or not x86-64): then "native", which never asks for
+    more than the CPU has. (Any level is fine to compile; only running it needs the CPU.)"""
+    level = isa_level()
+    if level == "native" or (platform.machine() == "x86_64" and ISA_NEEDS[level] <= _cpu_flags()):
+        return level
+    return "native"
+
+
+def _cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags as /proc/cpuinfo lists them (all of them: nothing hidden)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 @dataclass(frozen=True)
@@ -100,15 +143,25 @@ def load_cpu_kernels() -> CpuKernelsBuild:
         return CpuKernelsBuild(False, f"built only on Linux x86-64 / arm64, not {sys.platform} {platform.machine()}")
     log = logging.getLogger("minivllm")
     try:
-        flags = isa_cflags()
-        name = f"minivllm_cpu_kernels_{build_key(tuple(flags))}"
+        level = build_level()
+        if level != isa_level():
+            log.warning("%s=%s asks for code this CPU cannot run: building the kernels for this CPU instead",
+                        ISA_ENV, os.environ.get(ISA_ENV))
+        flags = isa_cflags(level)
+        name = build_name(level)
         log.info("loading minivllm's CPU kernels %s (compiled the first time on this machine)", name)
         build_cpu_kernels(name, flags)
     except Exception as error:  # no compiler, no ninja, a compile error: the engine runs without them
         text = str(error).strip() or type(error).__name__
         log.warning("minivllm's CPU kernels could not be built; running on torch's kernels instead:\n%s", text)
         return CpuKernelsBuild(False, f"not built ({type(error).__name__}: {_cause(text)})")
-    return CpuKernelsBuild(True, f"built for this CPU ({' '.join(flags)}) as {name}")
+    return CpuKernelsBuild(True, f"built for ISA level {level} ({' '.join(flags)}) as {name}")
+
+
+def build_name(level: str) -> str:
+    """The build folder (and extension) of a level: the level, then the digest of what the binary depends on,
+    so the builds of two levels sit side by side and never overwrite each other."""
+    return f"minivllm_cpu_kernels_{level}_{build_key(tuple(isa_cflags(level)))}"
 
 
 def build_cpu_kernels(name: str, cflags: list[str], library: str = LIBRARY, wait_s: float = BUILD_WAIT_S,
@@ -246,3 +299,67 @@ def _progress(message: str) -> Iterator[None]:
         done.set()
         ticker.join()
     print(f"minivllm: the CPU kernels are built ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+
+
+def compile_only_sources(level: str) -> tuple[str, ...]:
+    """The sources with code for a compile-only level: those that test one of its macros (a file without
+    AVX-512 code would compile at -march=x86-64-v4 to what the native build already checks)."""
+    here, macros = Path(__file__).parent, COMPILE_ONLY[level][1]
+    headers = {h: (here / h).read_text() for h in HEADERS}
+    def text(source: str) -> str:  # the source and the minivllm headers it includes
+        body = (here / source).read_text()
+        return body + "".join(t for h, t in headers.items() if f'#include "{h}"' in body)
+    return tuple(source for source in SOURCES if any(m in text(source) for m in macros))
+
+
+def compile_only(level: str, out_dir: Path, jobs: int | None = None) -> tuple[str, ...]:
+    """Compile the kernels' sources for `level` (a key of COMPILE_ONLY) into object files under `out_dir`,
+    with the real build's flags and nothing loaded or run: code this machine cannot run (AVX-512, AMX on an
+    AVX2 CI machine) at least builds. Returns the sources compiled; raises RuntimeError with the compiler's
+    error lines if one fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.utils.cpp_extension import get_cxx_compiler, include_paths
+
+    sources, here = compile_only_sources(level), Path(__file__).parent
+    flags = ["-std=c++20", "-fPIC", "-O3", "-fopenmp", *COMPILE_ONLY[level][0], f"-DMINIVLLM_CPU_LIBRARY={LIBRARY}",
+             *(f"-isystem{path}" for path in include_paths())]
+
+    def compile_one(source: str) -> str:
+        out = out_dir / f"{Path(source).stem}.{level}.o"
+        run = subprocess.run([get_cxx_compiler(), *flags, "-c", str(here / source), "-o", str(out)],
+                             capture_output=True, text=True)
+        return "" if run.returncode == 0 else f"{source}: {_cause(run.stderr or run.stdout)}"
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+        failures = [f for f in pool.map(compile_one, sources) if f]
+    if failures:
+        raise RuntimeError(f"the kernels do not compile for {level}: " + "; ".join(failures))
+    return sources
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m minivllm.kernels.cpu_build --compile-only x86-64-v4 [amx ...]`: compile, load nothing."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--compile-only", nargs="+", choices=sorted(COMPILE_ONLY), required=True, metavar="LEVEL",
+                        help=f"levels to compile for without loading: {', '.join(sorted(COMPILE_ONLY))}")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="minivllm-compile-only-") as tmp:
+        for level in args.compile_only:
+            start = time.monotonic()
+            try:
+                sources = compile_only(level, Path(tmp))
+            except RuntimeError as error:
+                print(error, file=sys.stderr)
+                return 1
+            print(f"{level} ({' '.join(COMPILE_ONLY[level][0])}): {', '.join(sources)} compile "
+                  f"({time.monotonic() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

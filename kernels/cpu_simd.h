@@ -9,6 +9,12 @@
 //   round16<T>(v)    round_to<T> on 16 lanes                                   (AVX-512)
 //   store16(p, v)    16 lanes into p, already rounded to p's type               (AVX-512)
 //   exp16(x)         e^x on 16 lanes, relative error ~1e-7 (fp32's own)           (AVX-512)
+//   load8, round8<T>, store8, exp8, sum8                the same on 8 lanes      (AVX2 + FMA)
+//
+// The 8-lane helpers give each lane the very bits the 16-lane ones give it (the same operations in the
+// same order), so a kernel's AVX2 path and its AVX-512 path agree lane for lane wherever they only
+// differ in width. A kernel uses the 16-lane helpers on an AVX-512 build, the 8-lane ones on an AVX2 +
+// FMA build (-march=x86-64-v3: an AVX2 laptop), and its plain loop on anything else.
 //
 // kernels/cpu_build.py folds this file's digest into the build flags, so editing it rebuilds the kernels
 // (torch's extension builder tracks only the .cpp files).
@@ -71,6 +77,57 @@ inline __m512 exp16(__m512 x) {
   __m512 p = _mm512_set1_ps(c[0]);
   for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
   return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // zero-extend each 16-bit value, shift it to the top half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// round_bf16 on 8 lanes: the same integer rounding, NaN -> 0x7FC0 by a blend on the unordered compare.
+inline __m256 round_bf16_8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  const __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+  return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+template <typename T>
+inline __m256 round8(__m256 v) { return std::is_same<T, float>::value ? v : round_bf16_8(v); }
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {  // v already rounded: pack the top halves (no saturation
+  // can bite: the top half, shifted down, is below 2^16), then undo packus's lane interleave
+  const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// 2^n for integral n in [-126, 128] (n as floats) as two factors 2^(n/2) and 2^(n - n/2), each built in
+// the exponent bits: one 2^n cannot hold n = 128 (its exponent field would be 255: inf), yet p * 2^128
+// is finite for p < 1. p * a * b then rounds once, as vscalefps's p * 2^n does: the first product is exact.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));  // NaN stays NaN
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  const float c[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  __m256 p = _mm256_set1_ps(c[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[i]));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
+  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
+
+// The sum of an 8-lane vector's lanes: halves, then quarters, then pairs.
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 

@@ -11,6 +11,8 @@
 //     the last V % 16 values: one by one, the same rules
 // (The loop keeps two such sets, for even and odd chunks, merged at the end: independent work per chunk.)
 // Rows are split across threads (at::parallel_for) when there are enough of them.
+// Paths: AVX-512 (16 lanes), AVX2 + FMA (8 lanes, the same rules), the plain loop elsewhere; each returns
+// torch.argmax's index exactly (an index, not a sum: nothing to round).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -83,6 +85,47 @@ int64_t row_argmax(const T* x, int64_t V) {
     const __mmask16 is_max = _mm512_cmp_ps_mask(best0, _mm512_set1_ps(best), _CMP_EQ_OQ);
     // lanes that never saw a value above -inf keep index 0, which is right: then the max is -inf, first at 0
     at = _mm512_mask_reduce_min_epi32(is_max, at0);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (V >= 8) {
+    // The same two sets on 8 lanes; AVX2 has no mask registers, so a compare gives an all-ones lane
+    // mask that blendv selects by, and movemask turns into bits for the NaN test.
+    const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 best0 = minus_inf, best1 = minus_inf;
+    __m256i at0 = _mm256_setzero_si256(), at1 = _mm256_setzero_si256();  // int32 lanes: V < 2^31
+    __m256i lane0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane1 = _mm256_add_epi32(lane0, _mm256_set1_epi32(8));
+    auto take = [](__m256 v, __m256 gt, __m256& best, __m256i& at, __m256i lane) {
+      best = _mm256_blendv_ps(best, v, gt);
+      at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(lane), gt));
+    };
+    for (; i + 16 <= V; i += 16) {
+      const __m256 v0 = load8(x + i), v1 = load8(x + i + 8);
+      const int nan0 = _mm256_movemask_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q));
+      const int nan1 = _mm256_movemask_ps(_mm256_cmp_ps(v1, v1, _CMP_UNORD_Q));
+      if (nan0 | nan1) return nan0 ? i + __builtin_ctz(nan0) : i + 8 + __builtin_ctz(nan1);
+      take(v0, _mm256_cmp_ps(v0, best0, _CMP_GT_OQ), best0, at0, lane0);
+      take(v1, _mm256_cmp_ps(v1, best1, _CMP_GT_OQ), best1, at1, lane1);
+      lane0 = _mm256_add_epi32(lane0, _mm256_set1_epi32(16));
+      lane1 = _mm256_add_epi32(lane1, _mm256_set1_epi32(16));
+    }
+    if (i + 8 <= V) {  // one chunk left over: into the first set
+      const __m256 v = load8(x + i);
+      const int nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      if (nan) return i + __builtin_ctz(nan);
+      take(v, _mm256_cmp_ps(v, best0, _CMP_GT_OQ), best0, at0, lane0);
+      i += 8;
+    }
+    // merge the sets lane by lane (the larger value, or on a tie the earlier index), then the 8 lanes
+    const __m256 tie = _mm256_and_ps(_mm256_cmp_ps(best1, best0, _CMP_EQ_OQ),
+                                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(at0, at1)));
+    take(best1, _mm256_or_ps(_mm256_cmp_ps(best1, best0, _CMP_GT_OQ), tie), best0, at0, at1);
+    alignas(32) float bests[8];
+    alignas(32) int32_t ats[8];
+    _mm256_store_ps(bests, best0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ats), at0);
+    best = bests[0], at = ats[0];
+    for (int l = 1; l < 8; ++l)
+      if (bests[l] > best || (bests[l] == best && ats[l] < at)) best = bests[l], at = ats[l];
   }
 #endif
   if (i == 0) {  // no vector pass: start from the first value

@@ -10,6 +10,8 @@
 // Why a kernel for a copy: `index_copy_` costs ~35 µs a call on tensors this small (dispatch, checks,
 // a parallel region) and runs twice a layer; here each row is one memcpy of a few hundred bytes, and
 // the whole write is a few µs. Serial on purpose: T rows of ~256 bytes are less work than waking threads.
+// No paths per instruction set, unlike its neighbours: a copy does no arithmetic, and memcpy is already
+// the C library's best copy for the CPU it runs on (glibc picks its AVX2 / AVX-512 version at load time).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

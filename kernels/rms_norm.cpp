@@ -12,6 +12,9 @@
 // as torch rounds (to nearest, ties to even), so the only difference from torch's ops is how the squares
 // are summed (in another order, with fused multiply-adds): a last-bit difference in r, which rarely
 // moves a bf16 result and moves an fp32 one by an ulp or two.
+//
+// Paths: AVX-512 (16 lanes), AVX2 + FMA (8 lanes: the squares summed in 8 partial sums, not 16), and the
+// plain loop elsewhere; each row is computed alone, so a row's bits never depend on the rows beside it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,6 +43,8 @@ void norm_row(const T* x, const T* res, T* h_out, const T* w, T* out, int64_t N,
   if (res != nullptr) {  // h = round(x + residual), written first; the norm then reads h
 #if defined(__AVX512F__)
     for (; d + 16 <= N; d += 16) store16(h_out + d, round16<T>(_mm512_add_ps(load16(x + d), load16(res + d))));
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; d + 8 <= N; d += 8) store8(h_out + d, round8<T>(_mm256_add_ps(load8(x + d), load8(res + d))));
 #endif
     for (; d < N; ++d) h_out[d] = T(static_cast<float>(x[d]) + static_cast<float>(res[d]));
     src = h_out;
@@ -52,6 +57,13 @@ void norm_row(const T* x, const T* res, T* h_out, const T* w, T* out, int64_t N,
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   sumsq = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; d + 8 <= N; d += 8) {
+    const __m256 v = load8(src + d);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  sumsq = sum8(acc);
 #endif
   for (; d < N; ++d) sumsq += static_cast<float>(src[d]) * static_cast<float>(src[d]);
   const float r = 1.f / std::sqrt(sumsq / static_cast<float>(N) + eps);
@@ -60,6 +72,10 @@ void norm_row(const T* x, const T* res, T* h_out, const T* w, T* out, int64_t N,
   const __m512 rv = _mm512_set1_ps(r);
   for (; d + 16 <= N; d += 16)
     store16(out + d, round16<T>(_mm512_mul_ps(load16(w + d), round16<T>(_mm512_mul_ps(load16(src + d), rv)))));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 rv = _mm256_set1_ps(r);
+  for (; d + 8 <= N; d += 8)
+    store8(out + d, round8<T>(_mm256_mul_ps(load8(w + d), round8<T>(_mm256_mul_ps(load8(src + d), rv)))));
 #endif
   for (; d < N; ++d) out[d] = T(static_cast<float>(w[d]) * round_to<T>(static_cast<float>(src[d]) * r));
 }

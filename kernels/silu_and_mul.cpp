@@ -9,6 +9,9 @@
 // round() is to x's dtype (nothing for fp32), as torch's two ops round: F.silu returns x's dtype, then the
 // product is rounded again. silu is torch's formula; only e^-g is computed another way (exp16, cpu_simd.h),
 // so an fp32 result can differ from torch's in its last bit or two and a bf16 one, rarely, by one ulp.
+// Paths: AVX-512 (exp16) and AVX2 + FMA (exp8) give the same bits for every value both take in a vector
+// (all of them when I is a multiple of 16); the plain loop (and a row's last I % 8 or I % 16 values) takes
+// std::exp, whose last bit can differ from theirs.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,6 +38,13 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t I) {
     const __m512 g = load16(gate + d);
     const __m512 silu = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
     store16(out + d, round16<T>(_mm512_mul_ps(silu, load16(up + d))));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; d + 8 <= I; d += 8) {
+    const __m256 g = load8(gate + d);
+    const __m256 silu = round8<T>(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+    store8(out + d, round8<T>(_mm256_mul_ps(silu, load8(up + d))));
   }
 #endif
   for (; d < I; ++d) {

@@ -1,5 +1,6 @@
-"""kernels/cpu_build.py: the C++ CPU kernels' build, its failure reports, and the code paths this CPU
-does not run (built here under other op-library names and compared with the naive references)."""
+"""kernels/cpu_build.py: the C++ CPU kernels' build, its ISA levels (native, avx2, portable) and their build
+folders, its failure reports, the code paths this CPU does not run (built here under other op-library names
+and compared with the naive references), and the compile-only check of levels no CI machine may run."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from minivllm.kernels import cpu_build
-from minivllm.kernels.cpu_build import _cause, build_cpu_kernels, build_key, load_cpu_kernels
+from minivllm.kernels.cpu_build import (_cause, build_cpu_kernels, build_key, build_level, build_name, compile_only,
+                                        compile_only_sources, hides_flag, isa_level, load_cpu_kernels)
+from minivllm.kernels.greedy_argmax import naive_greedy_argmax
 from minivllm.kernels.paged_decode_attention import naive_paged_decode_attention
 from minivllm.kernels.rms_norm import naive_rms_norm
 from minivllm.kernels.rotary_embedding import naive_rotary_embedding
+from minivllm.kernels.silu_and_mul import naive_silu_and_mul
 from minivllm.kernels.skinny_gemm import naive_skinny_gemm, pack_skinny_weight
 from minivllm.layers.rotary import RopeSpec, RotaryEmbedding
 
@@ -41,7 +45,7 @@ def test_the_build_is_loaded_here_or_says_why():
 
 
 def test_the_shared_header_is_part_of_the_build_flags(monkeypatch, tmp_path):
-    """torch's builder rebuilds when a .cpp or a flag changes, not a header: cpu_simd.h's digest is a flag."""
+    """torch's builder rebuilds when a .cpp or a flag changes, not a header: the headers' digest is a flag."""
     import hashlib
 
     import torch.utils.cpp_extension as cpp_extension
@@ -52,7 +56,7 @@ def test_the_shared_header_is_part_of_the_build_flags(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: seen.update(kw, sources=sources))  # no .so
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     build_cpu_kernels("header_flag_test", ["-O0"], library="header_flag_test")
-    header = (Path(cpu_build.__file__).parent / "cpu_simd.h").read_bytes()
+    header = b"".join((Path(cpu_build.__file__).parent / h).read_bytes() for h in ("cpu_simd.h", "paged_decode_simd.h"))
     assert f"-DMINIVLLM_HEADERS_DIGEST={hashlib.sha256(header).hexdigest()[:12]}" in seen["extra_cflags"]
     assert len(seen["sources"]) == len(cpu_build.SOURCES)
 
@@ -106,6 +110,88 @@ def test_the_build_folder_is_keyed_by_the_sources_and_flags(monkeypatch):
     assert key == build_key(("-march=native",)) != build_key(("-march=native", "-O0"))
     monkeypatch.setattr(cpu_build, "_digest", lambda files: "other sources")
     assert build_key(("-march=native",)) != key  # another checkout never loads this one's binary
+
+
+def test_the_isa_levels_their_aliases_and_an_unknown_name(monkeypatch):
+    for value, level in [("", "native"), ("native", "native"), ("avx2", "avx2"), ("x86-64-v3", "avx2"),
+                         (" X86-64 ", "portable"), ("portable", "portable")]:
+        monkeypatch.setenv("MINIVLLM_CPU_ISA", value)
+        assert isa_level() == level, value
+    monkeypatch.setenv("MINIVLLM_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match=r"MINIVLLM_CPU_ISA='avx512' is not a level .*'portable'.*'x86-64-v3'"):
+        isa_level()
+
+
+def test_what_each_level_hides_from_minivllms_view_of_the_cpu():
+    """avx2: everything above x86-64-v3; portable: everything above baseline x86-64 (SSE2), AVX and FMA too."""
+    assert not any(hides_flag(f, "native") for f in ("avx512f", "amx_tile", "avx2"))
+    assert [hides_flag(f, "avx2") for f in ("avx512f", "avx512_bf16", "amx_tile", "avx_vnni", "avx2", "fma")] == \
+        [True, True, True, True, False, False]
+    assert all(hides_flag(f, "portable") for f in ("avx512f", "amx_tile", "avx", "avx2", "fma", "f16c", "sse4_2"))
+    assert not any(hides_flag(f, "portable") for f in ("sse", "sse2", "fpu", "lm"))
+
+
+def test_each_level_builds_into_a_folder_named_after_it():
+    """Two levels never overwrite (or load) each other's build: the level leads the name, the digest of the
+    level's flags follows it."""
+    names = {level: build_name(level) for level in ("native", "avx2", "portable")}
+    assert len(set(names.values())) == 3
+    for level, name in names.items():
+        assert name.startswith(f"minivllm_cpu_kernels_{level}_") and name.endswith(build_key(tuple(cpu_build.ISA_CFLAGS[level])))
+
+
+def test_a_level_this_cpu_cannot_run_is_not_built(monkeypatch):
+    """MINIVLLM_CPU_ISA=avx2 on a CPU without AVX2 would load code that dies on its first instruction."""
+    monkeypatch.setenv("MINIVLLM_CPU_ISA", "avx2")
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: frozenset({"sse", "sse2"}))
+    assert build_level() == "native"
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"}))
+    assert build_level() == ("avx2" if platform.machine() == "x86_64" else "native")
+    monkeypatch.setenv("MINIVLLM_CPU_ISA", "portable")  # any x86-64 runs it
+    assert build_level() == ("portable" if platform.machine() == "x86_64" else "native")
+
+
+def test_compile_only_levels_compile_the_sources_with_code_for_them(monkeypatch, tmp_path):
+    """x86-64-v4: every kernel with an AVX-512 path (decode attention's is in its header), not the memcpy;
+    amx: the kernels with AMX or avx512_bf16 code. A compiler error is reported with its message."""
+    v4 = compile_only_sources("x86-64-v4")
+    assert "paged_decode_attention.cpp" in v4 and "rms_norm.cpp" in v4 and "kv_cache_write.cpp" not in v4
+    assert "skinny_gemm.cpp" in compile_only_sources("amx")
+    monkeypatch.setitem(cpu_build.COMPILE_ONLY, "x86-64-v4", (["-mno-such-flag"], ("__AVX512F__",)))
+    with pytest.raises(RuntimeError, match=r"do not compile for x86-64-v4: .*\.cpp: .*no-such-flag"):
+        compile_only("x86-64-v4", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
+def test_the_amx_level_compiles_without_running(tmp_path):
+    """What CI runs on an AVX2 machine (`python -m minivllm.kernels.cpu_build --compile-only ...`): object
+    files, nothing loaded."""
+    assert cpu_build.main(["--compile-only", "amx"]) == 0
+    assert compile_only("amx", tmp_path) == compile_only_sources("amx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{Path(s).stem}.amx.o" for s in compile_only_sources("amx"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
+def test_the_portable_build_passes_the_kernel_tests():
+    """MINIVLLM_CPU_ISA=portable builds the plain loops (-march=x86-64, SSE2 only) under a name of its own, and
+    the kernel tests run against it in a process of their own: every kernel against its naive reference."""
+    env = {**os.environ, "MINIVLLM_CPU_ISA": "portable"}
+    probe = ("from minivllm.kernels.cpu_build import load_cpu_kernels; b = load_cpu_kernels(); "
+             "assert b.available, b.detail; print(b.detail)")
+    built = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=1200)
+    assert built.returncode == 0 and "built for ISA level portable (-march=x86-64) as minivllm_cpu_kernels_portable_" \
+        in built.stdout, built.stderr[-2000:]
+    here = Path(__file__).parent
+    files = [str(here / f"test_{name}_kernel.py") for name in ("rms_norm", "rotary_embedding", "silu_and_mul",
+                                                               "greedy_argmax", "paged_decode_attention",
+                                                               "kv_cache_write_cpu", "skinny_gemm")]
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files], env=env,
+                           capture_output=True, text=True, timeout=600, cwd=here.parent.parent)
+    assert tests.returncode == 0 and " passed" in tests.stdout, tests.stdout[-3000:]
 
 
 RACE = textwrap.dedent("""
@@ -223,3 +309,45 @@ def test_the_other_instruction_set_paths_match_naive_too(variant):
         qk, positions = torch.randn(6, 3, 40, generator=g).to(dtype), torch.tensor([0, 1, 9, 33, 63, 2])
         assert torch.equal(ops.rotary_embedding(qk, positions, rope.cos, rope.signed_sin),
                            naive_rotary_embedding(qk, positions, rope.cos, rope.signed_sin))
+        gate_up = (torch.randn(5, 2 * 72, generator=g) * 4).to(dtype)  # 72: vectors of 16 or 8, then a tail
+        torch.testing.assert_close(ops.silu_and_mul(gate_up).float(), naive_silu_and_mul(gate_up).float(), **tol)
+        logits = torch.randn(4, 1000, generator=g).to(dtype)
+        logits[1, 500], logits[2, 7], logits[2, 900] = float("nan"), 50.0, 50.0  # a NaN wins; a tie: the first
+        assert torch.equal(ops.greedy_argmax(logits), naive_greedy_argmax(logits))
+
+
+@pytest.mark.parametrize("variant", ["avx2", "avx512_no_bf16"])
+@pytest.mark.parametrize("D", [32, 64, 128, 40])  # 4, 8, 16 (two slices) registers of 8 lanes; 40: the generic path
+def test_decode_attention_on_the_other_paths_matches_naive_and_keeps_rows_apart(variant, D):
+    """Each row's result from its own keys alone (alone or beside others: the same bits), near the reference."""
+    ops = _variant_ops(variant)
+    g = torch.Generator().manual_seed(D)
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        kc, vc = (torch.randn(40, 16, 2, D, generator=g).to(dtype) for _ in range(2))
+        tables = torch.randperm(40, generator=g)[:36].view(4, 9).int()
+        q, lens = torch.randn(4, 6, D, generator=g).to(dtype), torch.tensor([1, 9, 140, 75])
+        out = ops.paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
+        torch.testing.assert_close(out.float(), naive_paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5).float(),
+                                   **tol)
+        alone = [ops.paged_decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], D ** -0.5)
+                 for i in range(4)]
+        assert torch.equal(torch.cat(alone), out)
+
+
+def test_silu_on_8_lanes_gives_the_16_lane_bits():
+    """exp8 (AVX2) is exp16 (AVX-512) lane for lane: the same polynomial, clamps and rounding, with 2^n built in
+    the exponent bits as two factors so that n = 128 (e^88.4 .. e^89, finite) does not overflow to inf. Run
+    where this CPU has AVX-512: the native build against the AVX2 one."""
+    if not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags() or isa_level() != "native":
+        pytest.skip("needs the native AVX-512 build beside the AVX2 one")
+    ops, native = _variant_ops("avx2"), load_cpu_kernels()
+    assert native.available, native.detail
+    g = torch.Generator().manual_seed(3)
+    gate = torch.cat([torch.randn(4000, generator=g) * 6, torch.linspace(-89.5, -86.5, 2000),  # e^-g at the clamps
+                      torch.linspace(86.5, 89.5, 2000), torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0] * 4)])
+    x = torch.cat([gate, torch.randn(gate.numel(), generator=g)]).view(1, -1)  # I = 8016: whole vectors only
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(ops.silu_and_mul(x.to(dtype)).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           torch.ops.minivllm_cpu.silu_and_mul(x.to(dtype)).view(
+                               torch.int16 if dtype == torch.bfloat16 else torch.int32))
