@@ -5,27 +5,32 @@
 //   fp32:  Wp[N/16][K][16]        Wp[b][k][j]    = W[16b + j][k]
 //   bf16:  Wp[N/16][K/2][16][2]   Wp[b][p][j][i] = W[16b + j][2p + i]   (pairs along k, for vdpbf16ps)
 //
-// so one block is one contiguous run of memory, read front to back exactly once per call, and each
-// 64-byte load feeds 16 output lanes at once. With W row-major instead, every output would end in a
-// horizontal sum of a 16-lane vector, which for K = 576 costs as much as the loop that fills it.
+// so one block is one contiguous run of memory, read front to back, and each 64-byte line feeds 16 output
+// lanes at once. With W row-major instead, every output would end in a horizontal sum of a 16-lane vector,
+// which for K = 576 costs as much as the loop that fills it.
 //
-// Per block and a group of MB rows of x, for each k (or k pair):
-//   acc[m] += Wp[b][k][0:16] * broadcast(x[m][k])          (fp32, one FMA)
-//   acc[m] += dot-pairs(Wp[b][p][0:16][0:2], broadcast(x[m][2p:2p+2]))   (bf16, one vdpbf16ps)
-// NB blocks are walked side by side so NB * MB accumulators are independent (hiding FMA latency),
-// and a W vector loaded once serves all MB rows: the weight streams once per call for up to MB rows.
+// A thread takes a group of 4 blocks and the rows of x, 8 at a time (kMaxRows), and cuts the group into
+// COLUMNS of one register's width (16 lanes on AVX-512; 8 on AVX2, where a block is two columns). A tile of
+// C columns x MB rows keeps its C * MB accumulators in registers; for each k (or k pair):
 //
-// Built by kernels/cpu_build.py with -march=native (on the machine that runs it), one path per level:
-//   AVX-512            16 lanes a register; bf16 by vdpbf16ps where the CPU has AVX512_BF16, else widened
-//   AVX2 + FMA         the same sums on two 8-lane halves of each block (x86-64-v3: an AVX2 laptop)
-//   portable           plain loops, one explicit fused multiply-add per term where the target has one
+//   w[c] = Wp[column c][k]                                   (loaded once: serves all MB rows)
+//   for m: acc[c][m] = fma(w[c], broadcast(x[m][k]), acc[c][m])
+//
+// bf16: vdpbf16ps takes a k pair at once where the CPU has AVX512_BF16; elsewhere a pair is widened by a
+// shift and a mask (a bf16 is the top half of an fp32): k even, then k odd, two FMAs against x in fp32.
+// C is the most columns the registers hold (side_by_side); the tiles of a group walk the same lines one
+// after the other, so the weight streams from memory ONCE a call for up to 8 rows: a 5-row verify step
+// reads what a 1-row decode step reads (AVX2 at 7-8 rows reads a block's second half from L1/L2).
+//
+//   AVX-512 (32 zmm)   C = 4 (whole blocks) for 1-6 rows (1-5 widened bf16), 2 for more; vdpbf16ps or widened
+//   AVX2 + FMA (16)    C = 4 at 1-2 rows fp32 / 1 bf16, 2 (one block) to 6 fp32 / 5 bf16, 1 beyond
+//   portable           plain loops over whole 16-lane blocks, one explicit fused multiply-add per term
 //
 // Every output is ONE chain of sums over k, in k's order, whatever path and however many rows share the
-// call: acc = fma(W[k], x[k], acc) for k = 0, 1, ... (bf16 without vdpbf16ps: k even, then k odd, as
-// widened pairs). So a row's bits never depend on the rows beside it (batch invariance relies on it), and
-// the fp32 result is the same on all three paths. The portable loop once left the `a * b + c` to the
-// compiler: at -march=x86-64-v3 it contracted it into an FMA for groups of 2-4 rows and not for a row
-// alone, and a row got other bits when other rows shared its call.
+// call: acc = fma(W[k], x[k], acc) for k = 0, 1, ... (vdpbf16ps: one step per pair). So a row's bits never
+// depend on the rows beside it (batch invariance relies on it), and the fp32 result is the same on all three
+// paths. The portable loop once left the `a * b + c` to the compiler: at -march=x86-64-v3 it contracted it
+// into an FMA for groups of 2-4 rows and not for a row alone, and a row got other bits beside other rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,16 +41,18 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_simd.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // outputs per column block
-constexpr int kBlocks = 4;      // NB: column blocks walked side by side
-constexpr int kRows = 4;        // MB: rows of x sharing each loaded W vector
+constexpr int64_t kLanes = 16;  // outputs per column block (the packed layout)
+constexpr int kBlocks = 4;      // NB: column blocks per task of a thread
+constexpr int kMaxRows = 8;     // MB: rows of x sharing one pass over the weight
 
 using namespace minivllm_cpu_simd;
+using bf16 = c10::BFloat16;
 
 // acc + a * b with one rounding where the target has a fused multiply-add (what the SIMD paths do),
 // written out so the compiler's choice to contract or not cannot differ between instantiations.
@@ -57,135 +64,144 @@ inline float madd(float a, float b, float acc) {
 #endif
 }
 
-// acc[j][m][0:16] = sum over k of Wp[block0 + j][k][0:16] * x[m][k], the portable version.
-template <typename T, int NB, int MB>
-void blocks_portable(const T* x, int64_t K, const T* wp, int64_t block0, float (*acc)[MB][kLanes]) {
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < MB; ++m)
-      for (int64_t l = 0; l < kLanes; ++l) acc[j][m][l] = 0.f;
-  for (int j = 0; j < NB; ++j) {
-    const T* w = wp + (block0 + j) * K * kLanes;
-    for (int64_t k = 0; k < K; ++k)
-      for (int m = 0; m < MB; ++m) {
-        const float xv = to_float(x[m * K + k]);
-        for (int64_t l = 0; l < kLanes; ++l) {
-          // the bf16 layout pairs k: element (k, l) sits at ((k / 2) * 16 + l) * 2 + k % 2
-          const int64_t at = std::is_same_v<T, float> ? k * kLanes + l : ((k / 2) * kLanes + l) * 2 + k % 2;
-          acc[j][m][l] = madd(to_float(w[at]), xv, acc[j][m][l]);
-        }
-      }
+// --- the instruction sets: a vector V of kWidth fp32 lanes and what the tile does with it ---------------
+// widen(p, even, odd): kWidth bf16 pairs at p -> the first of each pair (k even), the second (k odd).
+struct Portable {
+  static constexpr int kWidth = 16, kRegisters = 1 << 10;  // no register file to fit: whole groups at once
+  static constexpr bool kDotPairs = false;
+  struct V { float l[kWidth]; };
+  static V zero() { return V{}; }
+  static V load(const float* p) { V v; std::memcpy(v.l, p, sizeof v.l); return v; }
+  static V broadcast(const float* p) { V v; std::fill(v.l, v.l + kWidth, *p); return v; }
+  static V fma(const V& a, const V& b, V acc) {
+    for (int i = 0; i < kWidth; ++i) acc.l[i] = madd(a.l[i], b.l[i], acc.l[i]);
+    return acc;
   }
-}
+  static void widen(const bf16* p, V& even, V& odd) {
+    for (int i = 0; i < kWidth; ++i) even.l[i] = to_float(p[2 * i]), odd.l[i] = to_float(p[2 * i + 1]);
+  }
+  static void store(float* p, const V& v) { std::memcpy(p, v.l, sizeof v.l); }
+};
 
 #if defined(__AVX512F__)
-template <typename T, int NB, int MB>
-void blocks_avx512(const T* x, int64_t K, const T* wp, int64_t block0, float (*out)[MB][kLanes]) {
-  __m512 acc[NB][MB];
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_setzero_ps();
-  const T* w[NB];
-  for (int j = 0; j < NB; ++j) w[j] = wp + (block0 + j) * K * kLanes;
-  if constexpr (std::is_same_v<T, float>) {
-    for (int64_t k = 0; k < K; ++k) {
-      __m512 xv[MB];
-      for (int m = 0; m < MB; ++m) xv[m] = _mm512_set1_ps(x[m * K + k]);
-      for (int j = 0; j < NB; ++j) {
-        const __m512 wv = _mm512_loadu_ps(w[j] + k * kLanes);
-        for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_fmadd_ps(wv, xv[m], acc[j][m]);
-      }
-    }
-  } else {
-    for (int64_t p = 0; p < K / 2; ++p) {
-      __m512i xv[MB];  // the pair x[m][2p], x[m][2p+1] in every 32-bit lane
-      for (int m = 0; m < MB; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, x + m * K + 2 * p, sizeof pair);
-        xv[m] = _mm512_set1_epi32(pair);
-      }
-      for (int j = 0; j < NB; ++j) {
-        const __m512i wv = _mm512_loadu_si512(w[j] + p * kLanes * 2);
-        for (int m = 0; m < MB; ++m) {
-#if defined(__AVX512BF16__)
-          acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)wv, (__m512bh)xv[m]);
-#else  // widen bf16 to fp32 (a bf16 is the top half of an fp32): even k in the low halves, odd in the high
-          const __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
-          const __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(wv, _mm512_set1_epi32(0xFFFF0000)));
-          const __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(xv[m], 16));
-          const __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(xv[m], _mm512_set1_epi32(0xFFFF0000)));
-          acc[j][m] = _mm512_fmadd_ps(w_odd, x_odd, _mm512_fmadd_ps(w_even, x_even, acc[j][m]));
-#endif
-        }
-      }
-    }
+struct Avx512 {
+  static constexpr int kWidth = 16, kRegisters = 32;
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V fma(V a, V b, V acc) { return _mm512_fmadd_ps(a, b, acc); }
+  static void widen(const bf16* p, V& even, V& odd) {
+    const __m512i w = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
   }
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out[j][m], acc[j][m]);
-}
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+#if defined(__AVX512BF16__)
+  static constexpr bool kDotPairs = true;  // acc += w[2p] x[2p] + w[2p+1] x[2p+1] per lane, one instruction
+  using Pairs = __m512i;
+  static Pairs load_pairs(const bf16* p) { return _mm512_loadu_si512(p); }
+  static Pairs broadcast_pair(const bf16* p) { int32_t v; std::memcpy(&v, p, sizeof v); return _mm512_set1_epi32(v); }
+  static V dot_pairs(Pairs w, Pairs x, V acc) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+#else
+  static constexpr bool kDotPairs = false;
+#endif
+};
+using Simd = Avx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Avx2 {  // x86-64-v3: 16 ymm registers; a 16-lane block is two columns
+  static constexpr int kWidth = 8, kRegisters = 16;
+  static constexpr bool kDotPairs = false;
+  using V = __m256;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V fma(V a, V b, V acc) { return _mm256_fmadd_ps(a, b, acc); }
+  static void widen(const bf16* p, V& even, V& odd) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+using Simd = Avx2;
+#else
+using Simd = Portable;
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// The AVX-512 path's sums on 8-lane halves: lanes 0-7 and 8-15 of each block are two chains each. AVX2 has
-// 16 registers, not 32, so JB blocks go side by side (JB * MB * 2 <= 8 accumulators, enough to hide the
-// FMA latency) instead of all NB: the grouping changes which chains run together, never a chain's order.
-template <typename T, int NB, int MB>
-void blocks_avx2(const T* x, int64_t K, const T* wp, int64_t block0, float (*out)[MB][kLanes]) {
-  constexpr int JB = std::max(1, std::min(NB, 4 / MB));
-  static_assert(NB % JB == 0, "the blocks go JB at a time");
-  for (int j0 = 0; j0 < NB; j0 += JB) {
-    __m256 acc[JB][MB][2];
-    for (int j = 0; j < JB; ++j)
-      for (int m = 0; m < MB; ++m) acc[j][m][0] = acc[j][m][1] = _mm256_setzero_ps();
-    const T* w[JB];
-    for (int j = 0; j < JB; ++j) w[j] = wp + (block0 + j0 + j) * K * kLanes;
-    if constexpr (std::is_same_v<T, float>) {
-      for (int64_t k = 0; k < K; ++k) {
-        __m256 xv[MB];
-        for (int m = 0; m < MB; ++m) xv[m] = _mm256_set1_ps(x[m * K + k]);
-        for (int j = 0; j < JB; ++j)
-          for (int half = 0; half < 2; ++half) {
-            const __m256 wv = _mm256_loadu_ps(w[j] + k * kLanes + 8 * half);
-            for (int m = 0; m < MB; ++m) acc[j][m][half] = _mm256_fmadd_ps(wv, xv[m], acc[j][m][half]);
-          }
-      }
-    } else {  // bf16 widened by a shift, as the AVX-512 path without AVX512_BF16: even k, then odd k
-      const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
-      for (int64_t p = 0; p < K / 2; ++p) {
-        __m256 x_even[MB], x_odd[MB];  // x[m][2p] and x[m][2p+1] in every lane
-        for (int m = 0; m < MB; ++m) {
-          int32_t pair;
-          std::memcpy(&pair, x + m * K + 2 * p, sizeof pair);
-          const __m256i xv = _mm256_set1_epi32(pair);
-          x_even[m] = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16));
-          x_odd[m] = _mm256_castsi256_ps(_mm256_and_si256(xv, high));
-        }
-        for (int j = 0; j < JB; ++j)
-          for (int half = 0; half < 2; ++half) {  // 8 pairs: lanes 8 * half ... 8 * half + 7
-            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + (p * kLanes + 8 * half) * 2));
-            const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
-            const __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(wv, high));
-            for (int m = 0; m < MB; ++m)
-              acc[j][m][half] = _mm256_fmadd_ps(w_odd, x_odd[m], _mm256_fmadd_ps(w_even, x_even[m], acc[j][m][half]));
-          }
+// How many columns a tile takes side by side: the most (a power of two, within the group's `columns`)
+// whose registers fit: C * rows accumulators, the weight's C vectors (2C once widened), one broadcast x.
+template <class Isa, typename T>
+constexpr int registers_per_column(int rows) { return rows + (std::is_same_v<T, bf16> && !Isa::kDotPairs ? 2 : 1); }
+template <class Isa, typename T>
+constexpr int side_by_side(int rows, int columns) {
+  int c = 1;
+  while (2 * c <= columns && 2 * c * registers_per_column<Isa, T>(rows) + 1 <= Isa::kRegisters) c *= 2;
+  return c;
+}
+
+// --- one tile: C columns x MB rows, each output lane one chain over k ------------------------------------
+// out[j][m][l] for the columns q0 .. q0 + C - 1 of the group at wp (column q: block q / per_block, lanes from
+// (q % per_block) * kWidth); x is (MB, K) in T, xf the same rows in fp32.
+template <class Isa, typename T, int C, int MB>
+void tile(const T* x, const float* xf, int64_t K, const T* wp, int q0, float (*out)[MB][kLanes]) {
+  using V = typename Isa::V;
+  constexpr int kWidth = Isa::kWidth, per_block = kLanes / kWidth;
+  constexpr int64_t step = 2 * kLanes;  // elements from one k (fp32) or k pair (bf16) to the next: 64 bytes
+  const T* w[C];
+  for (int c = 0; c < C; ++c) {
+    const int q = q0 + c, lane0 = (q % per_block) * kWidth;
+    w[c] = wp + (q / per_block) * K * kLanes + (std::is_same_v<T, float> ? lane0 : 2 * lane0);
+  }
+  // The loops that touch acc as a whole are unrolled in full: GCC 12 otherwise kept acc in memory as well as
+  // in registers and stored every accumulator on every k (x86-64-v3, 2 columns x 5 rows: 10 stores a step).
+  V acc[C][MB];
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) acc[c][m] = Isa::zero();
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t k = 0; k < K; ++k) {
+      V wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = Isa::load(w[c] + k * kLanes);
+      for (int m = 0; m < MB; ++m) {
+        const V xv = Isa::broadcast(xf + m * K + k);
+        for (int c = 0; c < C; ++c) acc[c][m] = Isa::fma(wv[c], xv, acc[c][m]);
       }
     }
-    for (int j = 0; j < JB; ++j)
-      for (int m = 0; m < MB; ++m)
-        for (int half = 0; half < 2; ++half) _mm256_storeu_ps(out[j0 + j][m] + 8 * half, acc[j][m][half]);
+  } else if constexpr (Isa::kDotPairs) {
+    for (int64_t p = 0; p < K / 2; ++p) {
+      typename Isa::Pairs wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = Isa::load_pairs(w[c] + p * step);
+      for (int m = 0; m < MB; ++m) {
+        const auto xv = Isa::broadcast_pair(x + m * K + 2 * p);
+        for (int c = 0; c < C; ++c) acc[c][m] = Isa::dot_pairs(wv[c], xv, acc[c][m]);
+      }
+    }
+  } else {  // widened pairs: k even, then k odd, one x broadcast live at a time (the register budget's 1)
+    for (int64_t p = 0; p < K / 2; ++p) {
+      V even[C], odd[C];
+      for (int c = 0; c < C; ++c) Isa::widen(w[c] + p * step, even[c], odd[c]);
+      for (int m = 0; m < MB; ++m) {
+        const V x_even = Isa::broadcast(xf + m * K + 2 * p);
+        for (int c = 0; c < C; ++c) acc[c][m] = Isa::fma(even[c], x_even, acc[c][m]);
+        const V x_odd = Isa::broadcast(xf + m * K + 2 * p + 1);
+        for (int c = 0; c < C; ++c) acc[c][m] = Isa::fma(odd[c], x_odd, acc[c][m]);
+      }
+    }
   }
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) Isa::store(out[(q0 + c) / per_block][m] + ((q0 + c) % per_block) * kWidth, acc[c][m]);
 }
-#endif
 
 // y[m][16 * (block0 + j) + l] for NB blocks and MB rows, bias added, rounded to T; columns >= N are padding.
 template <typename T, int NB, int MB>
-void blocks(const T* x, int64_t K, const T* wp, const T* bias, T* y, int64_t N, int64_t block0) {
+void blocks(const T* x, const float* xf, int64_t K, const T* wp, const T* bias, T* y, int64_t N, int64_t block0) {
+  constexpr int columns = NB * kLanes / Simd::kWidth, C = side_by_side<Simd, T>(MB, columns);
   float acc[NB][MB][kLanes];
-#if defined(__AVX512F__)
-  blocks_avx512<T, NB, MB>(x, K, wp, block0, acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  blocks_avx2<T, NB, MB>(x, K, wp, block0, acc);
-#else
-  blocks_portable<T, NB, MB>(x, K, wp, block0, acc);
-#endif
+  for (int q = 0; q < columns; q += C) tile<Simd, T, C, MB>(x, xf, K, wp + block0 * K * kLanes, q, acc);
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m)
       for (int64_t l = 0; l < kLanes; ++l) {
@@ -194,20 +210,19 @@ void blocks(const T* x, int64_t K, const T* wp, const T* bias, T* y, int64_t N, 
       }
 }
 
-template <typename T, int NB>
-void rows_of_x(const T* x, int64_t M, int64_t K, const T* wp, const T* bias, T* y, int64_t N, int64_t block0) {
-  int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) blocks<T, NB, kRows>(x + m * K, K, wp, bias, y + m * N, N, block0);
-  switch (M - m) {  // the last 1-3 rows
-    case 1: blocks<T, NB, 1>(x + m * K, K, wp, bias, y + m * N, N, block0); break;
-    case 2: blocks<T, NB, 2>(x + m * K, K, wp, bias, y + m * N, N, block0); break;
-    case 3: blocks<T, NB, 3>(x + m * K, K, wp, bias, y + m * N, N, block0); break;
-    default: break;
+// `rows` (1 .. kMaxRows) rows through blocks<T, NB, rows>: one instantiation per row count.
+template <typename T, int NB, int MB = kMaxRows>
+void some_rows(int64_t rows, const T* x, const float* xf, int64_t K, const T* wp, const T* bias, T* y, int64_t N,
+               int64_t block0) {
+  if (rows == MB) {
+    blocks<T, NB, MB>(x, xf, K, wp, bias, y, N, block0);
+  } else if constexpr (MB > 1) {
+    some_rows<T, NB, MB - 1>(rows, x, xf, K, wp, bias, y, N, block0);
   }
 }
 
 template <typename T>
-void run(const at::Tensor& x, const at::Tensor& wp, const T* bias, at::Tensor& y) {
+void run(const at::Tensor& x, const float* xfp, const at::Tensor& wp, const T* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1), n_blocks = wp.size(0);
   const T* xp = x.data_ptr<T>();
   const T* w = wp.data_ptr<T>();
@@ -221,10 +236,14 @@ void run(const at::Tensor& x, const at::Tensor& wp, const T* bias, at::Tensor& y
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * kBlocks;
-      if (b + kBlocks <= n_blocks) {
-        rows_of_x<T, kBlocks>(xp, M, K, w, bias, yp, N, b);
-      } else {
-        for (int64_t bb = b; bb < n_blocks; ++bb) rows_of_x<T, 1>(xp, M, K, w, bias, yp, N, bb);
+      for (int64_t m = 0; m < M; m += kMaxRows) {  // up to 8 rows a pass; a 9th row re-reads the group from cache
+        const int64_t rows = std::min<int64_t>(kMaxRows, M - m);
+        const float* xf = xfp ? xfp + m * K : nullptr;  // none where vdpbf16ps reads x's pairs as they are
+        if (b + kBlocks <= n_blocks) {
+          some_rows<T, kBlocks>(rows, xp + m * K, xf, K, w, bias, yp + m * N, N, b);
+        } else {
+          for (int64_t bb = b; bb < n_blocks; ++bb) some_rows<T, 1>(rows, xp + m * K, xf, K, w, bias, yp + m * N, N, bb);
+        }
       }
     }
   });
@@ -248,22 +267,34 @@ at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t ou
               "skinny_gemm: the bias must be (out_features,)");
   at::Tensor y = at::empty({xc.size(0), out_features}, x.options());
   if (x.scalar_type() == at::kFloat) {
-    run<float>(xc, packed, b.defined() ? b.data_ptr<float>() : nullptr, y);
+    run<float>(xc, xc.data_ptr<float>(), packed, b.defined() ? b.data_ptr<float>() : nullptr, y);
   } else {
     TORCH_CHECK(xc.size(1) % 2 == 0, "skinny_gemm: bfloat16 needs an even in_features");
-    run<c10::BFloat16>(xc, packed, b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, y);
+    // widened pairs multiply by x in fp32: one copy a call (rows x in), not one conversion a block
+    const at::Tensor xf = Simd::kDotPairs ? at::Tensor() : xc.to(at::kFloat);
+    run<bf16>(xc, xf.defined() ? xf.data_ptr<float>() : nullptr, packed, b.defined() ? b.data_ptr<bf16>() : nullptr, y);
   }
   return y;
 }
 
+// How this build walks `rows` rows (of bf16 or fp32): {rows a pass, passes over the weight, columns a tile,
+// lanes a column, registers a tile holds, registers the ISA has} at the first pass's row count.
+std::vector<int64_t> skinny_gemm_tiling(int64_t rows, bool bf16_weight) {
+  TORCH_CHECK(rows >= 1, "skinny_gemm_tiling: rows must be >= 1");
+  const int first = int(std::min<int64_t>(rows, kMaxRows)), columns = kBlocks * kLanes / Simd::kWidth;
+  const int c = bf16_weight ? side_by_side<Simd, bf16>(first, columns) : side_by_side<Simd, float>(first, columns);
+  const int per = bf16_weight ? registers_per_column<Simd, bf16>(first) : registers_per_column<Simd, float>(first);
+  return {kMaxRows, (rows + kMaxRows - 1) / kMaxRows, c, Simd::kWidth, c * per + 1, Simd::kRegisters};
+}
+
 }  // namespace
 
-// torch.ops.minivllm_cpu.skinny_gemm, with paged_decode_attention.cpp (kernels/cpu_build.py builds both as
-// one extension); the tests build the other code paths under other library names
+// torch.ops.minivllm_cpu.*, built with the other kernels (cpu_build.py); tests build other paths under other names
 #ifndef MINIVLLM_CPU_LIBRARY
 #define MINIVLLM_CPU_LIBRARY minivllm_cpu
 #endif
 TORCH_LIBRARY_FRAGMENT(MINIVLLM_CPU_LIBRARY, m) {
   m.def("skinny_gemm(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("skinny_gemm_tiling(int rows, bool bf16) -> int[]", &skinny_gemm_tiling);
 }
 TORCH_LIBRARY_IMPL(MINIVLLM_CPU_LIBRARY, CPU, m) { m.impl("skinny_gemm", &skinny_gemm); }

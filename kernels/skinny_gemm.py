@@ -13,7 +13,10 @@ reads the same bytes at 40-55 GB/s. Two things cost the difference:
 So `pack_skinny_weight` lays W out in blocks of 16 output columns, each block contiguous (the C++
 file's header draws it), and the kernel broadcasts `x[m][k]` against a 16-wide slice of W: 16 outputs
 advance per load, no horizontal sums, one front-to-back read of the weight per call, shared by up to
-4 rows. bf16 weights are paired along k so one AVX-512 BF16 dot-product instruction does 32 MACs.
+8 rows (speculative decoding verifies 1 + k rows, k drafts: 5 rows read what 1 row reads). bf16 weights
+are paired along k so one AVX-512 BF16 dot-product instruction does 32 MACs; without it (AVX2, AVX-512
+without BF16) a pair is widened to fp32 by a shift in registers. `skinny_gemm_tiling` says how this
+build tiles a number of rows into the register file (the notebooks print it).
 
 The C++ (skinny_gemm.cpp, beside this file) is compiled on first use for the machine that runs it, with
 the other CPU kernels (kernels/cpu_build.py). Where it cannot be built, `load_cpu_kernels` says why,
@@ -25,6 +28,7 @@ the matmul plan's summary repeats it, and the plan simply does not offer the for
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,3 +68,22 @@ def skinny_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     """x (rows, in) times the weight packed by `pack_skinny_weight` -> (rows, out_features), + bias.
     Call `load_cpu_kernels()` (kernels/cpu_build.py) first; it must say available."""
     return torch.ops.minivllm_cpu.skinny_gemm(x, packed, out_features, bias)
+
+
+class SkinnyTiling(NamedTuple):
+    """How the compiled kernel walks `rows` rows of x: `rows_per_pass` rows share one read of the weight
+    (`passes` reads in all); each tile keeps `columns` x rows accumulators of `lanes` fp32 lanes in registers,
+    `registers_used` of the `registers` the build's ISA has (the portable loop has no register file: 1024)."""
+
+    rows_per_pass: int
+    passes: int
+    columns: int
+    lanes: int
+    registers_used: int
+    registers: int
+
+
+def skinny_gemm_tiling(rows: int, dtype: torch.dtype) -> SkinnyTiling:
+    """The tiling of this process's build (AVX-512, AVX2 or portable) for `rows` rows of `dtype` weights, at the
+    first pass's row count. Call `load_cpu_kernels()` first."""
+    return SkinnyTiling(*torch.ops.minivllm_cpu.skinny_gemm_tiling(rows, dtype == torch.bfloat16))

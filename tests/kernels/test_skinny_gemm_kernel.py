@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_helpers import require_cpu_kernels
-from minivllm.kernels.skinny_gemm import LANES, can_pack_skinny, naive_skinny_gemm, pack_skinny_weight, skinny_gemm
+from minivllm.kernels.skinny_gemm import (LANES, can_pack_skinny, naive_skinny_gemm, pack_skinny_weight, skinny_gemm,
+                                          skinny_gemm_tiling)
 
 
 require_cpu_kernels()
@@ -26,10 +27,26 @@ def test_the_packed_layout_is_blocks_of_16_output_columns():
     assert torch.equal(pb[0, 1, 7], w.bfloat16()[7, 2:4])
 
 
+def error_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact x w^T + b (float64) and how far an fp32 sum of it, in any order, rounded once to x's dtype, may
+    land from it: g(K + 1) sum_k |x_k w_k| + |b| (K products and sums, and the bias; g(n) = n u / (1 - n u),
+    u = 2^-24) plus half an ulp of the output's dtype (2^-8 relative for bf16)."""
+    u, n = 2.0 ** -24, x.shape[1] + 1
+    exact = x.double() @ w.double().t()  # (rows, out)
+    spread = x.double().abs() @ w.double().abs().t()
+    if bias is not None:
+        exact, spread = exact + bias.double(), spread + bias.double().abs()
+    bound = n * u / (1 - n * u) * spread  # the fp32 sum's error
+    if x.dtype == torch.bfloat16:  # then rounded to bf16: half an ulp of the sum, |sum| <= |exact| + its error
+        bound = bound + 2.0 ** -8 * (exact.abs() + bound)
+    return exact, bound
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17])
 @pytest.mark.parametrize("out_f,in_f", [(16, 32), (37, 10), (160, 96), (200, 578)])
 def test_matches_naive(dtype, rows, out_f, in_f):
+    """1-8 rows share one read of the weight (tiles of 1-4 columns); 9, 13, 17 rows end in a pass of 1, 5, 1."""
     g = torch.Generator().manual_seed(rows * 1000 + out_f)
     x = torch.randn(rows, in_f, generator=g).to(dtype)
     w = (torch.randn(out_f, in_f, generator=g) / in_f ** 0.5).to(dtype)
@@ -38,18 +55,45 @@ def test_matches_naive(dtype, rows, out_f, in_f):
     for b in (None, bias):
         y = skinny_gemm(x, packed, out_f, b)
         assert y.shape == (rows, out_f) and y.dtype == dtype
-        # fp32 sums in another order; bf16 output rounds once more than the fp32 reference
-        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(y.float(), naive_skinny_gemm(x, w, b).float(), **tol)
+        exact, bound = error_bound(x, w, b)
+        assert ((y.double() - exact).abs() <= bound).all()
+        assert ((naive_skinny_gemm(x, w, b).double() - exact).abs() <= bound).all()  # the bound holds the reference
 
 
-def test_a_row_never_depends_on_the_rows_beside_it():
-    """Rows are grouped by four inside the kernel; each output sums its own row in a fixed order."""
+def test_the_error_bound_catches_a_misread_weight():
+    """The bound is tight enough to fail a kernel that reads one weight of a row wrong (here: zeroed)."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(48, 64, generator=g) / 8
+    exact, bound = error_bound(x, w, None)
+    broken = w.clone()
+    broken[17, 40] = 0.0
+    assert not ((skinny_gemm(x, pack_skinny_weight(broken), 48).double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_never_depends_on_the_rows_beside_it(dtype):
+    """Rows share passes of up to 8 and tiles of 1-8; each output sums its own row in one fixed order, so any
+    count of rows, odd or even, gives a row the bits it has alone (200 outputs: 3 groups of 4 blocks and a
+    tail block)."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(7, 64, generator=g), torch.randn(48, 64, generator=g)
+    x, w = torch.randn(17, 96, generator=g).to(dtype), torch.randn(200, 96, generator=g).to(dtype)
     packed = pack_skinny_weight(w)
-    alone = torch.cat([skinny_gemm(x[i:i + 1], packed, 48) for i in range(7)])
-    assert torch.equal(skinny_gemm(x, packed, 48), alone)
+    alone = torch.cat([skinny_gemm(x[i:i + 1], packed, 200) for i in range(17)])
+    for rows in range(2, 18):
+        assert torch.equal(skinny_gemm(x[:rows], packed, 200), alone[:rows]), rows
+    assert torch.equal(skinny_gemm(x[9:16], packed, 200), alone[9:16])  # 7 rows from the middle
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_up_to_eight_rows_share_one_read_of_the_weight_within_the_register_file(dtype):
+    """A verify step of 1 + k rows (k drafts) reads the weight once, as a decode step does, up to 8 rows; each
+    tile's accumulators, weight vectors and broadcast x fit the registers of the build's ISA (no spills by design)."""
+    for rows in range(1, 18):
+        t = skinny_gemm_tiling(rows, dtype)
+        assert t.rows_per_pass == 8 and t.passes == -(-rows // 8), (rows, t)
+        assert t.lanes in (8, 16) and (4 * LANES) % (t.columns * t.lanes) == 0, (rows, t)  # tiles cut a group
+        assert t.registers_used <= t.registers, (rows, t)
+        assert t.registers_used >= t.columns * min(rows, 8) + 1  # the accumulators and one x at least
 
 
 def test_bad_inputs_are_refused_with_what_to_change():
