@@ -79,7 +79,8 @@ def test_without_warm_up_or_for_fp16_torch_ops_run():
 def test_a_compiled_graph_traces_torch_ops_not_the_kernels():
     """Inductor fuses the element-wise ops itself; the kernels have no shape-only (fake) version to trace."""
     kernels = NormRopeKernels(True, "forced by the test")
-    norm = RMSNorm(32, 1e-6, kernels)
+    norm = RMSNorm(32, 1e-6)
+    norm.kernels = kernels
     x, res = torch.randn(4, 32), torch.randn(4, 32)
     with torch.inference_mode():
         eager = norm(x, residual=res)
@@ -91,7 +92,8 @@ def test_a_compiled_graph_traces_torch_ops_not_the_kernels():
 def test_inputs_the_kernel_does_not_take_run_torch_ops_instead():
     """Another dtype for the weight or the residual, a 4-D x, or autograd: the torch path, never an error."""
     kernels = NormRopeKernels(True, "forced by the test")
-    norm = RMSNorm(8, 1e-6, kernels)  # an fp32 weight
+    norm = RMSNorm(8, 1e-6)  # an fp32 weight
+    norm.kernels = kernels
     x = torch.randn(2, 3, 4, 8)
     with torch.inference_mode():
         assert torch.equal(norm(x), norm.forward_native(x))  # 4-D
