@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 HEAVY = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.tensor")
 
 
@@ -29,3 +31,36 @@ def test_an_engine_starts_without_them_once_its_tokenizer_class_is_remembered(qw
     start = f"import minivllm\nminivllm.LLM({qwen3_dir!r}, block_size=4, num_kv_blocks=32)"
     _imported_after(start)
     assert _imported_after(start) == set()
+
+
+def test_a_start_runs_one_garbage_collection_and_restores_the_collector(qwen3_dir):
+    # A start allocates ~1e5 long-lived objects: with automatic collection on, each allocation burst set off
+    # collections that walked the whole heap (two full ones in a default-model start). Paused, there is one:
+    # the engine's own, before it freezes the heap.
+    import gc
+
+    import minivllm
+
+    generations: list[int] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            generations.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        llm = minivllm.LLM(qwen3_dir, block_size=4, num_kv_blocks=32)
+    finally:
+        gc.callbacks.remove(record)
+    assert generations == [2]
+    assert gc.isenabled()
+    llm.shutdown()
+    gc.disable()  # a caller that turned the collector off keeps it off, a failed start too
+    try:
+        minivllm.LLM(qwen3_dir, block_size=4, num_kv_blocks=32, warmup=False).shutdown()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(FileNotFoundError):
+        minivllm.LLM(qwen3_dir + "-missing")
+    assert gc.isenabled()
