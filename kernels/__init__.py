@@ -17,7 +17,8 @@ reference it must match.
     greedy_argmax.py (.cpp)  CPU, C++: an all-greedy step's tokens straight from bf16 or fp32 logits
     rms_norm.py (.cpp)    CPU, C++: RMSNorm in HF's rounding order, and vLLM's fused_add_rms_norm
     rotary_embedding.py (.cpp)  CPU, C++: RoPE over a step's heads, bit-identical to the torch form
-    cpu_build.py          compiles the C++ kernels on first use, for the CPU at hand
+    cpu_build.py          compiles the C++ kernels on first use, for the CPU at hand (or MINIVLLM_CPU_ISA's level)
+    compile_check.py      compiles them for levels this CPU may not run (AVX-512, AMX), loading nothing
 
 This folder is installed as `minivllm.kernels` (see pyproject.toml), never as a top-level
 `kernels` package: transformers looks for Hugging Face's kernel hub under that name. It also

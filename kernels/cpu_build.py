@@ -12,8 +12,9 @@ They share the float32 / bfloat16 helpers of cpu_simd.h and register their ops u
 `torch.ops.minivllm_cpu`. `load_cpu_kernels()` compiles them with torch.utils.cpp_extension (ninja and the
 system's C++ compiler; ~20-70 s on 2 cores the first time; later the library is loaded as it is) with
 -march=native, i.e. for the machine that runs them: AVX-512 paths where the CPU has them, AVX2 + FMA or
-plain loops elsewhere (each kernel's header says which paths it has; MINIVLLM_CPU_ISA=avx2 builds for
-x86-64-v3 instead). The build folder is named after a digest of everything the binary depends on: this
+plain loops elsewhere (each kernel's header says which paths it has). MINIVLLM_CPU_ISA caps the level:
+"avx2" (x86-64-v3) or "portable" (x86-64, the plain loops), also hiding the flags above it from CpuInfo.
+The build folder is named after the level and a digest of everything the binary depends on: this
 CPU's instruction-set flags, torch's version, the sources and headers, and the flags. So a home directory
 shared with a different CPU, or two checkouts of different minivllm versions, never load each other's build
 (a binary from other sources would compute something else, quietly).
@@ -40,7 +41,6 @@ import logging
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -75,10 +75,6 @@ ISA_HIDDEN_FLAGS = {"native": frozenset(), "avx2": _ABOVE_V3, "portable": _ABOVE
 # and builds for the CPU instead).
 ISA_NEEDS = {"native": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"}),
              "portable": frozenset()}
-# Levels compiled but never loaded here (`compile_only`): CI proves their code builds on a machine that cannot
-# run it. Only the sources that have code for the level are compiled (those that test one of its macros).
-COMPILE_ONLY = {"x86-64-v4": (["-march=x86-64-v4"], ("__AVX512F__",)),
-                "amx": (["-march=sapphirerapids"], ("__AMX_TILE__", "__AMX_BF16__", "__AVX512BF16__"))}
 
 
 def isa_level() -> str:
@@ -300,66 +296,3 @@ def _progress(message: str) -> Iterator[None]:
         ticker.join()
     print(f"minivllm: the CPU kernels are built ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
 
-
-def compile_only_sources(level: str) -> tuple[str, ...]:
-    """The sources with code for a compile-only level: those that test one of its macros (a file without
-    AVX-512 code would compile at -march=x86-64-v4 to what the native build already checks)."""
-    here, macros = Path(__file__).parent, COMPILE_ONLY[level][1]
-    headers = {h: (here / h).read_text() for h in HEADERS}
-    def text(source: str) -> str:  # the source and the minivllm headers it includes
-        body = (here / source).read_text()
-        return body + "".join(t for h, t in headers.items() if f'#include "{h}"' in body)
-    return tuple(source for source in SOURCES if any(m in text(source) for m in macros))
-
-
-def compile_only(level: str, out_dir: Path, jobs: int | None = None) -> tuple[str, ...]:
-    """Compile the kernels' sources for `level` (a key of COMPILE_ONLY) into object files under `out_dir`,
-    with the real build's flags and nothing loaded or run: code this machine cannot run (AVX-512, AMX on an
-    AVX2 CI machine) at least builds. Returns the sources compiled; raises RuntimeError with the compiler's
-    error lines if one fails."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from torch.utils.cpp_extension import get_cxx_compiler, include_paths
-
-    sources, here = compile_only_sources(level), Path(__file__).parent
-    flags = ["-std=c++20", "-fPIC", "-O3", "-fopenmp", *COMPILE_ONLY[level][0], f"-DMINIVLLM_CPU_LIBRARY={LIBRARY}",
-             *(f"-isystem{path}" for path in include_paths())]
-
-    def compile_one(source: str) -> str:
-        out = out_dir / f"{Path(source).stem}.{level}.o"
-        run = subprocess.run([get_cxx_compiler(), *flags, "-c", str(here / source), "-o", str(out)],
-                             capture_output=True, text=True)
-        return "" if run.returncode == 0 else f"{source}: {_cause(run.stderr or run.stdout)}"
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
-        failures = [f for f in pool.map(compile_one, sources) if f]
-    if failures:
-        raise RuntimeError(f"the kernels do not compile for {level}: " + "; ".join(failures))
-    return sources
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m minivllm.kernels.cpu_build --compile-only x86-64-v4 [amx ...]`: compile, load nothing."""
-    import argparse
-    import tempfile
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--compile-only", nargs="+", choices=sorted(COMPILE_ONLY), required=True, metavar="LEVEL",
-                        help=f"levels to compile for without loading: {', '.join(sorted(COMPILE_ONLY))}")
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="minivllm-compile-only-") as tmp:
-        for level in args.compile_only:
-            start = time.monotonic()
-            try:
-                sources = compile_only(level, Path(tmp))
-            except RuntimeError as error:
-                print(error, file=sys.stderr)
-                return 1
-            print(f"{level} ({' '.join(COMPILE_ONLY[level][0])}): {', '.join(sources)} compile "
-                  f"({time.monotonic() - start:.0f} s)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from minivllm.kernels import cpu_build
-from minivllm.kernels.cpu_build import (_cause, build_cpu_kernels, build_key, build_level, build_name, compile_only,
-                                        compile_only_sources, hides_flag, isa_level, load_cpu_kernels)
+from minivllm.kernels import compile_check
+from minivllm.kernels.compile_check import compile_only, compile_only_sources
+from minivllm.kernels.cpu_build import (_cause, build_cpu_kernels, build_key, build_level, build_name, hides_flag,
+                                        isa_level, load_cpu_kernels)
 from minivllm.kernels.greedy_argmax import naive_greedy_argmax
 from minivllm.kernels.paged_decode_attention import naive_paged_decode_attention
 from minivllm.kernels.rms_norm import naive_rms_norm
@@ -157,7 +159,7 @@ def test_compile_only_levels_compile_the_sources_with_code_for_them(monkeypatch,
     v4 = compile_only_sources("x86-64-v4")
     assert "paged_decode_attention.cpp" in v4 and "rms_norm.cpp" in v4 and "kv_cache_write.cpp" not in v4
     assert "skinny_gemm.cpp" in compile_only_sources("amx")
-    monkeypatch.setitem(cpu_build.COMPILE_ONLY, "x86-64-v4", (["-mno-such-flag"], ("__AVX512F__",)))
+    monkeypatch.setitem(compile_check.COMPILE_ONLY, "x86-64-v4", (["-mno-such-flag"], ("__AVX512F__",)))
     with pytest.raises(RuntimeError, match=r"do not compile for x86-64-v4: .*\.cpp: .*no-such-flag"):
         compile_only("x86-64-v4", tmp_path)
 
@@ -166,9 +168,9 @@ def test_compile_only_levels_compile_the_sources_with_code_for_them(monkeypatch,
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
 def test_the_amx_level_compiles_without_running(tmp_path):
-    """What CI runs on an AVX2 machine (`python -m minivllm.kernels.cpu_build --compile-only ...`): object
+    """What CI runs on an AVX2 machine (`python -m minivllm.kernels.compile_check x86-64-v4 amx`): object
     files, nothing loaded."""
-    assert cpu_build.main(["--compile-only", "amx"]) == 0
+    assert compile_check.main(["amx"]) == 0
     assert compile_only("amx", tmp_path) == compile_only_sources("amx")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{Path(s).stem}.amx.o" for s in compile_only_sources("amx"))
 
