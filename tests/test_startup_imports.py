@@ -64,3 +64,16 @@ def test_a_start_runs_one_garbage_collection_and_restores_the_collector(qwen3_di
     with pytest.raises(FileNotFoundError):
         minivllm.LLM(qwen3_dir + "-missing")
     assert gc.isenabled()
+
+
+def test_import_minivllm_sets_off_no_full_collection_and_leaves_the_collector_on():
+    probe = textwrap.dedent("""
+        import gc
+        full = []
+        gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2 else 0)
+        import minivllm
+        print(len(full), gc.isenabled())
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["0", "True"]  # with the collector on during the imports: 3 here
