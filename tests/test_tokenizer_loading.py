@@ -48,7 +48,7 @@ def test_the_remembered_class_loads_the_same_tokenizer_as_auto(model_factory, mo
     first = get_tokenizer(folder)  # asks AutoTokenizer and writes the note
     assert len(_notes()) == 1
     note = json.loads(_notes()[0].read_text())
-    assert note == {"module": type(reference).__module__, "qualname": type(reference).__qualname__}
+    assert (note["module"], note["qualname"]) == (type(reference).__module__, type(reference).__qualname__)
     _forbid_auto(monkeypatch)
     second = get_tokenizer(folder)  # the note: the class directly
     _same_tokenizer(reference, first)
@@ -87,3 +87,58 @@ def test_a_source_that_is_not_a_folder_goes_to_auto_as_it_is(monkeypatch):
     monkeypatch.setattr(tokenizer_module, "_auto_tokenizer", lambda source: asked.append(source) or "tok")
     assert get_tokenizer("some-org/some-model") == "tok" and asked == ["some-org/some-model"]
     assert _notes() == []
+
+
+def _json_files_read(monkeypatch) -> list[str]:
+    """The files Python's json module parses from now on (transformers calls `json.load(handle)`)."""
+    read: list[str] = []
+    real = json.load
+    monkeypatch.setattr(json, "load", lambda f, **kw: read.append(Path(f.name).name) or real(f, **kw))
+    return read
+
+
+def test_added_tokens_are_remembered_so_a_load_parses_no_tokenizer_json_in_python(model_factory, monkeypatch):
+    # transformers 5's save_pretrained (the tiny models', the default model's converted folder) lists no added
+    # tokens in tokenizer_config.json: from_pretrained then parses all of tokenizer.json in Python to find them.
+    folder = model_factory("qwen3")
+    assert "added_tokens_decoder" not in json.loads((Path(folder) / "tokenizer_config.json").read_text())
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    get_tokenizer(folder)
+    note = json.loads(_notes()[0].read_text())
+    listed = json.loads((Path(folder) / "tokenizer.json").read_text())["added_tokens"]
+    assert note["added_tokens_decoder"] == {str(t.pop("id")): t for t in listed}
+    read = _json_files_read(monkeypatch)
+    _forbid_auto(monkeypatch)
+    second = get_tokenizer(folder)
+    assert "tokenizer.json" not in read and "tokenizer_config.json" in read
+    assert second.added_tokens_decoder == reference.added_tokens_decoder
+    assert second.all_special_tokens == reference.all_special_tokens
+    assert second.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    _same_tokenizer(reference, second)
+
+
+def test_added_tokens_are_not_remembered_where_another_file_also_names_special_tokens(model_factory, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(model_factory("qwen3"), folder)
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|endoftext|>"}))
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    get_tokenizer(folder)
+    assert "added_tokens_decoder" not in json.loads(_notes()[0].read_text())
+    second = get_tokenizer(folder)
+    assert second.bos_token == reference.bos_token == "<|endoftext|>"
+    _same_tokenizer(reference, second)
+
+
+def test_a_note_with_malformed_added_tokens_is_ignored(model_factory, monkeypatch, caplog):
+    folder = model_factory("qwen3")
+    get_tokenizer(folder)
+    [note] = _notes()
+    good = json.loads(note.read_text())
+    note.write_text(json.dumps({**good, "added_tokens_decoder": {"0": {"content": "x", "surprise": 1}}}))
+    asked = []
+    real = tokenizer_module._auto_tokenizer
+    monkeypatch.setattr(tokenizer_module, "_auto_tokenizer", lambda source: asked.append(source) or real(source))
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        get_tokenizer(folder)
+    assert asked == [folder] and "added tokens are malformed" in caplog.text
+    assert json.loads(note.read_text()) == good  # rewritten as it was

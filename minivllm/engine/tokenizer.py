@@ -8,16 +8,26 @@ every time for the same files. So the first load asks `AutoTokenizer`, then writ
 chose; later loads call that class's `from_pretrained` directly, which is what `AutoTokenizer` itself
 ends by doing (the same files, the same arguments), so the tokenizer is the same object either way.
 
-    $MINIVLLM_CACHE/tuning/tokenizers/<digest>.json     {"module": ..., "qualname": ...}
+    $MINIVLLM_CACHE/tuning/tokenizers/<digest>.json
+        {"module": ..., "qualname": ...}                 the class AutoTokenizer chose,
+         "added_tokens_decoder": {id: {"content": ...}}  for some folders the added tokens (below)
+
+The note also keeps the added tokens of a folder whose tokenizer_config.json does not list them (what
+transformers 5's own `save_pretrained` writes, the default model's converted folder included): without
+them the class's `from_pretrained` parses the whole tokenizer.json (3.5 MB for SmolLM2) in Python to read
+that list, before the Rust tokenizer parses it again, ~35 % of a load. Passed back as `added_tokens_decoder`,
+tokenizer_config.json's own field, they take transformers' ordinary path. They are kept only where that is
+the same tokenizer: no special_tokens_map.json or added_tokens.json (which the other path reads too), and
+the list as read from tokenizer.json equal, field by field, to what the loaded tokenizer reports.
 
 (beside the tuner's choices, cpu/tuning_cache.py: what a start remembers so the next one is
 quicker; MINIVLLM_TUNING_CACHE moves both, as the tests do)
 
-The digest covers everything the choice reads: the folder's path (AutoTokenizer matches it against
-model-id patterns), the bytes of config.json, tokenizer_config.json and tokenizer.json, and
-transformers' version. Change any of them and the next load asks `AutoTokenizer` again. Only
-transformers' own classes are remembered (never a checkpoint's custom code), and a note that cannot
-be read is ignored (and rewritten).
+The digest covers everything the note's contents depend on: the folder's path (AutoTokenizer matches it
+against model-id patterns), the bytes (or absence) of config.json, tokenizer_config.json, tokenizer.json,
+special_tokens_map.json and added_tokens.json, and transformers' version. Change any of them and the next
+load asks `AutoTokenizer` again. Only transformers' own classes are remembered (never a checkpoint's
+custom code), and a note that cannot be read is ignored (and rewritten).
 """
 
 from __future__ import annotations
@@ -35,7 +45,11 @@ from transformers import PreTrainedTokenizerBase
 
 from minivllm.cpu.tuning_cache import tuning_folder
 
-CHOICE_INPUTS = ("config.json", "tokenizer_config.json", "tokenizer.json")  # what AutoTokenizer reads to choose
+LEGACY_INPUTS = ("special_tokens_map.json", "added_tokens.json")  # read when tokenizer_config lists no added tokens
+CHOICE_INPUTS = ("config.json", "tokenizer_config.json", "tokenizer.json", *LEGACY_INPUTS)  # what the note depends on
+ADDED_TOKEN_FIELDS = {"content": str, "single_word": bool, "lstrip": bool, "rstrip": bool, "normalized": bool,
+                      "special": bool}  # tokenizers' AddedToken, as tokenizer.json and tokenizer_config.json write it
+AddedTokens = dict[str, dict[str, str | bool]]  # token id (a JSON key) -> ADDED_TOKEN_FIELDS
 log = logging.getLogger("minivllm")
 
 
@@ -46,13 +60,18 @@ def get_tokenizer(source: str | Path) -> PreTrainedTokenizerBase:
     if not folder.is_dir():
         return _auto_tokenizer(source)
     note = tuning_folder() / "tokenizers" / f"{_choice_key(folder)}.json"
-    remembered = _remembered_class(note)
+    remembered = _remembered(note)
     if remembered is not None:
-        return remembered.from_pretrained(str(folder))
+        cls, added = remembered
+        return cls.from_pretrained(str(folder), **({} if added is None else {"added_tokens_decoder": added}))
     tokenizer = _auto_tokenizer(str(folder))
     cls = type(tokenizer)
     if cls.__module__.startswith("transformers."):  # never a checkpoint's own (remote) code
-        _write_atomically(note, {"module": cls.__module__, "qualname": cls.__qualname__})
+        content: dict[str, object] = {"module": cls.__module__, "qualname": cls.__qualname__}
+        added = _unlisted_added_tokens(folder, tokenizer)
+        if added is not None:
+            content["added_tokens_decoder"] = added
+        _write_atomically(note, content)
     return tokenizer
 
 
@@ -70,26 +89,53 @@ def _choice_key(folder: Path) -> str:
     return digest.hexdigest()[:24]
 
 
-def _remembered_class(note: Path) -> type[PreTrainedTokenizerBase] | None:
+def _unlisted_added_tokens(folder: Path, tokenizer: PreTrainedTokenizerBase) -> AddedTokens | None:
+    """tokenizer.json's added tokens, where tokenizer_config.json does not list them and passing them back
+    gives the same tokenizer (see the module docstring); else None. Read once, when the note is written."""
+    try:
+        if any((folder / name).exists() for name in LEGACY_INPUTS):
+            return None
+        if "added_tokens_decoder" in json.loads((folder / "tokenizer_config.json").read_text()):
+            return None  # listed already: transformers reads them from there
+        listed = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+        added = {str(t["id"]): {k: t[k] for k in ADDED_TOKEN_FIELDS} for t in listed}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    loaded = {str(i): {k: getattr(t, k) for k in ADDED_TOKEN_FIELDS}
+              for i, t in tokenizer.added_tokens_decoder.items()}
+    return added if added == loaded and _valid_added_tokens(added) else None
+
+
+def _valid_added_tokens(added: object) -> bool:
+    return isinstance(added, dict) and all(
+        isinstance(i, str) and i.isdigit() and isinstance(t, dict) and t.keys() == ADDED_TOKEN_FIELDS.keys()
+        and all(isinstance(t[k], kind) for k, kind in ADDED_TOKEN_FIELDS.items()) for i, t in added.items())
+
+
+def _remembered(note: Path) -> tuple[type[PreTrainedTokenizerBase], AddedTokens | None] | None:
+    """The class (and added tokens, if kept) a note names; None if there is no usable note."""
     try:
         found = json.loads(note.read_text())
-        module, qualname = found["module"], found["qualname"]
+        module, qualname, added = found["module"], found["qualname"], found.get("added_tokens_decoder")
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         log.warning("ignoring the unreadable tokenizer note %s (%s); asking AutoTokenizer", note, error)
         return None
     if not (isinstance(module, str) and module.startswith("transformers.")):
         log.warning("ignoring the tokenizer note %s: %r is not a transformers module", note, module)
         return None
+    if added is not None and not _valid_added_tokens(added):
+        log.warning("ignoring the tokenizer note %s: its added tokens are malformed", note)
+        return None
     try:
         cls = getattr(importlib.import_module(module), qualname)
     except (ImportError, AttributeError):  # a transformers that no longer has it: ask again
         return None
-    return cls if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase) else None
+    return (cls, added) if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase) else None
 
 
-def _write_atomically(note: Path, content: dict[str, str]) -> None:
+def _write_atomically(note: Path, content: dict[str, object]) -> None:
     """Write to a temporary file beside `note`, then move it into place: a reader sees all of it or none.
     A cache folder that cannot be written costs the next start its 2 s, nothing else."""
     try:
