@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from minivllm.cpu.cpu_info import CpuInfo, onednn_runs_bf16
-from minivllm.layers.linear import linear
+from minivllm.cpu.planned_linear import planned_linear
 from minivllm.cpu.matmul_forms import MatmulForm, can_pack
 from minivllm.cpu.attach import attached_plan
 from minivllm.cpu.matmul_plan import ROW_BUCKETS, MatmulPlan
@@ -107,7 +107,7 @@ def test_a_cpu_without_onednn_bf16_never_packs_bf16(reorders):
         if dtype is torch.bfloat16:
             assert MatmulForm.PACKED not in plan.forms.values() and getattr(weights[0], "packed", None) is None
         x = torch.randn(3, 64).to(dtype)
-        torch.testing.assert_close(linear(x, weights[0], None, plan).float(), (x @ weights[0].t()).float(),
+        torch.testing.assert_close(planned_linear(x, weights[0], None, plan).float(), (x @ weights[0].t()).float(),
                                    rtol=2e-2, atol=2e-2)
     # fp32 was packed (the op was reachable), bf16 never was
     assert torch.bfloat16 not in reorders and (torch.float32 in reorders) == torch.backends.mkldnn.is_available()
@@ -136,6 +136,7 @@ def test_a_cached_packed_bf16_choice_is_measured_again_on_a_cpu_that_cannot_run_
 START = textwrap.dedent("""
     import sys
     from minivllm import LLM, SamplingParams
+    from minivllm.cpu.attach import attached_plan
     from minivllm.cpu.cpu_info import CpuInfo
     from minivllm.cpu.matmul_forms import MatmulForm
     assert not CpuInfo.read().onednn_bf16, CpuInfo.read()
