@@ -88,7 +88,10 @@ class LLMEngine:
                 gc.collect()  # (it runs while automatic collection is paused)
                 gc.freeze()  # long-lived objects (model, tokenizer) leave the GC's scans: shorter pauses
                 self._gc_frozen = True
-                self._unfreeze = weakref.finalize(self, gc.unfreeze)  # also if the engine is dropped, or at exit
+                self._unfreeze = weakref.finalize(self, gc.unfreeze)  # also if the engine is dropped,
+                # but not at exit: unfrozen, the heap is walked by every collection of the interpreter's teardown
+                # (~0.7 s of CPU after a default-model start on a Zen 4, against ~0.3 s left frozen)
+                self._unfreeze.atexit = False
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: object) -> "LLMEngine":  # vLLM's name
