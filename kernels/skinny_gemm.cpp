@@ -22,15 +22,14 @@
 // after the other, so the weight streams from memory ONCE a call for up to 8 rows: a 5-row verify step
 // reads what a 1-row decode step reads (AVX2 at 7-8 rows reads a block's second half from L1/L2).
 //
-//   AVX-512 (32 zmm)   C = 4 (whole blocks) for 1-6 rows (1-5 widened bf16), 2 for more; vdpbf16ps or widened
-//   AVX2 + FMA (16)    C = 4 at 1-2 rows fp32 / 1 bf16, 2 (one block) to 6 fp32 / 5 bf16, 1 beyond
+//   AVX-512 (32 zmm)   C = 4 (whole blocks) to 6 rows (5 widened bf16), 2 beyond; vdpbf16ps or widened
+//   AVX2 + FMA (16)    C = 4 at 1-2 rows fp32 / 1 bf16, 2 (one block) to 6 fp32 / 5 bf16, 1 beyond; prefetch
 //   portable           plain loops over whole 16-lane blocks, one explicit fused multiply-add per term
 //
-// Every output is ONE chain of sums over k, in k's order, whatever path and however many rows share the
-// call: acc = fma(W[k], x[k], acc) for k = 0, 1, ... (vdpbf16ps: one step per pair). So a row's bits never
-// depend on the rows beside it (batch invariance relies on it), and the fp32 result is the same on all three
-// paths. The portable loop once left the `a * b + c` to the compiler: at -march=x86-64-v3 it contracted it
-// into an FMA for groups of 2-4 rows and not for a row alone, and a row got other bits beside other rows.
+// Every output is ONE chain of sums over k, in k's order, whatever the path and the rows in the call:
+// acc = fma(W[k], x[k], acc) for k = 0, 1, ... (vdpbf16ps: one step a pair). So a row's bits never depend on
+// the rows beside it (batch invariance relies on it), and fp32 results are the same on all three paths. (The
+// portable loop once left `a * b + c` to the compiler, which fused it at x86-64-v3 for 2-4 rows, not for 1.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -67,7 +66,7 @@ inline float madd(float a, float b, float acc) {
 // --- the instruction sets: a vector V of kWidth fp32 lanes and what the tile does with it ---------------
 // widen(p, even, odd): kWidth bf16 pairs at p -> the first of each pair (k even), the second (k odd).
 struct Portable {
-  static constexpr int kWidth = 16, kRegisters = 1 << 10;  // no register file to fit: whole groups at once
+  static constexpr int kWidth = 16, kRegisters = 1 << 10, kAhead = 0;  // no register file to fit: whole groups
   static constexpr bool kDotPairs = false;
   struct V { float l[kWidth]; };
   static V zero() { return V{}; }
@@ -85,7 +84,7 @@ struct Portable {
 
 #if defined(__AVX512F__)
 struct Avx512 {
-  static constexpr int kWidth = 16, kRegisters = 32;
+  static constexpr int kWidth = 16, kRegisters = 32, kAhead = 0;  // a software prefetch cost 5-20% at 1-6 rows
   using V = __m512;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -110,7 +109,9 @@ struct Avx512 {
 using Simd = Avx512;
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Avx2 {  // x86-64-v3: 16 ymm registers; a 16-lane block is two columns
-  static constexpr int kWidth = 8, kRegisters = 16;
+  // kAhead: prefetch 2 KB down each stream. At 4-6 rows the loop spends so long on a line that the hardware
+  // prefetcher fell behind: 1.6-1.9x the 1-row time without, 1.1-1.3x with (x86-64-v3 build on a Zen 4).
+  static constexpr int kWidth = 8, kRegisters = 16, kAhead = 32;
   static constexpr bool kDotPairs = false;
   using V = __m256;
   static V zero() { return _mm256_setzero_ps(); }
@@ -140,11 +141,18 @@ constexpr int side_by_side(int rows, int columns) {
   return c;
 }
 
+// A prefetch kAhead steps (64-byte lines: one k of fp32, one k pair of bf16) down each of the C columns.
+template <class Isa, typename T, int C>
+inline void prefetch_ahead(const T* const (&w)[C], int64_t step) {
+  if constexpr (Isa::kAhead > 0)
+    for (int c = 0; c < C; ++c) __builtin_prefetch(reinterpret_cast<const char*>(w[c]) + (step + Isa::kAhead) * 64);
+}
+
 // --- one tile: C columns x MB rows, each output lane one chain over k ------------------------------------
 // out[j][m][l] for the columns q0 .. q0 + C - 1 of the group at wp (column q: block q / per_block, lanes from
 // (q % per_block) * kWidth); x is (MB, K) in T, xf the same rows in fp32.
-template <class Isa, typename T, int C, int MB>
-void tile(const T* x, const float* xf, int64_t K, const T* wp, int q0, float (*out)[MB][kLanes]) {
+template <class Isa, typename T, int C, int MB>  // noinline: inlined, GCC 12 spilled 2 of 16 zmm accumulators
+[[gnu::noinline]] void tile(const T* x, const float* xf, int64_t K, const T* wp, int q0, float (*out)[MB][kLanes]) {
   using V = typename Isa::V;
   constexpr int kWidth = Isa::kWidth, per_block = kLanes / kWidth;
   constexpr int64_t step = 2 * kLanes;  // elements from one k (fp32) or k pair (bf16) to the next: 64 bytes
@@ -153,8 +161,7 @@ void tile(const T* x, const float* xf, int64_t K, const T* wp, int q0, float (*o
     const int q = q0 + c, lane0 = (q % per_block) * kWidth;
     w[c] = wp + (q / per_block) * K * kLanes + (std::is_same_v<T, float> ? lane0 : 2 * lane0);
   }
-  // The loops that touch acc as a whole are unrolled in full: GCC 12 otherwise kept acc in memory as well as
-  // in registers and stored every accumulator on every k (x86-64-v3, 2 columns x 5 rows: 10 stores a step).
+  // Unrolled in full where acc is touched whole: else GCC 12 kept acc in memory too, storing all of it every k.
   V acc[C][MB];
 #pragma GCC unroll 16
   for (int c = 0; c < C; ++c)
@@ -162,6 +169,7 @@ void tile(const T* x, const float* xf, int64_t K, const T* wp, int q0, float (*o
     for (int m = 0; m < MB; ++m) acc[c][m] = Isa::zero();
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t k = 0; k < K; ++k) {
+      prefetch_ahead<Isa>(w, k);
       V wv[C];
       for (int c = 0; c < C; ++c) wv[c] = Isa::load(w[c] + k * kLanes);
       for (int m = 0; m < MB; ++m) {
@@ -171,6 +179,7 @@ void tile(const T* x, const float* xf, int64_t K, const T* wp, int q0, float (*o
     }
   } else if constexpr (Isa::kDotPairs) {
     for (int64_t p = 0; p < K / 2; ++p) {
+      prefetch_ahead<Isa>(w, p);
       typename Isa::Pairs wv[C];
       for (int c = 0; c < C; ++c) wv[c] = Isa::load_pairs(w[c] + p * step);
       for (int m = 0; m < MB; ++m) {
@@ -180,6 +189,7 @@ void tile(const T* x, const float* xf, int64_t K, const T* wp, int q0, float (*o
     }
   } else {  // widened pairs: k even, then k odd, one x broadcast live at a time (the register budget's 1)
     for (int64_t p = 0; p < K / 2; ++p) {
+      prefetch_ahead<Isa>(w, p);
       V even[C], odd[C];
       for (int c = 0; c < C; ++c) Isa::widen(w[c] + p * step, even[c], odd[c]);
       for (int m = 0; m < MB; ++m) {
@@ -214,11 +224,8 @@ void blocks(const T* x, const float* xf, int64_t K, const T* wp, const T* bias, 
 template <typename T, int NB, int MB = kMaxRows>
 void some_rows(int64_t rows, const T* x, const float* xf, int64_t K, const T* wp, const T* bias, T* y, int64_t N,
                int64_t block0) {
-  if (rows == MB) {
-    blocks<T, NB, MB>(x, xf, K, wp, bias, y, N, block0);
-  } else if constexpr (MB > 1) {
-    some_rows<T, NB, MB - 1>(rows, x, xf, K, wp, bias, y, N, block0);
-  }
+  if (rows == MB) return blocks<T, NB, MB>(x, xf, K, wp, bias, y, N, block0);
+  if constexpr (MB > 1) some_rows<T, NB, MB - 1>(rows, x, xf, K, wp, bias, y, N, block0);
 }
 
 template <typename T>
@@ -227,9 +234,8 @@ void run(const at::Tensor& x, const float* xfp, const at::Tensor& wp, const T* b
   const T* xp = x.data_ptr<T>();
   const T* w = wp.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  // Threads split the groups of column blocks: each reads (and writes) its own share. A task of at
-  // least ~64 KB of weight keeps the start-up cost of a thread small next to its work; a small
-  // weight (576 x 576 bf16: 9 groups of 72 KB) still spreads over up to 9 threads.
+  // Threads split the groups of column blocks, each its own share of the weight. A task of >= ~64 KB keeps a thread's
+  // start-up small next to its work; a small weight (576 x 576 bf16: 9 groups of 72 KB) still spreads over 9 threads.
   const int64_t groups = (n_blocks + kBlocks - 1) / kBlocks;
   const int64_t group_bytes = kBlocks * kLanes * K * int64_t(sizeof(T));
   const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, group_bytes));
@@ -242,7 +248,8 @@ void run(const at::Tensor& x, const float* xfp, const at::Tensor& wp, const T* b
         if (b + kBlocks <= n_blocks) {
           some_rows<T, kBlocks>(rows, xp + m * K, xf, K, w, bias, yp + m * N, N, b);
         } else {
-          for (int64_t bb = b; bb < n_blocks; ++bb) some_rows<T, 1>(rows, xp + m * K, xf, K, w, bias, yp + m * N, N, bb);
+          for (int64_t bb = b; bb < n_blocks; ++bb)
+            some_rows<T, 1>(rows, xp + m * K, xf, K, w, bias, yp + m * N, N, bb);
         }
       }
     }
