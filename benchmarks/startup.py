@@ -64,7 +64,7 @@ sys.meta_path.insert(0, TimedFinder())
 t_imports = time.monotonic()
 import minivllm
 t_llm = time.monotonic()
-minivllm.LLM({args})
+llm = minivllm.LLM({args})  # kept, as a script keeps it until it exits
 t_ready = time.monotonic()
 libraries = spent.get("torch", 0.0) + spent.get("transformers", 0.0)
 print("PHASES " + json.dumps([t_start, t_ready, spent.get("torch", 0.0), spent.get("transformers", 0.0),
