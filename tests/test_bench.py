@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import types
 
 import pytest
 import torch
@@ -131,3 +132,22 @@ def test_vs_vllm_table_gives_medians_beside_the_best_and_dashes_for_systems_not_
     assert "4 requests, 30M Qwen3, float32" in line
     # medians 15 and 30 (2.00x), bests 20 and 60 (3.00x); vLLM was not run
     assert line.endswith("| 15.0 tok/s (20.0) | — | 30.0 (60.0) | — (—) | 2.00× (3.00×) |")
+
+
+def test_a_capped_level_is_named_on_every_line_and_handed_to_vllm(monkeypatch):
+    """The ISA level goes with every benchmark figure; at a capped level a missing library cap is named, and
+    vLLM's driver is told the CPU has no AVX-512, so it loads its AVX2 library as on an AVX2 laptop."""
+    from minivllm.entrypoints.bench_peers import LIBRARY_CAPS, level_line, vllm_prelude
+
+    monkeypatch.delenv("MINIVLLM_CPU_ISA", raising=False)
+    assert level_line() == "ISA level native" and vllm_prelude() == ""
+    monkeypatch.setenv("MINIVLLM_CPU_ISA", "x86-64-v3")
+    for name in LIBRARY_CAPS["avx2"]:
+        monkeypatch.delenv(name, raising=False)
+    assert "NOT SET" in level_line() and "ONEDNN_MAX_CPU_ISA=AVX2" in level_line()
+    for name, value in LIBRARY_CAPS["avx2"].items():
+        monkeypatch.setenv(name, value)
+    assert level_line().startswith("ISA level avx2 (capped") and "NOT SET" not in level_line()
+    fake_torch_cpu = types.SimpleNamespace(_is_avx512_supported=lambda: True, _is_amx_tile_supported=lambda: True)
+    exec(vllm_prelude().replace("import torch", ""), {"torch": types.SimpleNamespace(cpu=fake_torch_cpu)})
+    assert not fake_torch_cpu._is_avx512_supported() and not fake_torch_cpu._is_amx_tile_supported()

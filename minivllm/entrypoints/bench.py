@@ -38,6 +38,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from minivllm import LLM, SamplingParams
+from minivllm.entrypoints.bench_peers import level_line
 from minivllm.entrypoints.roofline import ceiling_report, matmul_weights, measure_peaks, report, single_stream_ceiling
 from minivllm.cpu.attach import describe
 from minivllm.cpu.cpu_info import CpuInfo
@@ -134,7 +135,7 @@ def throughput(model: str | None = None, num_requests: int = 32, hf_cb: bool = T
         tokens = sum(outputs)
         weights = matmul_weights(llm.llm_engine.model)
         print(f"model: {spec.architecture} {(weights.decoder_params + weights.lm_head_params) / 1e6:.1f}M matmul "
-              f"params, {_describe(llm)}, {torch.get_num_threads()} threads; {len(prompts)} requests, "
+              f"params, {_describe(llm)}, {torch.get_num_threads()} threads, {level_line()}; {len(prompts)} requests, "
               f"{sum(map(len, prompts))} prompt tokens, {tokens} output tokens")
         print_matmul_plan(llm)
         peaks = measure_peaks(dtype)
@@ -177,7 +178,8 @@ def single_stream(model: str | None = None, new_tokens: int = 64, hf: bool = Tru
         llm.generate(prompt, sp, use_tqdm=False)
         times.append(time.perf_counter() - t0)
     t_mini = sorted(times)[len(times) // 2]
-    print(f"single stream, batch 1, {new_tokens} new tokens, {torch.get_num_threads()} threads, median of {repeats}")
+    print(f"single stream, batch 1, {new_tokens} new tokens, {torch.get_num_threads()} threads, median of {repeats}; "
+          f"{level_line()}")
     print(f"minivllm        {new_tokens / t_mini:6.1f} tok/s  ({_describe(llm)})")
     print(report(peaks, weights, t_mini, new_tokens, new_tokens + len(llm.get_tokenizer()(prompt).input_ids),
                  new_tokens))
