@@ -61,6 +61,12 @@ class Gemma3Attention(nn.Module):
         q, k = apply_rotary(q, k, rope)
         return q * self.q_scale, k, v.view(T, s.num_key_value_heads, s.head_dim)
 
+    def forward(self, rope: RopeTables, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """x (T, hidden) -> o_proj(attention over this layer's cache) (T, hidden)."""
+        o = backend.forward(*self.project(rope, x), kv_cache, meta)  # (T, Hq*D)
+        return self.o_proj(o)
+
 
 class Gemma3MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
@@ -85,6 +91,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(H, eps)
         self.pre_feedforward_layernorm = ZeroCenteredRMSNorm(H, eps)
         self.post_feedforward_layernorm = ZeroCenteredRMSNorm(H, eps)
+
+    def forward(self, rope: RopeTables, h: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """h (T, hidden), the residual stream -> the stream after this layer (T, hidden). `rope` and `meta`
+        are this layer's kind's: local tables and the sliding group's metadata on a sliding layer."""
+        h = h + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(h), kv_cache, meta, backend))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class Gemma3Model(nn.Module):
@@ -129,8 +142,5 @@ class Gemma3ForCausalLM(LMHeadMixin, CausalLM):
         local_rope = self.local_rotary.lookup(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             rope, layer_meta = (local_rope, meta.sliding) if layer.is_sliding else (global_rope, meta)
-            q, k, v = layer.self_attn.project(rope, layer.input_layernorm(h))
-            o = backend.forward(q, k, v, kv_caches[i], layer_meta)  # (T, Hq*D)
-            h = h + layer.post_attention_layernorm(layer.self_attn.o_proj(o))
-            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            h = layer(rope, h, kv_caches[i], layer_meta, backend)
         return self.model.norm(h)

@@ -146,9 +146,11 @@ class GatedDeltaNet(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_type: str) -> None:
+    def __init__(self, spec: ModelSpec, layer_type: str, cache_index: int) -> None:
         super().__init__()
         self.is_linear = layer_type == "linear_attention"
+        # its place among the layers of its kind: which state pools (linear) or which KV cache (full) it owns
+        self.cache_index = cache_index
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(spec)
         else:
@@ -157,12 +159,30 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
+    def forward(self, cos_sin: RopeTables, h: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetadata,
+                backend: AttentionBackend, state: LinearAttnMetadata) -> torch.Tensor:
+        """h (T, hidden), the residual stream -> the stream after this layer (T, hidden). A full-attention
+        layer reads and writes `kv_cache` (its own); a linear one reads its states through `state` and
+        writes the new ones into the staging slots it names (None for a linear layer's `kv_cache`)."""
+        x = self.input_layernorm(h)
+        if self.is_linear:
+            x, new_state, snaps = self.linear_attn(x, meta, state.initial_state(self.cache_index),
+                                                   state.snapshot_offsets)
+            state.store(self.cache_index, new_state)  # into the staging slots, if the engine gave them
+            if snaps is not None:  # prefix caching: the states at the stride's positions
+                state.store_snapshots(self.cache_index, snaps)
+        else:
+            x = self.self_attn(cos_sin, x, kv_cache, meta, backend)
+        h = h + x
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, 0, ParallelContext())
-        self.layers = nn.ModuleList(DecoderLayer(spec, t) for t in spec.layer_types)
+        kinds = spec.layer_types
+        self.layers = nn.ModuleList(DecoderLayer(spec, t, kinds[:i].count(t)) for i, t in enumerate(kinds))
         self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -197,22 +217,9 @@ class Qwen3_5ForCausalLM(LMHeadMixin, CausalLM):
         if linear_attn is None:
             raise ValueError(f"{type(self).__name__} has linear-attention layers: its forward needs their state "
                              "slots (linear_attn), which the engine's state pool provides")
-        state = linear_attn
         h = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, h.dtype)  # once per step, shared by all attention layers
-        full_layer_caches = iter(kv_caches)
-        num_linear = 0
         for layer in self.model.layers:
-            x = layer.input_layernorm(h)
-            if layer.is_linear:
-                x, new_state, snaps = layer.linear_attn(x, meta, state.initial_state(num_linear),
-                                                        state.snapshot_offsets)
-                state.store(num_linear, new_state)  # into the staging slots, if the engine gave them
-                if snaps is not None:  # prefix caching: the states at the stride's positions
-                    state.store_snapshots(num_linear, snaps)
-                num_linear += 1
-            else:
-                x = layer.self_attn(cos_sin, x, next(full_layer_caches), meta, backend)
-            h = h + x
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            kv_cache = None if layer.is_linear else kv_caches[layer.cache_index]
+            h = layer(cos_sin, h, kv_cache, meta, backend, linear_attn)
         return self.model.norm(h)
