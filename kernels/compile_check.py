@@ -23,7 +23,7 @@ from pathlib import Path
 
 from torch.utils.cpp_extension import get_cxx_compiler, include_paths
 
-from minivllm.kernels.cpu_build import HEADERS, LIBRARY, SOURCES, _cause
+from .cpu_build import HEADERS, LIBRARY, SOURCES, _cause  # one dot: kernels/ imports nothing from minivllm
 
 # level -> (its flags, the macros that mark code for it). No kernel has AMX tile code yet: the amx level
 # compiles the avx512_bf16 paths (-march=sapphirerapids enables both).
