@@ -86,9 +86,7 @@ def test_layers_import_nothing_from_models():
 
 
 # Layers that still call the tuner themselves (their kernel choice is not yet attached from outside).
-# And int8 quantization reads the CPU's VNNI flag (CpuInfo) to pick its activations' range.
-LAYERS_USING_THE_TUNER = {"layers/torch_attention.py": "minivllm.cpu.tuner", "layers/sampler.py": "minivllm.cpu.tuner",
-                          "layers/quantization.py": "minivllm.cpu.cpu_info"}
+LAYERS_USING_THE_TUNER = {"layers/torch_attention.py": "minivllm.cpu.tuner", "layers/sampler.py": "minivllm.cpu.tuner"}
 
 
 def test_layers_and_models_import_nothing_from_cpu_and_cpu_nothing_from_models_or_the_engine():

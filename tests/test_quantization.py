@@ -11,11 +11,23 @@ from helpers import prompt_logits
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.layers.linear import Linear
 from minivllm.cpu.cpu_info import CpuInfo
-from minivllm.layers.quantization import Int8Linear, quantize_model
+from minivllm.entrypoints.roofline import matmul_weights
+from minivllm.layers.linear import Linear, UnquantizedLinearMethod
+from minivllm.layers.quantization import Int8LinearMethod, quantize_model
 
 VNNI = CpuInfo.read().vnni
+
+
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """A `Linear` holding `weight` (out, in) and `bias`, quantized as the engine quantizes its layers."""
+    layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None).to(weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    assert quantize_model(torch.nn.Sequential(layer), "int8", torch.device("cpu"), reduce_range=not VNNI) == 1
+    return layer
 
 
 def relative_error(y: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:  # per row
@@ -29,7 +41,7 @@ def test_int8_linear_is_close_to_the_float_product(rows, dtype):
     w = torch.randn(192, 128, generator=g) / 128 ** 0.5
     bias = torch.randn(192, generator=g)
     x = torch.randn(rows, 128, generator=g).to(dtype)
-    layer = Int8Linear(w.to(dtype), bias.to(dtype), reduce_range=not VNNI)
+    layer = int8_linear(w.to(dtype), bias.to(dtype))
     y = layer(x)
     assert y.shape == (rows, 192) and y.dtype == dtype
     reference = F.linear(x.float(), w.to(dtype).float(), bias.to(dtype).float())
@@ -42,7 +54,7 @@ def test_each_token_gets_its_own_scale():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 128, generator=g) / 128 ** 0.5
     x = torch.randn(4, 128, generator=g)
-    layer = Int8Linear(w, None, reduce_range=not VNNI)
+    layer = int8_linear(w, None)
     alone = relative_error(layer(x), F.linear(x, w))
     batch = torch.cat([x, 1000 * torch.randn(1, 128, generator=g)])
     with_outlier = relative_error(layer(batch)[:4], F.linear(x, w))
@@ -56,7 +68,7 @@ def test_a_row_does_not_depend_on_its_batch():
     a batch, or beside rows whose values are all of one sign (a per-batch grid would shift them)."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g) / 8
-    layer = Int8Linear(w, torch.randn(96, generator=g), reduce_range=not VNNI)
+    layer = int8_linear(w, torch.randn(96, generator=g))
     x = torch.randn(6, 64, generator=g)
     x[1], x[4] = x[1].abs(), -x[4].abs()  # one-sided rows
     alone = torch.cat([layer(x[i:i + 1]) for i in range(6)])
@@ -75,10 +87,22 @@ def fp32_and_int8(qwen3_dir):
 def test_the_decoder_linears_are_int8_and_the_lm_head_is_not(fp32_and_int8):
     _, int8 = fp32_and_int8
     model = int8.llm_engine.model
-    int8_layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert len(int8_layers) == 4 * model.spec.num_hidden_layers  # qkv, o, gate_up, down
-    assert not any(isinstance(m, Linear) for m in model.model.layers.modules())
+    linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * model.spec.num_hidden_layers  # qkv, o, gate_up, down
+    assert all(isinstance(m.quant_method, Int8LinearMethod) for m in linears)
+    assert len({id(m.quant_method) for m in linears}) == 1  # one method, the int8 weights on the layers
+    assert not any(hasattr(m, "weight") for m in linears)  # the float weights are gone: int8 saves memory
+    assert not isinstance(model.lm_head.quant_method, Int8LinearMethod)
     assert model.lm_head_weight.dtype == torch.float32
+
+
+def test_the_roofline_counts_int8_weights_as_one_byte_plus_a_scale_per_row(fp32_and_int8):
+    fp32, int8 = (llm.llm_engine.model for llm in fp32_and_int8)
+    floats, quantized = matmul_weights(fp32), matmul_weights(int8)
+    assert (quantized.decoder_params, quantized.lm_head_params) == (floats.decoder_params, floats.lm_head_params)
+    rows = sum(m.out_features for m in int8.model.layers.modules() if isinstance(m, Linear))
+    head_bytes = 4 * floats.lm_head_params  # fp32, as stored
+    assert quantized.bytes - head_bytes == floats.decoder_params + 4 * rows
 
 
 def naive_int8_product(x: torch.Tensor, weight: torch.Tensor, reduce_range: bool) -> torch.Tensor:
@@ -108,14 +132,15 @@ def test_int8_engine_agrees_with_fp32_teacher_forced(fp32_and_int8, monkeypatch)
     bits, 5-7 % with 7, measured on both)."""
     fp32, int8 = fp32_and_int8
     floats = dict(fp32.llm_engine.model.named_modules())
-    layers = {name: m for name, m in int8.llm_engine.model.named_modules() if isinstance(m, Int8Linear)}
-    weights = {m.layer_id: floats[name].weight for name, m in layers.items()}
-    assert {m.reduce_range for m in layers.values()} == {not VNNI}
+    layers = {name: m for name, m in int8.llm_engine.model.named_modules()
+              if isinstance(getattr(m, "quant_method", None), Int8LinearMethod)}
+    weights = {m.int8_id: floats[name].weight for name, m in layers.items()}
+    assert {m.quant_method.reduce_range for m in layers.values()} == {not VNNI}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, fp32.llm_engine.spec.vocab_size, (96,), generator=g).tolist()
     reference, quantized = prompt_logits(fp32, ids), prompt_logits(int8, ids)  # (96, V) each
-    monkeypatch.setattr(Int8Linear, "int8_product",
-                        lambda self, x: naive_int8_product(x, weights[self.layer_id], self.reduce_range))
+    monkeypatch.setattr(Int8LinearMethod, "int8_product",
+                        lambda self, layer, x: naive_int8_product(x, weights[layer.int8_id], self.reduce_range))
     assert torch.equal(prompt_logits(int8, ids), quantized)
     assert relative_error(quantized, reference).max() < 0.1
 
@@ -152,5 +177,5 @@ def test_quantizing_a_model_on_cuda_is_refused():
     """device="auto" resolves to CUDA after the config is checked: the loader refuses there too."""
     model = torch.nn.Sequential(Linear(8, 8))
     with pytest.raises(ValueError, match="CPU only"):
-        quantize_model(model, "int8", torch.device("cuda"))
-    assert isinstance(model[0], Linear)  # untouched
+        quantize_model(model, "int8", torch.device("cuda"), reduce_range=False)
+    assert isinstance(model[0].quant_method, UnquantizedLinearMethod) and hasattr(model[0], "weight")  # untouched

@@ -5,8 +5,9 @@ multiplies through its `quant_method` (F.linear by default), each RMSNorm, MLP a
 holds a `kernels` switch (None: torch's ops). Warm-up (engine/warmup.py) calls this function once the
 weights are loaded, and it
 
-  1. collects the weights of every `Linear` in forward order (`model.modules()` lists them as the
-     forward runs them), then the LM head's, which multiplies only sampled rows (decode-only);
+  1. collects the weights of every plain `Linear` in forward order (`model.modules()` lists them as the
+     forward runs them; an int8 layer keeps its own method, layers/quantization.py), then the LM head's,
+     which multiplies only sampled rows (decode-only);
   2. measures the matmul plan over them, or reads it from the tuning cache (matmul_plan.py), and sets
      one `PlannedLinearMethod` (planned_linear.py) sharing that plan on every one of those layers;
   3. where the model's element-wise work can run minivllm's C++ kernels (`sizes` given: the Llama
@@ -27,6 +28,7 @@ from minivllm.cpu.matmul_plan import MatmulPlan
 from minivllm.cpu.norm_rope_kernels import NormRopeKernels
 from minivllm.cpu.planned_linear import PlannedLinearMethod
 from minivllm.cpu.tuner import Tuning
+from minivllm.layers.linear import Linear, UnquantizedLinearMethod
 
 
 class NormRopeSizes(NamedTuple):
@@ -43,8 +45,9 @@ def attach_cpu_kernels(model: nn.Module, lm_head: nn.Module, tuning: Tuning = "c
                        sizes: NormRopeSizes | None = None) -> list[str]:
     """Measure (or read) the CPU choices for `model`, whose logits `lm_head` computes (a `Linear`, or the
     embedding when tied), and attach them to its layers; one line per choice."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and hasattr(m, "quant_method")
-               and m is not lm_head]  # an int8 layer (layers/quantization.py) is no nn.Linear: nothing to time
+    # Only the plain products are timed: an int8 layer (layers/quantization.py) keeps its own method.
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head
+               and isinstance(m.quant_method, UnquantizedLinearMethod)]
     plan = attached_plan(lm_head)
     if plan is None:
         plan = MatmulPlan()

@@ -35,7 +35,7 @@ from torch import nn
 
 from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.layers.linear import Linear
-from minivllm.layers.quantization import Int8Linear
+from minivllm.layers.quantization import Int8LinearMethod
 
 
 class Peaks(NamedTuple):
@@ -94,10 +94,10 @@ def matmul_weights(model: nn.Module) -> MatmulWeights:
     for name, m in model.named_modules():
         if name.endswith("lm_head"):
             continue
-        if isinstance(m, Linear):
-            decoder, decoder_bytes = decoder + m.weight.numel(), decoder_bytes + m.weight.nbytes
-        elif isinstance(m, Int8Linear):
-            decoder, decoder_bytes = decoder + m.in_features * m.out_features, decoder_bytes + m.weight_bytes
+        if isinstance(m, Linear):  # as stored: an int8 layer keeps its packed weight, not `weight`
+            int8 = isinstance(m.quant_method, Int8LinearMethod)
+            decoder += m.in_features * m.out_features
+            decoder_bytes += Int8LinearMethod.weight_bytes(m) if int8 else m.weight.nbytes
     head = model.lm_head_weight
     return MatmulWeights(decoder, head.numel(), decoder_bytes + head.nbytes)
 

@@ -31,6 +31,12 @@ is (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`). Two consequence
     An earlier version let fbgemm pick the grid from each batch's minimum and maximum
     (`quantized::linear_dynamic`); a row's rounding then moved with its neighbours.
 
+How it plugs in (vLLM's shape): every decoder `Linear` keeps its class, its names and its forward; its
+`quant_method` becomes the model's one `Int8LinearMethod`, which, once the float weight is loaded,
+quantizes it into fbgemm's packed int8 weight and keeps that on the layer (`weight_packed`, in place of
+the float `weight`: vLLM's `process_weights_after_loading`), then computes each product from it
+(`apply`). A forward hook on an int8 layer is a hook on the same `Linear` as in the float model.
+
 Compiling (`enforce_eager=False`): Dynamo cannot trace fbgemm's packed weight (a TorchScript object),
 so inside the graph the product is an opaque op, `minivllm::int8_linear`, that finds its layer by
 number; the per-token scaling around it stays in the graph, where Inductor fuses it with its
@@ -42,6 +48,7 @@ and the LM head (quantizing it too measured +5.9 % perplexity on SmolLM2 instead
 earlier version's figures).
 Activations are full 8-bit where the CPU has VNNI; without it AVX2's 16-bit pair sums could saturate,
 so 7-bit activations are used there (`reduce_range`: scale 1/63, zero point 64, q_x + 64 in 1..127).
+Which one is the caller's to say (the loader asks minivllm/cpu/'s `CpuInfo`): this module reads no CPU.
 
 Why fbgemm and not torchao (the successor of `torch.ao.quantization`, which torch 2.13 deprecates):
 torchao 0.18's `Int8DynamicActivationInt8WeightConfig` gave the same error (1.04 % against 1.04 %) but
@@ -59,8 +66,7 @@ import torch
 from torch import nn
 
 from minivllm.layers.custom_op import direct_register_custom_op
-from minivllm.layers.linear import Linear
-from minivllm.cpu.cpu_info import CpuInfo
+from minivllm.layers.linear import Linear, LinearMethodBase, UnquantizedLinearMethod
 
 QUANTIZATIONS = ("int8",)
 
@@ -69,12 +75,12 @@ QUANTIZATIONS = ("int8",)
 # trace fbgemm's packed weight (a TorchScript object), so the graph passes the layer's number and the op
 # finds the layer here. Weak: a layer lives as long as its model. The per-token scaling around the
 # product stays in the graph, where Inductor fuses it.
-_LAYERS: weakref.WeakValueDictionary[int, "Int8Linear"] = weakref.WeakValueDictionary()
+_LAYERS: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
 _layer_ids = itertools.count()
 
 
 def _int8_linear_op(x: torch.Tensor, layer: int) -> torch.Tensor:  # x (T, in) fp32 -> (T, out) fp32
-    return _LAYERS[layer].int8_product(x)
+    return _LAYERS[layer].quant_method.int8_product(_LAYERS[layer], x)
 
 
 def _int8_linear_fake(x: torch.Tensor, layer: int) -> torch.Tensor:
@@ -84,47 +90,63 @@ def _int8_linear_fake(x: torch.Tensor, layer: int) -> torch.Tensor:
 direct_register_custom_op("int8_linear", _int8_linear_op, _int8_linear_fake)
 
 
-class Int8Linear(nn.Module):
-    """A `Linear` with int8 weights (one scale per output row) and int8 activations (one scale per token)."""
+class Int8LinearMethod(LinearMethodBase):
+    """int8 weights (one scale per output row) times int8 activations (one scale per token), for a `Linear`.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        w = weight.detach().float()  # (out, in)
+    One method serves every quantized layer of a model; each layer keeps its own int8 weight
+    (`weight_packed`) and its number for the compiled op (`int8_id`)."""
+
+    def __init__(self, reduce_range: bool) -> None:
+        self.reduce_range = reduce_range  # 7-bit activations: a CPU without VNNI (see the module docstring)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Quantize `layer`'s loaded float weight (out, in) per output row into fbgemm's packed int8 weight,
+        kept on the layer in its place (the float weight is dropped: a quarter of fp32's bytes stay)."""
+        w = layer.weight.detach().float()  # (out, in)
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
-        zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        zero_points = torch.zeros(layer.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors; fbgemm's prepack takes one
             warnings.filterwarnings("ignore", "torch.quantize_per_tensor", UserWarning)
             q = torch.quantize_per_channel(w, scale.double(), zero_points, 0, torch.qint8)
         # The bias is added after the per-token scale is undone, so fbgemm gets none.
-        self._packed = torch.ops.quantized.linear_prepack(q, None)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.reduce_range = reduce_range
-        self.weight_bytes = w.numel() + 4 * self.out_features  # int8 weights + fp32 scales
-        self.layer_id = next(_layer_ids)  # how the compiled forward's opaque op finds this layer
-        _LAYERS[self.layer_id] = self
+        layer.weight_packed = torch.ops.quantized.linear_prepack(q, None)
+        del layer.weight
+        if layer.bias is not None:  # added to the fp32 product, before the cast back to x's dtype
+            layer.bias = nn.Parameter(layer.bias.detach().float(), requires_grad=False)
+        layer.int8_id = next(_layer_ids)  # how the compiled forward's opaque op finds this layer
+        _LAYERS[layer.int8_id] = layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out), in x's dtype
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, in) -> (T, out), in x's dtype."""
         m = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=1e-12)  # (T, 1): each token's own scale
         if torch.compiler.is_compiling():
-            y = torch.ops.minivllm.int8_linear(x / m, self.layer_id)  # (T, out) fp32
+            y = torch.ops.minivllm.int8_linear(x / m, layer.int8_id)  # (T, out) fp32
         else:
-            y = self.int8_product(x / m)
-        y = y.mul_(m) if self.bias is None else torch.addcmul(self.bias, y, m)
+            y = self.int8_product(layer, x / m)
+        y = y.mul_(m) if bias is None else torch.addcmul(bias, y, m)
         return y.to(x.dtype)
 
-    def int8_product(self, x: torch.Tensor) -> torch.Tensor:  # x (T, in) fp32, rows in [-1, 1] -> (T, out) fp32
+    def int8_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) fp32, rows in [-1, 1] -> (T, out) fp32, through the layer's packed int8 weight."""
         # One fixed grid for [-1, 1]: q = round(x * 127) + 128 in 1..255 (7-bit: round(x * 63) + 64).
         scale, zero_point = (1 / 63, 64) if self.reduce_range else (1 / 127, 128)
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, scale, zero_point, self._packed)
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, scale, zero_point,
+                                                                                 layer.weight_packed)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+    @staticmethod
+    def weight_bytes(layer: nn.Module) -> int:
+        """The bytes a product streams from `layer`: int8 weights and fp32 scales (one per output row)."""
+        return layer.in_features * layer.out_features + 4 * layer.out_features
+
+    def __repr__(self) -> str:
+        return f"Int8LinearMethod(per-channel int8 weights, {7 if self.reduce_range else 8}-bit activations)"
 
 
-def quantize_model(model: nn.Module, method: str, device: torch.device, cpu: CpuInfo | None = None) -> int:
-    """Replace every `Linear` of `model` but the LM head by its `Int8Linear`, in place; returns how
-    many. CPU only: fbgemm's kernels have no CUDA version (use dtype="bfloat16" there)."""
+def quantize_model(model: nn.Module, method: str, device: torch.device, reduce_range: bool) -> int:
+    """Give every plain `Linear` of `model` but the LM head an `Int8LinearMethod` and quantize its weight,
+    in place; returns how many. `reduce_range`: 7-bit activations (a CPU without VNNI: ask
+    `minivllm.cpu.cpu_info.CpuInfo`). CPU only: fbgemm's kernels have no CUDA version (use
+    dtype="bfloat16" there)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization={method!r} is invalid: choose one of {QUANTIZATIONS}")
     if device.type != "cpu":
@@ -132,9 +154,11 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, cpu: Cpu
                          "drop quantization (dtype='bfloat16' halves the weights' bytes there)")
     if torch.backends.quantized.engine == "none":
         raise ValueError("this torch build has no int8 CPU kernels (torch.backends.quantized.engine is 'none')")
-    reduce_range = not (cpu or CpuInfo.read()).vnni
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, Linear) and name != "lm_head"]
-    for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child.weight, child.bias, reduce_range))
+    int8 = Int8LinearMethod(reduce_range)
+    targets = [child for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, Linear) and name != "lm_head"
+               and isinstance(child.quant_method, UnquantizedLinearMethod)]
+    for layer in targets:
+        layer.quant_method = int8
+        int8.process_weights_after_loading(layer)
     return len(targets)
