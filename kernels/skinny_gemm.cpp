@@ -23,7 +23,7 @@
 // reads what a 1-row decode step reads (AVX2 at 7-8 rows reads a block's second half from L1/L2).
 //
 //   AVX-512 (32 zmm)   C = 4 (whole blocks) to 6 rows (5 widened bf16), 2 beyond; vdpbf16ps or widened
-//   AVX2 + FMA (16)    C = 4 at 1-2 rows fp32 / 1 bf16, 2 (one block) to 6 fp32 / 5 bf16, 1 beyond; prefetch
+//   AVX2 + FMA (16)    C = 8 at 1 row, 4 at 2 fp32, 2 (one block) to 6 fp32 / 5 bf16, 1 beyond; prefetch
 //   portable           plain loops over whole 16-lane blocks, one explicit fused multiply-add per term
 //
 // Every output is ONE chain of sums over k, in k's order, whatever the path and the rows in the call:
@@ -109,8 +109,9 @@ struct Avx512 {
 using Simd = Avx512;
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Avx2 {  // x86-64-v3: 16 ymm registers; a 16-lane block is two columns
-  // kAhead: prefetch 2 KB down each stream. At 4-6 rows the loop spends so long on a line that the hardware
-  // prefetcher fell behind: 1.6-1.9x the 1-row time without, 1.1-1.3x with (x86-64-v3 build on a Zen 4).
+  // kAhead: prefetch 2 KB down each stream from 3 rows. At 4-6 rows the loop spends so long on a line that the
+  // hardware prefetcher fell behind: 1.6-1.9x the 1-row time without, 1.1-1.3x with (x86-64-v3 on a Zen 4);
+  // at 1-2 rows it keeps up and the prefetch only cost time.
   static constexpr int kWidth = 8, kRegisters = 16, kAhead = 32;
   static constexpr bool kDotPairs = false;
   using V = __m256;
@@ -131,9 +132,12 @@ using Simd = Portable;
 #endif
 
 // How many columns a tile takes side by side: the most (a power of two, within the group's `columns`)
-// whose registers fit: C * rows accumulators, the weight's C vectors (2C once widened), one broadcast x.
+// whose registers fit: C * rows accumulators, the weight's C vectors (2C once widened), one broadcast x. At one
+// row a weight vector feeds one FMA and is dead: none stays live (AVX2 then walks all 8 columns, 4 streams).
 template <class Isa, typename T>
-constexpr int registers_per_column(int rows) { return rows + (std::is_same_v<T, bf16> && !Isa::kDotPairs ? 2 : 1); }
+constexpr int registers_per_column(int rows) {
+  return rows + (rows == 1 ? 0 : std::is_same_v<T, bf16> && !Isa::kDotPairs ? 2 : 1);
+}
 template <class Isa, typename T>
 constexpr int side_by_side(int rows, int columns) {
   int c = 1;
@@ -142,9 +146,9 @@ constexpr int side_by_side(int rows, int columns) {
 }
 
 // A prefetch kAhead steps (64-byte lines: one k of fp32, one k pair of bf16) down each of the C columns.
-template <class Isa, typename T, int C>
+template <class Isa, int MB, typename T, int C>
 inline void prefetch_ahead(const T* const (&w)[C], int64_t step) {
-  if constexpr (Isa::kAhead > 0)
+  if constexpr (Isa::kAhead > 0 && MB >= 3)
     for (int c = 0; c < C; ++c) __builtin_prefetch(reinterpret_cast<const char*>(w[c]) + (step + Isa::kAhead) * 64);
 }
 
@@ -169,7 +173,7 @@ template <class Isa, typename T, int C, int MB>  // noinline: inlined, GCC 12 sp
     for (int m = 0; m < MB; ++m) acc[c][m] = Isa::zero();
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t k = 0; k < K; ++k) {
-      prefetch_ahead<Isa>(w, k);
+      prefetch_ahead<Isa, MB>(w, k);
       V wv[C];
       for (int c = 0; c < C; ++c) wv[c] = Isa::load(w[c] + k * kLanes);
       for (int m = 0; m < MB; ++m) {
@@ -179,7 +183,7 @@ template <class Isa, typename T, int C, int MB>  // noinline: inlined, GCC 12 sp
     }
   } else if constexpr (Isa::kDotPairs) {
     for (int64_t p = 0; p < K / 2; ++p) {
-      prefetch_ahead<Isa>(w, p);
+      prefetch_ahead<Isa, MB>(w, p);
       typename Isa::Pairs wv[C];
       for (int c = 0; c < C; ++c) wv[c] = Isa::load_pairs(w[c] + p * step);
       for (int m = 0; m < MB; ++m) {
@@ -189,7 +193,7 @@ template <class Isa, typename T, int C, int MB>  // noinline: inlined, GCC 12 sp
     }
   } else {  // widened pairs: k even, then k odd, one x broadcast live at a time (the register budget's 1)
     for (int64_t p = 0; p < K / 2; ++p) {
-      prefetch_ahead<Isa>(w, p);
+      prefetch_ahead<Isa, MB>(w, p);
       V even[C], odd[C];
       for (int c = 0; c < C; ++c) Isa::widen(w[c] + p * step, even[c], odd[c]);
       for (int m = 0; m < MB; ++m) {
