@@ -11,7 +11,7 @@ The C++ kernel (greedy_argmax.cpp, beside this file) reads each row once, in its
 at a time; each lane keeps its largest value and where it was. It allocates nothing but the (S,)
 result. It follows torch.argmax's rules: the first index of the maximum, and the first NaN if the row
 has one. `Sampler` uses it for all-greedy steps where warm-up measured it faster
-(`Sampler.choose_greedy_kernel`).
+(minivllm/cpu/decode_kernels.py `choose_greedy_kernel`).
 
 `naive_greedy_argmax` is the reference; tests/kernels compare them.
 """

@@ -12,6 +12,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers.sampler import GREEDY_CANDIDATES, Sampler
 from minivllm.layers.torch_attention import DECODE_CANDIDATES, TorchAttentionBackend
+from minivllm.cpu.decode_kernels import choose_decode_kernel
 from minivllm.cpu.tuner import forced
 from minivllm.teaching.hf_check import assert_hf_greedy
 
@@ -53,7 +54,7 @@ def test_warm_up_measures_the_kernel_and_says_what_it_chose(model_factory):
 def test_without_warm_up_or_for_fp16_the_backend_keeps_gather_and_sdpa():
     backend = TorchAttentionBackend(4, 2, 16)
     assert not backend.decode_kernel.used and "not measured" in str(backend.decode_kernel)
-    assert not backend.choose_decode_kernel(torch.float16, block_size=4).used
+    assert not choose_decode_kernel(backend, torch.float16, block_size=4).used and not backend.decode_kernel.used
 
 
 @needs_kernels

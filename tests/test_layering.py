@@ -7,8 +7,8 @@
     minivllm/cpu/     (the CPU tuning wing) imports nothing from minivllm/models/ or the engine; the layers and
                       models import nothing from it: warm-up attaches its choices to a built model from
                       outside (cpu/attach.py), so the arrows run engine -> cpu -> layers, engine -> models
-                      -> layers. One exception, named below: the PyTorch attention backend and sampler still
-                      ask the tuner for their own kernel choice
+                      -> layers. No exception: the attention backend and the sampler hold their kernel
+                      switches too, set by cpu/decode_kernels.py
     minivllm/distributed/, layers/, models/
                       import nothing from minivllm/engine/: the process groups and the command channel
                       are the low layer the layers use too; the engine's executors and workers sit on
@@ -85,19 +85,9 @@ def test_layers_import_nothing_from_models():
     assert violations(ROOT / "minivllm" / "layers", "minivllm.layers", "minivllm.models") == []
 
 
-# Layers that still call the tuner themselves (their kernel choice is not yet attached from outside).
-LAYERS_USING_THE_TUNER = {"layers/torch_attention.py": "minivllm.cpu.tuner", "layers/sampler.py": "minivllm.cpu.tuner"}
-
-
 def test_layers_and_models_import_nothing_from_cpu_and_cpu_nothing_from_models_or_the_engine():
-    found = [v for folder in ("layers", "models") for v in violations(ROOT / "minivllm" / folder, f"minivllm.{folder}",
-                                                                      "minivllm.cpu")]
-    def allowed(violation: str) -> bool:
-        module = LAYERS_USING_THE_TUNER.get(violation.split(":")[0])
-        name = violation.split(" imports ")[1]
-        return module is not None and (name == module or name.startswith(module + "."))
-
-    assert [v for v in found if not allowed(v)] == []
+    for folder in ("layers", "models"):
+        assert violations(ROOT / "minivllm" / folder, f"minivllm.{folder}", "minivllm.cpu") == []
     for forbidden in ("minivllm.models", "minivllm.engine"):
         assert violations(ROOT / "minivllm" / "cpu", "minivllm.cpu", forbidden) == []
 

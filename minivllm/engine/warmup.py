@@ -1,11 +1,12 @@
 """Warm-up: the CPU kernels chosen by timing them on this machine, and the first steps run before any request.
 
     measure_cpu_kernels   choose the matmul forms (cpu/matmul_plan.py), RMSNorm's and RoPE's two ways
-                          (cpu/norm_rope_kernels.py), decode attention's (layers/torch_attention.py)
-                          and greedy sampling's (layers/sampler.py) through the one tuner
-                          (cpu/tuner.py): read from the tuning cache, or timed, the faster kept and
-                          saved; attach them to the model's plain layers (cpu/attach.py); say what was
-                          chosen and whether it was cached or measured
+                          (cpu/norm_rope_kernels.py), decode attention's and greedy sampling's
+                          (cpu/decode_kernels.py) through the one tuner (cpu/tuner.py): read from the
+                          tuning cache, or timed, the faster kept and saved; set them on the model's
+                          plain layers (cpu/attach.py), the attention backend and the sampler, which
+                          hold the switches and choose nothing; say what was chosen and whether it was
+                          cached or measured
     warmup_batch          prompts on free, uncached blocks: one small prefill through the whole stack,
                           so that lazy initialisation (allocators, kernels' first calls, a compiled
                           model's graphs, one per size) happens before the first request is timed
@@ -23,6 +24,7 @@ import torch
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_types import ScheduledSequence
 from minivllm.cpu.attach import NormRopeSizes, attach_cpu_kernels
+from minivllm.cpu.decode_kernels import choose_decode_kernel, choose_greedy_kernel
 from minivllm.cpu.tuner import Tuning
 from minivllm.layers.attention import AttentionBackend
 from minivllm.layers.batch_invariance import TiledLinearMethod
@@ -48,9 +50,9 @@ def measure_cpu_kernels(model: CausalLM, spec: ModelSpec, backend: AttentionBack
                            spec.intermediate_size) if model.cpu_norm_rope_kernels else None)
     said = attach_cpu_kernels(model, head, tuning, sizes)
     if isinstance(backend, TorchAttentionBackend):  # the Triton backend has no CPU kernel to choose
-        said.append(str(backend.choose_decode_kernel(kv_dtype, block_size, tuning)))
+        said.append(str(choose_decode_kernel(backend, kv_dtype, block_size, tuning)))
     if isinstance(sampler, Sampler):
-        said.append(str(sampler.choose_greedy_kernel(spec.vocab_size, kv_dtype, tuning)))
+        said.append(str(choose_greedy_kernel(sampler, spec.vocab_size, kv_dtype, tuning)))
     return said
 
 

@@ -1,5 +1,5 @@
 """`direct_register_custom_op`: an opaque op for a compiled graph, registered at the dispatcher directly;
-`KernelSwitch`: what a layer with a C++ CPU kernel is told from outside about when to run it.
+`KernelSwitch` and `KernelChoice`: what a layer with a C++ CPU kernel is told from outside about when to run it.
 
 A compiled forward (models/compiled_forward.py) calls a few things Inductor must not look inside: the
 attention over the paged cache, a matmul through a prepacked weight, the int8 product. Each becomes an
@@ -18,6 +18,7 @@ The ops are for inference only: no autograd formula is registered, so they run u
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -46,3 +47,24 @@ class KernelSwitch(Protocol):
     warm-up sets it from outside once it has measured which is faster here (minivllm/cpu/norm_rope_kernels.py)."""
 
     def active(self, x: torch.Tensor) -> bool: ...
+
+
+class KernelChoice(Protocol):
+    """Whether a layer's C++ CPU kernel replaces its default path: the attention backend's decode kernel, the
+    sampler's greedy argmax. The layer holds one and reads only `used`; warm-up sets it from outside with
+    what it measured (minivllm/cpu/decode_kernels.py, a `Choice` of cpu/tuner.py, which also says why)."""
+
+    @property
+    def used(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class NotMeasured:
+    """The `KernelChoice` before warm-up (and wherever there is none: a GPU, a test): the default path."""
+
+    subject: str  # what is chosen, in words: "greedy sampling"
+    default: str  # the default path's name: "argmax_rows"
+    used: bool = False
+
+    def __str__(self) -> str:  # the tuner's `Choice` says the same of an untimed choice
+        return f"{self.subject}: {self.default} (not measured: no CPU warm-up)"

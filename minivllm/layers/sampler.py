@@ -29,8 +29,9 @@ maximum (a short argmax), then the first maximum inside that block (another) = t
 maximum, exactly `argmax`'s answer, ties and NaN included. 4-6x faster for 1-128 rows.
 
 A step whose rows are all greedy needs nothing but that argmax. On a CPU where warm-up measured it
-faster (`Sampler.choose_greedy_kernel`, through the cached tuner of cpu/tuner.py), minivllm's C++ kernel takes it straight from the model's bf16
-or fp32 logits (kernels/greedy_argmax.py): one pass, no float32 copy.
+faster, minivllm's C++ kernel takes it straight from the model's bf16 or fp32 logits
+(kernels/greedy_argmax.py): one pass, no float32 copy. The sampler holds the switch (`greedy_kernel`);
+warm-up measures and sets it (minivllm/cpu/decode_kernels.py).
 """
 
 from __future__ import annotations
@@ -41,14 +42,10 @@ from typing import NamedTuple
 
 import torch
 
-from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.greedy_argmax import greedy_argmax
 from minivllm.kernels.seeding import noise_seed  # also imported from here by the engine
-from minivllm.cpu.tuner import Choice, Probe, Tuning, choose, untimed
+from minivllm.layers.custom_op import KernelChoice, NotMeasured
 
-# Where warm-up times greedy sampling both ways: (rows, of the model's vocabulary). The kernel must win
-# both, as every tuned choice must (cpu/tuner.py).
-GREEDY_PROBES = (32, 1)
 GREEDY_CANDIDATES = ("argmax_rows", "kernel")  # the first is the default (tuning off, no kernels built)
 # "kernel": all-greedy steps take their argmax from minivllm's CPU kernel (else argmax_rows, float32)
 GREEDY_SUBJECT = "greedy sampling"
@@ -205,7 +202,8 @@ class Sampler:
     """The PyTorch sampler (torch.Generator noise per row)."""
 
     def __init__(self) -> None:
-        self.greedy_kernel = untimed(GREEDY_CANDIDATES[0], "not measured: no CPU warm-up").about(GREEDY_SUBJECT)
+        # the C++ argmax or argmax_rows for all-greedy steps: set at warm-up (minivllm/cpu/decode_kernels.py)
+        self.greedy_kernel: KernelChoice = NotMeasured(GREEDY_SUBJECT, GREEDY_CANDIDATES[0])
         self.filter: SamplingFilter = TopKTopPMinP()
 
     def set_filter(self, sampling_filter: SamplingFilter) -> None:
@@ -230,23 +228,6 @@ class Sampler:
         drawn = argmax_rows(scaled + gumbel)
         return torch.where(t.temperatures > 0, drawn, greedy)
 
-    @torch.inference_mode()
-    def choose_greedy_kernel(self, vocab_size: int, dtype: torch.dtype, tuning: Tuning = "cached") -> Choice:
-        """Ask the tuner whether the kernel beats argmax_rows for an all-greedy step's argmax here
-        (GREEDY_PROBES rows of random logits). CPU only."""
-        build = load_cpu_kernels()
-        if not build.available:
-            choice = untimed(GREEDY_CANDIDATES[0], f"CPU kernels {build.detail}")
-        elif dtype not in (torch.float32, torch.bfloat16):
-            choice = untimed(GREEDY_CANDIDATES[0], f"the kernel takes float32 or bfloat16, not {dtype}")
-        else:
-            entry = f"greedy_argmax {str(dtype).removeprefix('torch.')} vocab {vocab_size} rows {GREEDY_PROBES}"
-            choice = choose(entry, GREEDY_CANDIDATES,
-                            lambda: [_greedy_probe(rows, vocab_size, dtype) for rows in GREEDY_PROBES], tuning)
-        probes = ", ".join(f"{rows} rows x {vocab_size}" for rows in GREEDY_PROBES)
-        self.greedy_kernel = choice.about(GREEDY_SUBJECT, probes)
-        return self.greedy_kernel
-
     @staticmethod
     def gumbel_noise(seeds: list[int], positions: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
         noise = torch.empty(len(seeds), vocab_size, device=device)
@@ -255,11 +236,6 @@ class Sampler:
             gen.manual_seed(noise_seed(seed, pos))
             noise[row].exponential_(generator=gen)
         return -noise.log()
-
-
-def _greedy_probe(rows: int, vocab_size: int, dtype: torch.dtype) -> Probe:
-    logits = torch.randn(rows, vocab_size, generator=torch.Generator().manual_seed(0)).to(dtype)
-    return lambda candidate: greedy_argmax(logits) if candidate == "kernel" else argmax_rows(logits.float())
 
 
 class TritonSampler:

@@ -4,9 +4,10 @@ Per layer:
   1. store the step's new k/v:  k_cache.view(-1, Hkv, D)[slot_mapping] = k
   2. decode rows (query_len == 1), all at once: gather each request's blocks into a padded
      (Bd, Hkv, K, D) tensor and run one SDPA with a key-length mask -- or, on a CPU where warm-up
-     measured it faster (`choose_decode_kernel`, through the cached tuner of cpu/tuner.py), minivllm's C++ kernel that reads the blocks in place
+     measured it faster, minivllm's C++ kernel that reads the blocks in place
      (kernels/paged_decode_attention.py): no copy, no mask. With it, step 1 is minivllm's C++ copy
-     loop too (kernels/kv_cache_write_cpu.py), and the timing covers both;
+     loop too (kernels/kv_cache_write_cpu.py), and the timing covers both. The backend holds the
+     switch (`decode_kernel`); warm-up measures and sets it (minivllm/cpu/decode_kernels.py);
   3. prefill chunks, one request at a time: gather its context from the cache (this is what makes
      cached prefixes and later chunks correct) and run SDPA with a causal mask shifted by the
      number of earlier tokens. A whole prompt with nothing cached before it is its own context:
@@ -29,15 +30,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.kv_cache_write_cpu import kv_cache_write_cpu
 from minivllm.kernels.paged_decode_attention import paged_decode_attention
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
-from minivllm.cpu.tuner import Choice, Probe, Tuning, choose, forced, untimed
+from minivllm.layers.custom_op import KernelChoice, NotMeasured
 
-# Where warm-up times the decode kernel against gather + SDPA: (rows, context) pairs, a batch of short
-# contexts and a few long ones. The kernel must win both, as every tuned choice must (cpu/tuner.py).
-DECODE_PROBES = ((16, 128), (2, 1024))
 DECODE_CANDIDATES = ("sdpa", "kernel")  # the first is the default (tuning off, no kernels built)
 # "kernel": decode rows run minivllm's CPU kernel and K/V writes its memcpy loop (else gather + SDPA, index_copy_)
 DECODE_SUBJECT = "decode attention and K/V writes"
@@ -69,7 +66,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
-        self.decode_kernel = untimed(DECODE_CANDIDATES[0], "not measured: no CPU warm-up").about(DECODE_SUBJECT)
+        # the C++ kernel or gather + SDPA for decode rows: set at warm-up (minivllm/cpu/decode_kernels.py)
+        self.decode_kernel: KernelChoice = NotMeasured(DECODE_SUBJECT, DECODE_CANDIDATES[0])
 
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
@@ -199,47 +197,3 @@ class TorchAttentionBackend(AttentionBackend):
             op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], attn_mask=p.mask, scale=self.scale)
             out[p.row_start:p.row_end] = op.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, -1)
         return out
-
-    @torch.inference_mode()
-    def choose_decode_kernel(self, dtype: torch.dtype, block_size: int, tuning: Tuning = "cached") -> Choice:
-        """Ask the tuner whether the kernel beats gather + SDPA for this layer's heads here (DECODE_PROBES,
-        random caches). CPU only."""
-        build = load_cpu_kernels()
-        if not build.available:
-            choice = untimed(DECODE_CANDIDATES[0], f"CPU kernels {build.detail}")
-        elif dtype not in (torch.float32, torch.bfloat16):
-            choice = untimed(DECODE_CANDIDATES[0], f"the kernel takes float32 or bfloat16, not {dtype}")
-        else:
-            entry = (f"decode_attention {str(dtype).removeprefix('torch.')} heads {self.num_heads}/{self.num_kv_heads} "
-                     f"dim {self.head_dim} block {block_size} probes {DECODE_PROBES}")
-            chosen = self.decode_kernel
-            try:
-                choice = choose(entry, DECODE_CANDIDATES, lambda: [self._decode_probe(rows, context, dtype, block_size)
-                                                                   for rows, context in DECODE_PROBES], tuning)
-            finally:
-                self.decode_kernel = chosen  # the probes switch it while they run
-        probes = ", ".join(f"{rows} rows x {context} keys" for rows, context in DECODE_PROBES)
-        self.decode_kernel = choice.about(DECODE_SUBJECT, probes)
-        return self.decode_kernel
-
-    def _decode_probe(self, rows: int, context: int, dtype: torch.dtype, block_size: int) -> Probe:
-        """One all-decode step of `rows` requests of ~`context` keys, through this backend either way."""
-        Hkv, D = self.num_kv_heads, self.head_dim
-        g = torch.Generator().manual_seed(0)
-        lens = [max(1, context - 7 * i) for i in range(rows)]  # unequal, so the SDPA path needs its mask
-        nb = -(-context // block_size)
-        kv_cache = torch.randn(2, rows * nb, block_size, Hkv, D, generator=g).to(dtype)
-        tables = torch.arange(rows * nb, dtype=torch.int32).view(rows, nb)
-        slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
-                              for i, n in enumerate(lens)])
-        q = torch.randn(rows, self.num_heads, D, generator=g).to(dtype)
-        k = torch.randn(rows, Hkv, D, generator=g).to(dtype)
-        meta = AttentionMetadata(slots, torch.arange(rows + 1, dtype=torch.int32),
-                                 torch.tensor(lens, dtype=torch.int32), tables, [1] * rows, lens, block_size)
-
-        def run(candidate: str) -> None:
-            self.decode_kernel = forced(DECODE_CANDIDATES, candidate, "timing")
-            self.prepare(meta)
-            self.forward(q, k, k, kv_cache, meta)
-
-        return run
