@@ -6,10 +6,14 @@
     matmul_forms.py       four ways to compute y = x W^T on a CPU, and the code of each
     matmul_timing.py      timing those forms over a model's weights, by row bucket
     matmul_plan.py        `MatmulPlan`: the form each weight shape and row bucket uses, chosen by timing
+    planned_linear.py     `PlannedLinearMethod`: a `Linear`'s product through the plan's form
     norm_rope_kernels.py  whether RMSNorm, RoPE and silu·mul run minivllm's C++ kernels, chosen by timing
+    decode_kernels.py     whether decode attention and greedy sampling run minivllm's C++ kernels, likewise
+    attach.py             `attach_cpu_kernels`: warm-up's entry, the choices handed to a built model's layers
 
 None of it is part of a model: model classes build plain layers (minivllm/layers/), and the engine's
 warm-up (engine/warmup.py) hands this wing the built model, whose layers then receive what was chosen.
-The arrow points one way: this package imports minivllm.kernels, never minivllm.models, and of
-minivllm.layers only the small types the layers accept from outside (tests/test_layering.py).
+The arrow points one way: this package imports minivllm.kernels and minivllm.layers (to time and set
+their switches), never minivllm.models; the layers and models import nothing from it
+(tests/test_layering.py).
 """
