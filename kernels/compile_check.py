@@ -1,6 +1,6 @@
 """Compiling minivllm's C++ CPU kernels for an instruction-set level this machine may not run, loading nothing.
 
-    python -m minivllm.kernels.compile_check x86-64-v4 amx
+    python -m minivllm.kernels.compile_check [--cannot-run] x86-64-v4 amx
 
 A CI machine with AVX2 only cannot run the AVX-512 or AMX / avx512_bf16 paths (cpu_build.py builds and
 tests the levels it can run), but it can compile them: this proves that code still builds (every
@@ -29,6 +29,20 @@ from .cpu_build import HEADERS, LIBRARY, SOURCES, _cause  # one dot: kernels/ im
 # compiles the avx512_bf16 paths (-march=sapphirerapids enables both).
 COMPILE_ONLY = {"x86-64-v4": (["-march=x86-64-v4"], ("__AVX512F__",)),
                 "amx": (["-march=sapphirerapids"], ("__AMX_TILE__", "__AMX_BF16__", "__AVX512BF16__"))}
+# level -> the CPU flags with which the native build (-march=native) already compiles all of its code.
+NATIVE_COVERS = {"x86-64-v4": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "amx": {"avx512_bf16", "amx_tile"}}
+
+
+def native_build_covers(level: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has what `level`'s code needs, so the native build (which CI builds and tests anyway)
+    compiles that code already and compiling it again here would only cost time."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = next((set(line.partition(":")[2].split()) for line in text.splitlines()
+                  if line.partition(":")[0].strip() == "flags"), set())
+    return NATIVE_COVERS[level] <= flags
 
 
 def compile_only_sources(level: str) -> tuple[str, ...]:
@@ -71,9 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("levels", nargs="+", choices=sorted(COMPILE_ONLY), metavar="LEVEL",
                         help=f"levels to compile for without loading: {', '.join(sorted(COMPILE_ONLY))}")
+    parser.add_argument("--cannot-run", action="store_true",
+                        help="only the levels this CPU cannot run (the native build compiles the others)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="minivllm-compile-only-") as tmp:
         for level in args.levels:
+            if args.cannot_run and native_build_covers(level):
+                print(f"{level}: this CPU runs it, so the native build compiles its code; not compiled again")
+                continue
             start = time.monotonic()
             try:
                 sources = compile_only(level, Path(tmp))
