@@ -10,9 +10,9 @@ reference it must match.
     rejection_sampling.py speculative decoding: accept drafts or draw from the residual distribution
     gated_delta_rule.py   hybrid models: the recurrent (decode) update of a gated-DeltaNet layer's state
     skinny_gemm.py (.cpp) CPU, C++: x W^T for a few rows, one sequential read of a re-laid-out weight
-                          (one of the forms layers/matmul_plan.py times)
+                          (one of the forms minivllm/cpu/matmul_plan.py times)
     paged_decode_attention.py (.cpp)  CPU, C++: decode attention reading K/V in place in the paged cache
-                          (layers/torch_attention.py uses it where warm-up measured it faster)
+                          (layers/torch_attention.py uses it where warm-up measured it faster: cpu/decode_kernels.py)
     kv_cache_write_cpu.py (kv_cache_write.cpp)  CPU, C++: the K/V write, one memcpy a row
     greedy_argmax.py (.cpp)  CPU, C++: an all-greedy step's tokens straight from bf16 or fp32 logits
     rms_norm.py (.cpp)    CPU, C++: RMSNorm in HF's rounding order, and vLLM's fused_add_rms_norm

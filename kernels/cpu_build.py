@@ -232,7 +232,7 @@ def _digest(files: tuple[str, ...]) -> str:
 def build_key(cflags: tuple[str, ...] | None = None) -> str:
     """A digest of what the binary depends on: this CPU's instruction-set flags (the build is -march=native),
     torch's version, the machine, the sources and headers, and the flags. The build folder is named after
-    it, and the tuning cache (minivllm/layers/tuning_cache.py) keys its timings with it: a timing of other
+    it, and the tuning cache (minivllm/cpu/tuning_cache.py) keys its timings with it: a timing of other
     kernels, or on another CPU, says nothing about these."""
     cflags = tuple(isa_cflags()) if cflags is None else cflags
     flags = ""

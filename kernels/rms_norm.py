@@ -17,7 +17,7 @@ just before the MLP's norm, `h = x + residual`, done in the same pass; it return
 h itself, the next residual.
 
 The references are `naive_rms_norm` and `naive_fused_add_rms_norm`; tests/kernels compare them. RMSNorm
-uses the kernel where warm-up measured it faster (layers/norm_rope_kernels.py).
+uses the kernel where warm-up measured it faster (minivllm/cpu/norm_rope_kernels.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ dtype as `lookup` rounds them, and each product and the sum are rounded as torch
 multiply-add), so the results are bit-identical in float32 and bfloat16 (tested).
 
 The reference is `naive_rotary_embedding`; tests/kernels compare them. The model uses the kernel where
-warm-up measured it faster (layers/norm_rope_kernels.py).
+warm-up measured it faster (minivllm/cpu/norm_rope_kernels.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ polynomial shared with the decode-attention kernel, kernels/cpu_simd.h): an fp32
 torch's in its last bit or two, a bf16 one rarely by one ulp.
 
 The reference is `naive_silu_and_mul`; tests/kernels compare them. The MLP uses the kernel where
-warm-up measured the model's element-wise kernels faster (layers/norm_rope_kernels.py).
+warm-up measured the model's element-wise kernels faster (minivllm/cpu/norm_rope_kernels.py).
 """
 
 from __future__ import annotations
