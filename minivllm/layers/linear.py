@@ -8,10 +8,13 @@ business; it is an object set on the layer from outside, after the model is buil
     the CPU plan's method     the matmul form measured fastest for this weight and row count on this
                               machine (minivllm/cpu/planned_linear.py), attached at warm-up
     TiledLinearMethod         batch_invariant=True: fixed 16-row tiles (layers/batch_invariance.py)
+    Int8LinearMethod          quantization="int8": the weight packed in int8 on the layer, fbgemm's
+                              product (layers/quantization.py), set at load
 
-Every method computes the same y = x W^T + b (up to rounding), so swapping one never changes what
-the model means, only how fast (or, for the tiles, in which order each sum is added). The layer is an
-ordinary `nn.Module`: forward hooks, pre-hooks and `module.compile()` work on it as on any other.
+Every method computes the same y = x W^T + b (up to rounding; int8 up to its quantization error), so
+swapping one never changes what the model means, only how fast (or, for the tiles, in which order each
+sum is added). The layer is an ordinary `nn.Module`: forward hooks, pre-hooks and `module.compile()`
+work on it as on any other.
 
 `LinearMethodBase` is a Protocol: anything with `apply(layer, x, bias)` serves, so minivllm/cpu/ can
 provide a method without this module knowing it (the imports point cpu -> layers, never back).

@@ -14,8 +14,9 @@ context, which blocks), so the graph calls it as one custom op, `minivllm::atten
 attention backend eagerly (as vLLM does). A custom op takes only tensors and numbers, so the step's
 metadata, the backend and the KV caches travel beside the graph in a `StepContext` the op looks up
 by number (vLLM calls its version the "forward context"). The matmuls, too, stay the kernels the CPU
-matmul plan measured (layers/linear.py hands them to the graph as another opaque op), and int8
-layers keep fbgemm's product the same way (`minivllm::int8_linear`, layers/quantization.py).
+matmul plan measured (its linear method, cpu/planned_linear.py, hands them to the graph as another
+opaque op), and int8 layers keep fbgemm's product the same way (`minivllm::int8_linear`,
+layers/quantization.py).
 
 Shapes. A graph is specialised to its input shapes, and the only one that varies is T, the number of
 token rows in the step. So graphs are made for a few sizes (`sizes`, e.g. 1, 2, 4, ..., 128; all at
