@@ -46,16 +46,23 @@ def naive_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def pack_skinny_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight (out, in) -> blocks of 16 output columns: fp32 (ceil(out/16), in, 16); bf16
-    (ceil(out/16), in/2, 16, 2), k paired. Rows past `out` are zero padding (never written out)."""
+    (ceil(out/16), in/2, 16, 2), k paired. Rows past `out` are zero padding (never written out).
+
+    It runs for every weight at every start, so it copies the weight once: padding only when out is
+    not a multiple of 16 (never in SmolLM2), and a bf16 k pair moved as one int32 (one 4-byte element
+    per move instead of two 2-byte ones: about 3x faster, the same bytes)."""
     out_features, in_features = weight.shape
+    if not (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and in_features % 2 == 0)):
+        raise ValueError(f"skinny_gemm packs float32, or bfloat16 with an even in_features; got {weight.dtype} "
+                         f"({out_features} x {in_features})")
     n_blocks = math.ceil(out_features / LANES)
-    w = F.pad(weight.detach(), (0, 0, 0, n_blocks * LANES - out_features))  # (n_blocks * 16, in)
-    if weight.dtype == torch.float32:
-        return w.view(n_blocks, LANES, in_features).transpose(1, 2).contiguous()
-    if weight.dtype == torch.bfloat16 and in_features % 2 == 0:
-        return w.view(n_blocks, LANES, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
-    raise ValueError(f"skinny_gemm packs float32, or bfloat16 with an even in_features; got {weight.dtype} "
-                     f"({out_features} x {in_features})")
+    w = weight.detach().contiguous()  # (out, in)
+    if n_blocks * LANES != out_features:
+        w = F.pad(w, (0, 0, 0, n_blocks * LANES - out_features))  # (n_blocks * 16, in)
+    if weight.dtype == torch.bfloat16:  # (n_blocks * 16, in / 2) k pairs, as int32 -> (n_blocks, in / 2, 16)
+        pairs = w.view(torch.int32).view(n_blocks, LANES, in_features // 2).transpose(1, 2).contiguous()
+        return pairs.view(torch.bfloat16).view(n_blocks, in_features // 2, LANES, 2)
+    return w.view(n_blocks, LANES, in_features).transpose(1, 2).contiguous()
 
 
 def can_pack_skinny(weight: torch.Tensor) -> bool:

@@ -6,11 +6,15 @@ code paths for other instruction sets are checked in test_cpu_build.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from kernel_helpers import require_cpu_kernels
 from minivllm.kernels.skinny_gemm import (LANES, can_pack_skinny, naive_skinny_gemm, pack_skinny_weight, skinny_gemm,
                                           skinny_gemm_tiling)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 require_cpu_kernels()
@@ -25,6 +29,53 @@ def test_the_packed_layout_is_blocks_of_16_output_columns():
     pb = pack_skinny_weight(w.bfloat16())
     assert pb.shape == (2, 3, LANES, 2)  # k in pairs
     assert torch.equal(pb[0, 1, 7], w.bfloat16()[7, 2:4])
+
+
+def naive_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The packed layout the plain way: pad to whole blocks, then move every element on its own."""
+    n_blocks = math.ceil(weight.shape[0] / LANES)
+    w = F.pad(weight, (0, 0, 0, n_blocks * LANES - weight.shape[0]))  # (n_blocks * 16, in)
+    if weight.dtype == torch.float32:
+        return w.view(n_blocks, LANES, -1).transpose(1, 2).contiguous()  # (n_blocks, in, 16)
+    return w.view(n_blocks, LANES, -1, 2).permute(0, 2, 1, 3).contiguous()  # (n_blocks, in/2, 16, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_f,in_f", [(48, 64), (960, 576), (37, 10), (20, 6)])  # whole blocks, then padded
+def test_packing_gives_the_plain_layout_byte_for_byte(dtype, out_f, in_f):
+    w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(out_f)).to(dtype)
+    p, ref = pack_skinny_weight(w), naive_pack(w)
+    assert p.shape == ref.shape and p.dtype == dtype and p.is_contiguous()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(p.view(bits), ref.view(bits))
+
+
+class _Copies(TorchDispatchMode):
+    """Records the ops that write new memory (the output is not a view of the first input): (name, input dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[str, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if isinstance(out, torch.Tensor) and src is not None and (
+                out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()):
+            self.copies.append((func.overloadpacket.__name__, src.dtype))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_copies_the_weight_once(dtype):
+    """Every start packs every weight: one copy, no padding copy where out_features is whole blocks (every
+    SmolLM2 weight), and a bf16 weight moved as int32 k pairs (a 4-byte element per move, ~3x faster)."""
+    moved_as = torch.int32 if dtype == torch.bfloat16 else torch.float32
+    for out_f, copies in ((64, [("clone", moved_as)]), (20, [("constant_pad_nd", dtype), ("clone", moved_as)])):
+        w = torch.randn(out_f, 32).to(dtype)
+        with _Copies() as seen:
+            pack_skinny_weight(w)
+        assert seen.copies == copies, out_f
 
 
 def error_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
