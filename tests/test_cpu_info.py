@@ -57,8 +57,20 @@ def test_the_isa_cap_hides_every_avx512_and_amx_answer(monkeypatch):
     capped = CpuInfo.read()
     assert not (capped.amx or capped.avx512_bf16 or capped.native_bf16 or capped.vnni or capped.onednn_bf16)
     assert "oneDNN bf16: no" in str(capped)
+    # AVX2 + FMA + F16C stay visible under the avx2 cap (where the CPU has them), and are hidden at portable
+    has_v3 = {"avx2", "fma", "f16c"} <= _proc_flags()
+    assert capped.x86_64_v3 == has_v3 and f"AVX2+FMA: {'yes' if has_v3 else 'no'}" in str(capped)
+    monkeypatch.setenv("MINIVLLM_CPU_ISA", "portable")
+    assert not CpuInfo.read().x86_64_v3 and "AVX2+FMA: no" in str(CpuInfo.read())
     monkeypatch.delenv("MINIVLLM_CPU_ISA")
     assert CpuInfo.read().model_name == capped.model_name
+
+
+def _proc_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            return set(line.partition(":")[2].split())
+    return set()
 
 
 PROBE = ("import json, torch\nfrom minivllm.cpu.cpu_info import CpuInfo\n"

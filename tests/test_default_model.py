@@ -34,11 +34,14 @@ def test_chat_answers_paris(default_llm):
 
 
 def test_runs_bf16_by_default_where_the_cpu_computes_it(default_llm):
-    """The GGUF is quantized (config.json says bfloat16), so dtype "auto" picks bf16 on such a CPU."""
+    """The GGUF is quantized (config.json says bfloat16), so dtype "auto" picks bf16 where a kernel reads it."""
     from minivllm.cpu.cpu_info import CpuInfo
+    from minivllm.kernels.cpu_build import load_cpu_kernels
 
+    cpu = CpuInfo.read()
     assert default_llm.llm_engine.spec.dtype == "bfloat16"
-    assert default_llm.llm_engine.dtype == (torch.bfloat16 if CpuInfo.read().native_bf16 else torch.float32)
+    reads_bf16 = cpu.native_bf16 or (cpu.x86_64_v3 and load_cpu_kernels().available)
+    assert default_llm.llm_engine.dtype == (torch.bfloat16 if reads_bf16 else torch.float32)
 
 
 def test_matches_hf_reading_the_same_gguf():

@@ -3,6 +3,7 @@ and the engine's tokens do not depend on which one it picked."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -16,18 +17,23 @@ from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.cpu import matmul_plan
 from minivllm.cpu.attach import attached_plan
 from minivllm.cpu.planned_linear import planned_linear
+from minivllm.cpu.tuning_cache import TuningCache
 from minivllm.layers.linear import Linear
-from minivllm.cpu.matmul_forms import MatmulForm, can_pack, matmul
+from minivllm.cpu import matmul_forms
+from minivllm.cpu.matmul_forms import (WIDENED_FROM_ROWS, MatmulForm, bound_product, can_pack, default_form, matmul,
+                                       widened_linear)
 from minivllm.cpu.matmul_plan import MARGIN, PREFILL_BUCKET, ROW_BUCKETS, CpuInfo, MatmulKey, MatmulPlan, row_bucket
 from minivllm.teaching.hf_check import assert_hf_greedy
 
 def available_forms(dtype: torch.dtype = torch.float32) -> list[MatmulForm]:
     """Every form this CPU runs for `dtype`: SKINNY only where minivllm's CPU kernels could be built
     (tests/kernels checks that CI can), PACKED only where oneDNN takes the dtype here (bf16: not on an
-    AVX2-only CPU, nor under MINIVLLM_CPU_ISA=avx2)."""
+    AVX2-only CPU, nor under MINIVLLM_CPU_ISA=avx2), WIDENED for 16-bit dtypes (in fp32 it is F.linear)."""
     packs = can_pack(torch.empty(1, 1, dtype=dtype), CpuInfo.read())
     return [f for f in MatmulForm if (f is not MatmulForm.SKINNY or load_cpu_kernels().available)
-            and (f is not MatmulForm.PACKED or packs)]
+            and (f is not MatmulForm.PACKED or packs) and (f is not MatmulForm.WIDENED or dtype is not torch.float32)]
+
+AVX2_LAPTOP = CpuInfo("an AVX2 laptop", amx=False, avx512_bf16=False, last_level_cache_bytes=1 << 23, x86_64_v3=True)
 
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -77,6 +83,66 @@ def test_an_unmeasured_plan_answers_f_linear_everywhere():
     assert "not measured" in plan.summary()
 
 
+def test_the_widened_form_is_f_linear_in_fp32_on_widened_operands(monkeypatch):
+    """WIDENED is the fp32 product of the widened operands, rounded once to bf16: bit for bit where the
+    weight is widened in one block; in blocks of output rows (a large weight), within that rounding
+    (2^-8 of the value: bf16 keeps 8 bits) plus fp32 summation order (in * 2^-24 of sum |x||w|)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 96, generator=g).bfloat16()  # (rows, in)
+    w = (torch.randn(160, 96, generator=g) / 96 ** 0.5).bfloat16()  # (out, in)
+    bias = torch.randn(160, generator=g).bfloat16()
+    exact = F.linear(x.float(), w.float(), bias.float())  # (rows, out) fp32
+    for y in (widened_linear(x, w, bias), bound_product(w, bias, MatmulForm.WIDENED)(x)):
+        assert y.dtype is torch.bfloat16 and y.is_contiguous()
+        assert torch.equal(y, exact.bfloat16())
+    assert torch.equal(matmul(x, w, MatmulForm.WIDENED), F.linear(x.float(), w.float()).bfloat16())
+    monkeypatch.setattr(matmul_forms, "WIDEN_BLOCK_BYTES", 11 * 96 * 4)  # blocks of 11 rows, the last of 6
+    blocked = widened_linear(x, w, bias)
+    bound = 2 ** -8 * exact.abs() + 96 * 2 ** -24 * (x.float().abs() @ w.float().abs().t() + bias.float().abs())
+    assert blocked.shape == (7, 160) and ((blocked.float() - exact).abs() <= bound).all()
+
+
+def test_an_unmeasured_bf16_product_widens_from_5_rows_where_onednn_takes_no_bf16():
+    """The default form (tuning off, weights within L2, a bucket nothing competes in) on a CPU without oneDNN's
+    bf16 path: torch's bf16 GEMM is 3-4.5x slower there than widening to fp32; at 1-4 rows it stays F.linear."""
+    bf16, fp32 = torch.randn(160, 96).bfloat16(), torch.randn(160, 96)
+    onednn = CpuInfo("a Xeon", amx=True, avx512_bf16=True, last_level_cache_bytes=1 << 25, onednn_bf16=True)
+    assert WIDENED_FROM_ROWS in {b.lo for b in ROW_BUCKETS}  # one default per bucket
+    plan = MatmulPlan(cpu=AVX2_LAPTOP)
+    assert [plan.form_for(bf16, rows) for rows in (1, 4, 5, 32, 600)] == [MatmulForm.LINEAR] * 2 + [MatmulForm.WIDENED] * 3
+    assert {MatmulPlan(cpu=AVX2_LAPTOP).form_for(fp32, rows) for rows in range(1, 600)} == {MatmulForm.LINEAR}
+    assert {MatmulPlan(cpu=onednn).form_for(bf16, rows) for rows in range(1, 600)} == {MatmulForm.LINEAR}
+    for tuning, cache_bytes in (("off", 0), ("cached", 1 << 30)):  # nothing timed: the fixed rule
+        weights = [torch.randn(160, 96).bfloat16() for _ in range(2)]
+        plan = MatmulPlan()
+        plan.measure(weights, tuning=tuning, cache_bytes=cache_bytes, cpu=AVX2_LAPTOP)
+        assert not plan.forms and plan.form_for(weights[0], 8) is MatmulForm.WIDENED
+        assert f"{MatmulForm.WIDENED.value} from {WIDENED_FROM_ROWS}" in plan.summary()
+        x = torch.randn(8, 96).bfloat16()
+        assert torch.equal(planned_linear(x, weights[0], None, plan), widened_linear(x, weights[0]))
+
+
+def test_a_measured_bf16_plan_times_every_form_against_the_widened_default(plan_timings):
+    """Where oneDNN takes no bf16, WIDENED is the baseline the timed forms must beat from 5 rows (and a
+    candidate below); the prefill bucket has nothing to compare it with (no packed bf16, bf16 F.linear not
+    timed) and keeps it."""
+    weights = [torch.randn(192, 64).bfloat16() for _ in range(4)]
+    plan = MatmulPlan()
+    plan.measure(weights, repeats=1, cache_bytes=0, cpu=AVX2_LAPTOP, tuning="remeasure")
+    assert plan.source == "measured" and plan_timings == [4]
+    assert MatmulKey(192, 64, torch.bfloat16, PREFILL_BUCKET) not in plan.forms
+    assert plan.form_for(weights[0], 600) is MatmulForm.WIDENED and MatmulForm.PACKED not in plan.forms.values()
+    [entry] = [e for name, e in json.loads(TuningCache().path.read_text())["entries"].items() if name.startswith("matmul")]
+    for bucket in ROW_BUCKETS[:-1]:
+        key = MatmulKey(192, 64, torch.bfloat16, bucket)
+        default, other = MatmulForm.LINEAR, MatmulForm.WIDENED
+        if bucket.lo >= WIDENED_FROM_ROWS:
+            default, other = other, default
+        assert (plan.forms[key] is default) == (plan.speedups[key] <= 1 + MARGIN)
+        timed = entry[f"192 x 64 bfloat16 rows {bucket}"]["speedups"]  # over the default, which is not in it
+        assert other.value in timed and default.value not in timed
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
     shapes = [(192, 64), (64, 128)] * 4 + [(384, 64)]  # a tiny "model": two layers' shapes, then a head
@@ -84,17 +150,18 @@ def test_measured_plan_picks_a_valid_form_for_every_shape_and_bucket(dtype):
     plan = MatmulPlan()
     plan.measure(weights, repeats=1, cache_bytes=0)  # as if they streamed from memory
     assert plan.measured_with_threads == torch.get_num_threads()
-    packs = can_pack(weights[0], CpuInfo.read())  # bf16 on an AVX2-only CPU: no packed form to time
+    cpu = CpuInfo.read()
+    packs = can_pack(weights[0], cpu)  # bf16 on an AVX2-only CPU: no packed form to time
     for out_f, in_f in set(shapes):
         w = torch.empty(out_f, in_f, dtype=dtype)
         for bucket in ROW_BUCKETS:
-            key = MatmulKey(out_f, in_f, dtype, bucket)
-            if bucket == PREFILL_BUCKET and not packs:  # F.linear alone there: nothing timed
-                assert key not in plan.forms and plan.form_for(w, 600) is MatmulForm.LINEAR
+            key, default = MatmulKey(out_f, in_f, dtype, bucket), default_form(dtype, cpu, bucket.lo)
+            if bucket == PREFILL_BUCKET and not packs:  # the default alone there: nothing timed
+                assert key not in plan.forms and plan.form_for(w, 600) is default
                 continue
             speedup = plan.speedups[key]
             assert 0 < speedup < float("inf")
-            assert (plan.forms[key] is MatmulForm.LINEAR) == (speedup <= 1 + MARGIN)
+            assert (plan.forms[key] is default) == (speedup <= 1 + MARGIN)
             assert {plan.form_for(w, rows) for rows in range(bucket.lo, bucket.hi + 1)} == {plan.forms[key]}
             if bucket == PREFILL_BUCKET:  # only F.linear and the packed weight compete
                 assert plan.forms[key] not in (MatmulForm.WEIGHT_LEFT, MatmulForm.SKINNY)

@@ -52,6 +52,27 @@ def test_off_times_nothing_and_remeasure_times_again(timings):
         tuner.choose("toy", ("a", "b"), lambda: [fast_b], "sometimes")
 
 
+def test_each_decision_is_decided_against_its_own_default_and_a_changed_default_is_measured_again(caplog):
+    """The matmul plan's default depends on the dtype and the row count (bf16 widens from 5 rows where
+    oneDNN takes no bf16): each decision of one entry keeps its own default, the first of its candidates,
+    and an entry timed against another default (another contest) is never replayed."""
+    measured = []
+
+    def measure() -> dict[str, dict[str, float]]:  # "a" 1.5x faster than "b"; "c" as fast as either default
+        measured.append(1)
+        return {"few": {"b": 1 / 1.5, "c": 1.0}, "many": {"a": 1.5, "c": 1.0}}
+
+    choices = tuner.choose_many("plan", measure, "cached", candidates={"few": ("a", "b", "c"), "many": ("b", "a", "c")})
+    assert {name: (c.chosen, c.default) for name, c in choices.items()} == {"few": ("a", "a"), "many": ("a", "b")}
+    swapped = {"few": ("b", "a", "c"), "many": ("b", "a", "c")}  # "few" now defaults to "b": another contest
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        again = tuner.choose_many("plan", lambda: {"few": {"a": 1.5, "c": 1.0}, "many": {"a": 1.5, "c": 1.0}},
+                                  "cached", candidates=swapped)
+    assert again["few"].source == "measured" and again["few"].default == "b" and "timed over" in caplog.text
+    assert tuner.choose_many("plan", measure, "cached", candidates=swapped)["many"].source == "cached"
+    assert len(measured) == 1
+
+
 @pytest.mark.parametrize("part", [f.name for f in dataclasses.fields(MachineKey)])
 def test_any_change_to_the_machine_key_measures_again(part, timings, monkeypatch):
     tuner.choose("toy", ("a", "b"), lambda: [fast_b], "cached")

@@ -1,14 +1,17 @@
 """`CpuInfo`: what a CPU is called and what it computes natively, read once from /proc/cpuinfo and /sys.
 
 The matmul plan (matmul_plan.py) and int8 quantization (layers/quantization.py) print it beside what they chose,
-the dtype rule reads `native_bf16` (engine/loading.py), the matmul forms read `onednn_bf16` (a form the
-CPU cannot run is never tried: matmul_forms.py `can_pack`), and the tuning cache (tuning_cache.py) keys
-its file with the model name: a choice timed on one CPU is no evidence about another.
+the dtype rule reads `native_bf16` and `x86_64_v3` (engine/loading.py: bf16 weights wherever a kernel
+path reads them), the matmul forms read `onednn_bf16` (a form the CPU cannot run is never tried:
+matmul_forms.py `can_pack`; where oneDNN takes no bf16, a bf16 product is widened to fp32), and the
+tuning cache (tuning_cache.py) keys its file with the model name: a choice timed on one CPU is no
+evidence about another.
 
 Invariants:
   * What minivllm believes about the CPU is what its ISA level lets it see (kernels/cpu_build.py): under
     MINIVLLM_CPU_ISA=avx2 every AVX-512 / AMX / AVX-VNNI / avx_ne_convert flag is absent here, so an
-    AVX-512 machine answers every question (`native_bf16`, `amx`, `vnni`, `onednn_bf16`) as an AVX2 laptop.
+    AVX-512 machine answers every question (`native_bf16`, `amx`, `vnni`, `onednn_bf16`) as an AVX2 laptop;
+    under MINIVLLM_CPU_ISA=portable AVX2, FMA and F16C are hidden too (`x86_64_v3` is False).
   * Each flag-derived answer is a plain bool field, so a test can hand the plan or the dtype rule the CPU
     it wants to exercise (`CpuInfo("an AVX2 laptop", amx=False, ...)`); the defaults are the safe ones.
 """
@@ -41,6 +44,10 @@ class CpuInfo:
     # raises "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq" where not.
     # False by default: a CpuInfo made by hand never leads to that call.
     onednn_bf16: bool = False
+    # AVX2 + FMA + F16C (x86-64-v3's vector part; every AVX-512 CPU has them too): minivllm's kernels have
+    # an 8-lane path here that widens bf16 weights to fp32 in registers (kernels/skinny_gemm.cpp), so bf16
+    # weights stream half the bytes of fp32 ones. False by default, like the other answers.
+    x86_64_v3: bool = False
 
     @property
     def native_bf16(self) -> bool:
@@ -70,12 +77,14 @@ class CpuInfo:
         return cls(name, "amx_tile" in flags, "avx512_bf16" in flags, _cache_bytes(),
                    vnni=bool(flags & {"avx512_vnni", "avx_vnni"}),
                    l2_cache_bytes=_cache_bytes(level=2, default=1 << 20),
-                   onednn_bf16=onednn_runs_bf16(frozenset(flags), platform.machine(), _onednn_max_isa()))
+                   onednn_bf16=onednn_runs_bf16(frozenset(flags), platform.machine(), _onednn_max_isa()),
+                   x86_64_v3={"avx2", "fma", "f16c"} <= flags)
 
     def __str__(self) -> str:
         yes_no = {True: "yes", False: "no"}
-        return (f"CPU: {self.model_name} (AMX: {yes_no[self.amx]}, avx512_bf16: {yes_no[self.avx512_bf16]}, "
-                f"oneDNN bf16: {yes_no[self.onednn_bf16]}, last-level cache {self.last_level_cache_bytes >> 20} MiB)")
+        return (f"CPU: {self.model_name} (AVX2+FMA: {yes_no[self.x86_64_v3]}, AMX: {yes_no[self.amx]}, "
+                f"avx512_bf16: {yes_no[self.avx512_bf16]}, oneDNN bf16: {yes_no[self.onednn_bf16]}, "
+                f"last-level cache {self.last_level_cache_bytes >> 20} MiB)")
 
 
 def onednn_runs_bf16(flags: frozenset[str], machine: str, max_isa: str) -> bool:

@@ -1,7 +1,7 @@
-"""The four ways a CPU linear layer can compute y = x W^T, and the code of each; `MatmulPlan`
-(matmul_plan.py) chooses among them by timing.
+"""The five ways a CPU linear layer can compute y = x W^T, and the code of each; `MatmulPlan`
+(matmul_plan.py) chooses among them by timing, and `default_form` says which one runs untimed.
 
-A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Four forms give the same y:
+A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Five forms give the same y:
 
     LINEAR       y = F.linear(x, W) = x W^T    torch's default; MKL / oneDNN picks the kernel
     WEIGHT_LEFT  y = (W x^T)^T                 W stays the left, row-major operand; a single row is
@@ -12,6 +12,17 @@ A decode step multiplies a few rows x (rows, in) by each weight W (out, in). Fou
     SKINNY       y = x W^T, W re-laid out      minivllm's own CPU kernel for a few rows
                  in blocks of 16 columns       (kernels/skinny_gemm.py): one sequential read of the
                                                weight, no horizontal sums; compiled on first use
+    WIDENED      y = round(x32 W32^T)          bf16 operands widened to fp32 (in blocks of weight rows),
+                                               one fp32 GEMM (MKL), the output rounded back to bf16
+
+Why WIDENED exists: torch's bf16 GEMM is fast only where oneDNN takes bf16 (`CpuInfo.onednn_bf16`:
+AVX-512 BW+VL+DQ or AVX-NE-CONVERT). On an AVX2-only CPU (Zen 3, most laptops) bf16 F.linear falls to
+a slow path: 576 -> 1536 at 32 and 128 rows took 3-4.5x the time of widening both operands and running
+MKL's fp32 GEMM (1 thread, capped AVX2 level on a Zen 4). Widening costs a pass over the weight, so at
+1-3 rows (bound by reading the weight) plain bf16 F.linear stays 1.2-3x faster, about even at 4: `default_form`
+is WIDENED for bf16 without oneDNN's bf16 from `WIDENED_FROM_ROWS` rows, LINEAR everywhere else. The
+weight is widened `WIDEN_BLOCK_BYTES` at a time: a whole fp32 copy of the 49152 x 576 LM head is 113
+MB, a fresh mmap whose pages fault in on every call (74 ms at one row against 7 ms in 2 MiB blocks).
 
 PACKED and SKINNY read a copy of W in their own layout, kept on the weight as `weight.packed` /
 `weight.skinny` (made by the plan at warm-up for the shapes where that form won, or here on first use).
@@ -48,6 +59,23 @@ class MatmulForm(Enum):
     WEIGHT_LEFT = "(W x^T)^T"
     PACKED = "packed"
     SKINNY = "skinny"
+    WIDENED = "widened"
+
+
+WIDENED_FROM_ROWS = 5  # the first row count where WIDENED is the untimed default (a row bucket's start: 5-16)
+WIDEN_BLOCK_BYTES = 2 << 20  # fp32 bytes of weight rows widened at once: reused memory, not a fresh mmap
+
+
+def widens(dtype: torch.dtype, cpu: CpuInfo) -> bool:
+    """Whether WIDENED is a form worth running for `dtype` on `cpu`: bf16 where oneDNN cannot take it."""
+    return dtype is torch.bfloat16 and not cpu.onednn_bf16
+
+
+def default_form(dtype: torch.dtype, cpu: CpuInfo, rows: int) -> MatmulForm:
+    """The form a product of `rows` rows runs when nothing was timed (tuning off, weights within L2, a
+    bucket no other form competes in): WIDENED for bf16 without oneDNN's bf16 from 5 rows, else LINEAR.
+    It is also the baseline the timed forms must beat by the tuner's margin."""
+    return MatmulForm.WIDENED if widens(dtype, cpu) and rows >= WIDENED_FROM_ROWS else MatmulForm.LINEAR
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, form: MatmulForm) -> torch.Tensor:
@@ -58,11 +86,30 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, form: MatmulForm) -> torch.Ten
         return packed_linear(x, weight)
     if form is MatmulForm.SKINNY:
         return skinny_linear(x, weight)
+    if form is MatmulForm.WIDENED:
+        return widened_linear(x, weight)
     if x.shape[0] == 1:  # W @ (one column) would take the gemv path: two columns, keep the first
         # `[:, :1].t()` alone is a strided view (stride (1, 2)); the next op (the C++ norm, RoPE and K/V-write
         # kernels read each row as one contiguous run) must get the row as every other form returns it.
         return (weight @ torch.cat([x, x]).t())[:, :1].t().contiguous()  # (1, out)
     return (weight @ x.t()).t().contiguous()  # (rows, out)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b computed in fp32 on widened copies of x, W and b, rounded once to x's dtype. W is widened
+    a block of `WIDEN_BLOCK_BYTES` of output rows at a time (the fp32 GEMM per block is as fast as one
+    over the whole weight, and the block's memory is reused instead of faulted in per call)."""
+    out_features, in_features = weight.shape
+    x32 = x.float()  # (rows, in)
+    b32 = None if bias is None else bias.float()
+    step = max(1, WIDEN_BLOCK_BYTES // (4 * in_features))  # output rows per block
+    if step >= out_features:
+        return F.linear(x32, weight.float(), b32).to(x.dtype)  # (rows, out)
+    y = x.new_empty(x.shape[0], out_features)  # (rows, out), in x's dtype
+    for lo in range(0, out_features, step):
+        hi = min(lo + step, out_features)
+        y[:, lo:hi] = F.linear(x32, weight[lo:hi].float(), None if b32 is None else b32[lo:hi])  # rounded here
+    return y
 
 
 def can_pack(weight: torch.Tensor, cpu: CpuInfo) -> bool:
@@ -124,6 +171,8 @@ def bound_product(weight: torch.Tensor, bias: torch.Tensor | None, form: MatmulF
         return lambda x: op(x, packed, bias, "none", [], "")
     if form is MatmulForm.LINEAR:
         return lambda x: F.linear(x, weight, bias)  # the bias fused in
+    if form is MatmulForm.WIDENED:
+        return lambda x: widened_linear(x, weight, bias)  # the bias added in fp32, before the rounding
     if bias is None:
         return lambda x: matmul(x, weight, form)
     return lambda x: matmul(x, weight, form) + bias

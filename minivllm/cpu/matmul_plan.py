@@ -1,8 +1,8 @@
-"""`MatmulPlan`: which of four equal matmul forms each CPU linear layer uses, chosen by timing them.
+"""`MatmulPlan`: which of five equal matmul forms each CPU linear layer uses, chosen by timing them.
 
-A decode step multiplies a few rows x (rows, in) by each weight W (out, in); matmul_forms.py holds four
+A decode step multiplies a few rows x (rows, in) by each weight W (out, in); matmul_forms.py holds five
 ways to compute the same y: LINEAR (F.linear), WEIGHT_LEFT ((W x^T)^T), PACKED (oneDNN's prepacked
-weight) and SKINNY (minivllm's own few-row kernel).
+weight), SKINNY (minivllm's own few-row kernel) and WIDENED (bf16 widened to fp32 for MKL's GEMM).
 
 Which one is faster is a property of the machine, not of the maths. On 2 AMD EPYC cores WEIGHT_LEFT
 streams fp32 weights 1.5-3x faster for 1-4 rows (about even above) and PACKED is 1.2-1.6x faster
@@ -16,9 +16,11 @@ per set of weight shapes: later starts read it back and time nothing. `summary()
 chosen, why, and whether it was measured now or read from the cache.
 
 Invariants:
-  * Unmeasured means LINEAR. No warm-up, tuning='off', a GPU, or weights that fit in one core's L2
-    (microsecond products: timing them would measure the other processes more than the forms):
-    `form_for` answers LINEAR.
+  * Unmeasured means the default form (matmul_forms.py `default_form`): LINEAR, except bf16 on a CPU
+    where oneDNN cannot take bf16 (AVX2-only), where it is WIDENED from 5 rows (torch's own bf16 GEMM is
+    3-4.5x slower there). tuning='off', weights that fit in one core's L2 (microsecond products: timing
+    them would measure the other processes more than the forms), or a bucket nothing competes in:
+    `form_for` answers the default. (No warm-up, or a GPU: the layers run F.linear, no plan at all.)
   * Weights larger than that are timed, whether or not they stay in the last-level cache between steps.
     Staying in cache does not make the forms equal: on a Sapphire Rapids guest whose 56 MiB of bf16
     weights did stay in its L3, F.linear still re-laid each plain bf16 weight out for the AMX tiles on
@@ -31,12 +33,12 @@ Invariants:
     shape: a product that size is bound by compute, not by streaming the weight. Weights that only
     ever multiply sampled rows (`decode_only`: the LM head) are not timed there, and neither is a
     dtype oneDNN cannot pack (fp16, and bf16 where torch refuses oneDNN's bf16 path): those keep
-    LINEAR, shown as "not timed".
+    the default (LINEAR; WIDENED for such bf16), shown as "not timed".
   * PACKED is tried only where the CPU runs it, read from its flags (`can_pack` with the `CpuInfo`:
     bf16 needs what torch's guard needs, AVX-512 BW+VL+DQ or AVX-NE-CONVERT; an AVX2-only CPU has
     neither), never by calling it to see whether it raises. A cached entry is held to the same
     candidates (matmul_timing.py `form_candidates`): one that names another form is measured again.
-  * Another form must beat LINEAR by `MARGIN` at BOTH ends of a bucket (e.g. 17 and 32 rows), so one
+  * Another form must beat the default by `MARGIN` at BOTH ends of a bucket (e.g. 17 and 32 rows), so one
     lucky row count cannot make a whole bucket slow; ties and noise keep the default.
   * A packed copy is kept (as `weight.packed`, and `weight.skinny` for SKINNY's layout) only for the
     weights of a shape that form won in some bucket; the plain weight stays too (the other buckets,
@@ -63,7 +65,8 @@ import torch
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.cpu.cpu_info import CpuInfo  # also imported from here (layers/quantization.py, engine/loading.py)
-from minivllm.cpu.matmul_forms import MatmulForm, Product, bound_product, pack, pack_skinny
+from minivllm.cpu.matmul_forms import (WIDENED_FROM_ROWS, MatmulForm, Product, bound_product, default_form, pack,
+                                       pack_skinny, widens)
 from minivllm.cpu.matmul_timing import (  # noqa: F401 (ROW_BUCKETS, PREFILL_BUCKET, row_bucket: re-exported)
     PREFILL_BUCKET, ROW_BUCKETS, MatmulKey, RowBucket, cache_flushing_sample, form_candidates, key_name,
     measure_speedups, row_bucket, shape_of, shape_text)
@@ -75,12 +78,14 @@ class MatmulPlan:
     """The chosen form per `MatmulKey`, filled by `measure`; every `linear` asks `product` for its bound form."""
 
     forms: dict[MatmulKey, MatmulForm] = field(default_factory=dict)
-    speedups: dict[MatmulKey, float] = field(default_factory=dict)  # LINEAR time / fastest other form's
+    speedups: dict[MatmulKey, float] = field(default_factory=dict)  # the default's time / fastest other form's
     measured_with_threads: int | None = None  # None: not measured (yet)
     weight_bytes: int = 0  # of the weights `measure` was given
     source: str = "not measured"  # "measured", "cached" (by an earlier process), "tuning off" or "fits in L2"
     l2_cache_bytes: int = 0  # the per-core cache the weights were held against (below it nothing is timed)
-    cpu: CpuInfo | None = None  # what `measure` was told of the CPU (which forms can run); None: not measured
+    # What `measure` was told of the CPU (which forms run, the default form); None: read when first needed.
+    cpu: CpuInfo | None = None
+    dtypes: tuple[torch.dtype, ...] = ()  # of the weights `measure` was given (for `summary`)
     # (id(weight), id(bias), rows) -> (weight, bias, the bound product), for decode-sized row counts
     # (`product`). Valid for the `forms` dict it was bound from: replacing `forms` (measure does; so may a
     # benchmark) rebinds; changing it in place does not.
@@ -89,8 +94,14 @@ class MatmulPlan:
     _bound_from: dict[MatmulKey, MatmulForm] | None = field(default=None, repr=False, compare=False)
 
     def form_for(self, weight: torch.Tensor, rows: int) -> MatmulForm:
+        """The measured form for this weight's shape at `rows`, else the default form on this CPU."""
         key = MatmulKey(weight.shape[0], weight.shape[1], weight.dtype, row_bucket(rows))
-        return self.forms.get(key, MatmulForm.LINEAR)
+        form = self.forms.get(key)
+        if form is None:
+            if self.cpu is None:  # an unmeasured plan: read once, not on every prefill-sized call
+                self.cpu = CpuInfo.read()
+            form = default_form(weight.dtype, self.cpu, rows)
+        return form
 
     def product(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Product:
         """The product `linear` runs for `rows` rows of x times this weight, in the chosen form, bound once per
@@ -123,6 +134,7 @@ class MatmulPlan:
         if not weights:
             return
         self.weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+        self.dtypes = tuple(dict.fromkeys(w.dtype for w in weights))
         self.forms, self.speedups = {}, {}
         self.cpu = cpu = CpuInfo.read() if cpu is None else cpu
         self.l2_cache_bytes = cpu.l2_cache_bytes if cache_bytes is None else cache_bytes
@@ -144,8 +156,7 @@ class MatmulPlan:
             # The candidates this CPU runs, per name: a cached entry that names others (timed where oneDNN
             # took bf16, now read where it cannot) is measured again, never replayed (tuner.py).
             candidates = form_candidates(sample, decode_only, cpu, skinny_built)
-            for name, choice in choose_many(entry, MatmulForm.LINEAR.value, measure, tuning, MARGIN,
-                                            candidates=candidates).items():
+            for name, choice in choose_many(entry, measure, tuning, MARGIN, candidates=candidates).items():
                 key = names[name]
                 self.forms[key] = MatmulForm(choice.chosen)
                 self.speedups[key] = max(choice.speedups.values())
@@ -163,7 +174,7 @@ class MatmulPlan:
     def summary(self) -> str:
         """The CPU, then one line per weight shape: the form chosen per row bucket and its speed-up."""
         cpu = self.cpu or CpuInfo.read()
-        everywhere = f"matmul: {MatmulForm.LINEAR.value} (F.linear) everywhere"
+        everywhere = f"matmul: {self._defaults(cpu)} everywhere"
         if self.measured_with_threads is None:
             return f"{cpu}\n{everywhere} (not measured: no CPU warm-up)"
         if self.source == "tuning off":
@@ -174,10 +185,10 @@ class MatmulPlan:
                     f"{self.l2_cache_bytes >> 10} KiB)")
         lines = [str(cpu), sizes,
                  f"matmul form by measurement ({self.source}, {self.measured_with_threads} threads; above "
-                 f"{ROW_BUCKETS[-1].hi} rows as at {ROW_BUCKETS[-1]}); speed-up = time of "
-                 f"{MatmulForm.LINEAR.value} / time of the fastest other form ({MatmulForm.WEIGHT_LEFT.value}, "
-                 f"{MatmulForm.PACKED.value}: oneDNN's prepacked weight, or {MatmulForm.SKINNY.value}: "
-                 f"minivllm's kernel, {load_cpu_kernels().detail})",
+                 f"{ROW_BUCKETS[-1].hi} rows as at {ROW_BUCKETS[-1]}); speed-up = time of the default "
+                 f"({self._defaults(cpu)}) / time of the fastest other form ({MatmulForm.WEIGHT_LEFT.value}, "
+                 f"{MatmulForm.PACKED.value}: oneDNN's prepacked weight, {MatmulForm.WIDENED.value}, or "
+                 f"{MatmulForm.SKINNY.value}: minivllm's kernel, {load_cpu_kernels().detail})",
                  "  weight (out x in)".ljust(26) + "".join(f"rows {b}".ljust(22) for b in ROW_BUCKETS)]
         for out_f, in_f, dtype in dict.fromkeys((k.out_features, k.in_features, k.dtype) for k in self.forms):
             keys = [MatmulKey(out_f, in_f, dtype, bucket) for bucket in ROW_BUCKETS]
@@ -186,3 +197,10 @@ class MatmulPlan:
             lines.append(f"  {out_f} x {in_f} {str(dtype).removeprefix('torch.')}".ljust(26) + cells)
         return "\n".join(lines)
 
+    def _defaults(self, cpu: CpuInfo) -> str:
+        """The default form in words: "x W^T (F.linear)", and where bf16 widens, from which row count."""
+        text = f"{MatmulForm.LINEAR.value} (F.linear)"
+        if any(widens(dtype, cpu) for dtype in self.dtypes):
+            text += (f" at 1-{WIDENED_FROM_ROWS - 1} rows, {MatmulForm.WIDENED.value} from {WIDENED_FROM_ROWS} "
+                     "(bf16 widened to fp32 for MKL's GEMM: oneDNN takes no bf16 here)")
+        return text

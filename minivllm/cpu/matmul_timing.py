@@ -10,6 +10,8 @@ Invariants:
     could be made. The tuner holds a cached entry to the same candidates, so a choice timed where a
     form ran (oneDNN's bf16 path on an AVX-512 CPU) is never replayed where it cannot (an AVX2 one).
   * A form the CPU cannot run is never called, not even once to see whether it raises.
+  * Each key's contest has a default (matmul_forms.py `default_form`: LINEAR, or WIDENED for bf16 where
+    oneDNN cannot take it from 5 rows), listed first; a speed-up is the default's time over a form's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from minivllm.kernels.skinny_gemm import can_pack_skinny
 from minivllm.cpu.cpu_info import CpuInfo
-from minivllm.cpu.matmul_forms import MatmulForm, can_pack, matmul, pack, pack_skinny
+from minivllm.cpu.matmul_forms import MatmulForm, can_pack, default_form, matmul, pack, pack_skinny, widens
 
 
 class RowBucket(NamedTuple):
@@ -73,9 +75,11 @@ def key_name(key: MatmulKey) -> str:
 def form_candidates(sample: list[torch.Tensor], decode_only: tuple[torch.Tensor, ...], cpu: CpuInfo,
                     skinny_built: bool) -> dict[str, tuple[str, ...]]:
     """Per key's name, for every shape of `sample` in every bucket: the forms `measure_speedups` times
-    there on `cpu`, LINEAR first (alone: the key is not timed). Decode buckets: LINEAR and WEIGHT_LEFT,
-    PACKED where oneDNN packs this dtype on this CPU, SKINNY where the kernel is built and lays the shape
-    out. The prefill bucket: LINEAR and PACKED, for shapes with a packable weight that is not decode-only."""
+    there on `cpu`, the default first (alone: the key is not timed). Decode buckets: LINEAR and
+    WEIGHT_LEFT, PACKED where oneDNN packs this dtype on this CPU, WIDENED where it cannot take bf16,
+    SKINNY where the kernel is built and lays the shape out. The prefill bucket: the default and PACKED,
+    for shapes with a packable weight that is not decode-only (bf16 F.linear is not timed where it
+    widens: 3-4.5x slower there, it would only lengthen the start)."""
     skip = {id(w) for w in decode_only}
     firsts = {shape_of(w): w for w in reversed(sample)}  # one weight of each shape (all alike in dtype)
     prefill_shapes = {shape_of(w) for w in sample if id(w) not in skip}
@@ -83,20 +87,22 @@ def form_candidates(sample: list[torch.Tensor], decode_only: tuple[torch.Tensor,
     for shape, w in firsts.items():
         packs, skinny = can_pack(w, cpu), skinny_built and can_pack_skinny(w)
         for bucket in ROW_BUCKETS:
+            default = default_form(w.dtype, cpu, bucket.lo)
             if bucket is PREFILL_BUCKET:
-                forms = [MatmulForm.LINEAR] + [MatmulForm.PACKED] * (packs and shape in prefill_shapes)
+                others = [MatmulForm.PACKED] * (packs and shape in prefill_shapes)
             else:
-                forms = [MatmulForm.LINEAR, MatmulForm.WEIGHT_LEFT] + [MatmulForm.PACKED] * packs + \
-                        [MatmulForm.SKINNY] * skinny
+                others = [MatmulForm.LINEAR, MatmulForm.WEIGHT_LEFT] + [MatmulForm.PACKED] * packs + \
+                         [MatmulForm.WIDENED] * widens(w.dtype, cpu) + [MatmulForm.SKINNY] * skinny
+            forms = [default] + [f for f in others if f is not default]
             names[key_name(MatmulKey(*shape, bucket))] = tuple(f.value for f in forms)
     return names
 
 
 def measure_speedups(sample: list[torch.Tensor], decode_only: tuple[torch.Tensor, ...], cpu: CpuInfo,
                      skinny_built: bool, repeats: int) -> dict[str, dict[str, float]]:
-    """Per key's name, per form but LINEAR: LINEAR time / that form's time, the worse of the bucket's two ends.
-    Copies are made only where `cpu` runs the form (`can_pack`: never oneDNN's bf16 reorder on a CPU
-    whose torch would refuse it), and only forms with a copy are timed."""
+    """Per key's name, per candidate but the default (`form_candidates`): the default's time / that form's
+    time, the worse of the bucket's two ends. Copies are made only where `cpu` runs the form (`can_pack`:
+    never oneDNN's bf16 reorder on a CPU whose torch would refuse it), and only forms with a copy are timed."""
     for w in sample:  # a copy for each form this CPU runs on w, and none left by a plan for another CPU
         for attr, make, runs in (("packed", pack, can_pack(w, cpu)),
                                  ("skinny", pack_skinny, skinny_built and can_pack_skinny(w))):
@@ -104,24 +110,26 @@ def measure_speedups(sample: list[torch.Tensor], decode_only: tuple[torch.Tensor
                 make(w)
             elif getattr(w, attr, None) is not None:
                 delattr(w, attr)
-    # Prefill-sized products are compute-bound (65+ FLOPs per weight byte): whether the weight was
-    # in cache barely matters, so one weight per shape is timed there, not the cache-flushing pass.
-    skip = {id(w) for w in decode_only}
-    one_per_shape = list({shape_of(w): w for w in sample
-                          if id(w) not in skip and getattr(w, "packed", None) is not None}.values())
+    candidates, skip = form_candidates(sample, decode_only, cpu, skinny_built), {id(w) for w in decode_only}
     speedups: dict[str, dict[str, float]] = {}
     for bucket in ROW_BUCKETS:
-        prefill = bucket is PREFILL_BUCKET
-        forms = (MatmulForm.LINEAR, MatmulForm.PACKED) if prefill else tuple(MatmulForm)
-        timed_weights = one_per_shape if prefill else sample
+        contest = {shape: [MatmulForm(f) for f in candidates[key_name(MatmulKey(*shape, bucket))]]
+                   for shape in {shape_of(w) for w in sample}}
+        contest = {shape: forms for shape, forms in contest.items() if len(forms) > 1}  # the timed keys
+        timed_weights = [w for w in sample if shape_of(w) in contest]
+        # Prefill-sized products are compute-bound (65+ FLOPs per weight byte): whether the weight was in
+        # cache barely matters, so one weight per shape is timed there (never a decode-only one).
+        if bucket is PREFILL_BUCKET:
+            timed_weights = list({shape_of(w): w for w in timed_weights if id(w) not in skip}.values())
         if not timed_weights:
             continue
+        forms = tuple(f for f in MatmulForm if any(f in fs for fs in contest.values()))
         for rows in sorted({bucket.lo, bucket.hi}):
             for shape, times in time_forms(timed_weights, rows, repeats, forms).items():
                 worst = speedups.setdefault(key_name(MatmulKey(*shape, bucket)), {})
-                for form, t in times.items():
-                    if form is not MatmulForm.LINEAR:
-                        worst[form.value] = min(worst.get(form.value, math.inf), times[MatmulForm.LINEAR] / t)
+                default, *others = contest[shape]
+                for form in others:
+                    worst[form.value] = min(worst.get(form.value, math.inf), times[default] / times[form])
     return speedups
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -121,16 +121,17 @@ def choose(entry: str, candidates: Sequence[str], probes: Callable[[], Sequence[
            margin: float = MARGIN, repeats: int = 5) -> Choice:
     """One decision, named `entry` in the cache (say what it was measured on: dtype, shapes). `probes`
     makes the inputs only if timing happens: a cached start builds nothing."""
-    decided = choose_many(entry, candidates[0], lambda: {"": time_candidates(candidates, probes(), repeats)},
-                          tuning, margin, candidates={"": candidates})
+    decided = choose_many(entry, lambda: {"": time_candidates(candidates, probes(), repeats)}, tuning, margin,
+                          candidates={"": candidates})
     return decided.get("", untimed(candidates[0], "tuning off"))
 
 
-def choose_many(entry: str, default: str, measure: Callable[[], dict[str, dict[str, float]]], tuning: Tuning,
-                margin: float = MARGIN, *, candidates: Mapping[str, Collection[str]]) -> dict[str, Choice]:
+def choose_many(entry: str, measure: Callable[[], dict[str, dict[str, float]]], tuning: Tuning,
+                margin: float = MARGIN, *, candidates: Mapping[str, Sequence[str]]) -> dict[str, Choice]:
     """Several decisions measured together (the matmul plan times all its shapes in one pass over the
-    weights): `measure` returns each one's speed-ups by name, and `candidates` names, per decision, every
-    candidate `measure` times for it here, the default included (what a cached entry is held to).
+    weights): `measure` returns each one's speed-ups (over its default) by name, and `candidates` names,
+    per decision, every candidate `measure` times for it here, its default first (each decision has its
+    own: the matmul plan's depends on the dtype and the row count); a cached entry is held to them.
     Empty with tuning='off'."""
     if tuning not in TUNING_MODES:
         raise ValueError(f"tuning={tuning!r} is invalid: choose one of {TUNING_MODES}")
@@ -143,36 +144,36 @@ def choose_many(entry: str, default: str, measure: Callable[[], dict[str, dict[s
         except OSError as error:
             log.warning("cannot read the tuning cache %s (%s): measuring instead", cache.path, error)
             stored = None
-        problem = None if stored is None else unusable(stored, default, candidates)
+        problem = None if stored is None else unusable(stored, candidates)
         if stored is not None and problem is None:
             log.info("tuning: %s, read from %s", entry, cache.path)
-            return _choices(stored, default, "cached")
+            return _choices(stored, candidates, "cached")
         if problem is not None:
             log.warning("ignoring the tuning cache's entry %r in %s (%.300s); it is measured again and "
                         "rewritten", entry, cache.path, problem)
-    decided: Entry = {name: StoredChoice(chosen=decide(default, speedups, margin), speedups=speedups)
+    decided: Entry = {name: StoredChoice(chosen=decide(candidates[name][0], speedups, margin), speedups=speedups)
                       for name, speedups in measure().items()}
     try:  # another process's entry is adopted only if usable here; an unusable one is written over
         kept = cache.record(entry, decided, overwrite=tuning == "remeasure",
-                            usable=lambda theirs: unusable(theirs, default, candidates) is None)
+                            usable=lambda theirs: unusable(theirs, candidates) is None)
     except OSError as error:
         log.warning("cannot write the tuning cache %s (%s): the next start measures again; point "
                     "MINIVLLM_TUNING_CACHE or MINIVLLM_CACHE at a writable folder", cache.path, error)
         kept = decided
     log.info("tuning: %s, measured%s, saved in %s", entry, "" if kept is decided else " (another process saved "
              "its own first: adopted)", cache.path)
-    return _choices(kept, default, "measured" if kept is decided else "cached")
+    return _choices(kept, candidates, "measured" if kept is decided else "cached")
 
 
-def unusable(stored: Entry, default: str, candidates: Mapping[str, Collection[str]]) -> str | None:
+def unusable(stored: Entry, candidates: Mapping[str, Sequence[str]]) -> str | None:
     """Why a (well-formed: tuning_cache.malformed) stored entry is not one this chooser could have made
     here, or None: each decision must be one it makes, chosen among its candidates, timed over exactly
-    its candidates but the default (another set was another contest: a form this CPU cannot run, a
-    kernel not built here)."""
+    its candidates but its default, the first (another set, or another default, was another contest: a
+    form this CPU cannot run, a kernel not built here)."""
     for name, choice in stored.items():
         if name not in candidates:
             return f"{name!r} is not a decision of this chooser"
-        timed = set(candidates[name]) - {default}
+        timed = set(candidates[name][1:])
         if set(choice["speedups"]) != timed:
             return f"{name!r} was timed over {sorted(choice['speedups'])}, not over {sorted(timed)}"
         if choice["chosen"] not in candidates[name]:
@@ -180,5 +181,5 @@ def unusable(stored: Entry, default: str, candidates: Mapping[str, Collection[st
     return None
 
 
-def _choices(stored: Entry, default: str, source: str) -> dict[str, Choice]:
-    return {name: Choice(s["chosen"], default, dict(s["speedups"]), source) for name, s in stored.items()}
+def _choices(stored: Entry, candidates: Mapping[str, Sequence[str]], source: str) -> dict[str, Choice]:
+    return {name: Choice(s["chosen"], candidates[name][0], dict(s["speedups"]), source) for name, s in stored.items()}

@@ -1,8 +1,9 @@
 """Start-up: pick device and dtype, build the model from a checkpoint folder, size the KV pool.
 
 Defaults: device "auto" is CUDA when available, else CPU. dtype "auto" is the checkpoint's dtype on
-CUDA (bfloat16 if it names none); on CPU bfloat16 for a 16-bit checkpoint when the CPU computes bf16
-in hardware (AMX or avx512_bf16), float32 otherwise (`resolve_dtype`).
+CUDA (bfloat16 if it names none); on CPU bfloat16 for a 16-bit checkpoint on every x86-64-v3 CPU
+(AVX2 + FMA) where minivllm's CPU kernels are built, and where the CPU computes bf16 in hardware (AMX or
+avx512_bf16); float32 otherwise (`resolve_dtype`).
 
 `load_rank` is what every rank runs at start-up, rank 0 (the engine) and each tensor-parallel
 worker alike, in the same order, because its last steps are collectives: build this rank's shard of
@@ -26,6 +27,7 @@ from minivllm.layers.attention import AttentionBackend, get_attention_backend
 from minivllm.layers.batch_invariance import TiledLinearMethod
 from minivllm.layers.linear import set_linear_method
 from minivllm.cpu.cpu_info import CpuInfo
+from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers.per_row_attention import PerRowAttentionBackend
 from minivllm.layers.quantization import quantize_model
 from minivllm.models import MODEL_REGISTRY
@@ -47,18 +49,30 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def resolve_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device,
-                  cpu: CpuInfo | None = None) -> torch.dtype:
-    """dtype "auto": on CUDA the checkpoint's dtype (bfloat16 if it names none). On CPU bfloat16 when
-    the checkpoint is 16-bit and the CPU computes bf16 natively (`cpu`, default: this one), else float32:
-    decode streams every weight once per token, so bf16 halves its bytes, but only hardware bf16 turns
-    that into speed, and an fp32 checkpoint (the tests' tiny models) keeps its precision."""
+                  cpu: CpuInfo | None = None, kernels_built: bool | None = None) -> torch.dtype:
+    """dtype "auto": on CUDA the checkpoint's dtype (bfloat16 if it names none). On CPU, for a 16-bit
+    checkpoint (bf16 or fp16, the default model's GGUF included), bfloat16 where a kernel reads bf16
+    weights fast: every x86-64-v3 CPU (`cpu.x86_64_v3`, default: this one, at minivllm's ISA level) with
+    minivllm's CPU kernels built (`kernels_built`, default: `load_cpu_kernels().available`), and every CPU
+    that computes bf16 in hardware (AMX, avx512_bf16); float32 elsewhere, and for an fp32 checkpoint
+    (the tests' tiny models keep their precision).
+    Why: decode is bound by the bytes it reads, and the skinny kernel widens a bf16 weight to fp32 with a
+    shift in registers, so bf16 streams half the bytes without hardware bf16 (Zen 3, 1 row: 19.6 tok/s
+    against 15.0 in fp32). Products of many rows, where oneDNN takes no bf16, are widened to fp32 for
+    MKL's GEMM (cpu/matmul_forms.py WIDENED). Without the kernels nothing reads bf16 fast: float32."""
     if config.dtype != "auto":
         return _TORCH_DTYPES[config.dtype]
     checkpoint = _TORCH_DTYPES.get(str(spec.dtype).removeprefix("torch."))
     if device.type != "cpu":
         return checkpoint or torch.bfloat16
-    sixteen_bit = checkpoint in (torch.float16, torch.bfloat16)  # fp16 too: CPUs compute bf16, not fp16
-    return torch.bfloat16 if sixteen_bit and (cpu or CpuInfo.read()).native_bf16 else torch.float32
+    if checkpoint not in (torch.float16, torch.bfloat16):  # fp16 too (bf16 here): CPUs compute bf16, not fp16
+        return torch.float32
+    cpu = cpu or CpuInfo.read()
+    if cpu.native_bf16:
+        return torch.bfloat16
+    # the CPU first: where it is not x86-64-v3, no kernel build is attempted (a compile takes minutes)
+    reads_bf16 = cpu.x86_64_v3 and (load_cpu_kernels().available if kernels_built is None else kernels_built)
+    return torch.bfloat16 if reads_bf16 else torch.float32
 
 
 def build_model(spec: ModelSpec, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
