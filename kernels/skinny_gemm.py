@@ -57,6 +57,8 @@ def pack_skinny_weight(weight: torch.Tensor) -> torch.Tensor:
                          f"({out_features} x {in_features})")
     n_blocks = math.ceil(out_features / LANES)
     w = weight.detach().contiguous()  # (out, in)
+    if weight.dtype == torch.bfloat16 and w.storage_offset() % 2:  # a view at an odd offset: no int32 view of it
+        w = w.clone()
     if n_blocks * LANES != out_features:
         w = F.pad(w, (0, 0, 0, n_blocks * LANES - out_features))  # (n_blocks * 16, in)
     if weight.dtype == torch.bfloat16:  # (n_blocks * 16, in / 2) k pairs, as int32 -> (n_blocks, in / 2, 16)

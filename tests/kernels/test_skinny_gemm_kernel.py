@@ -48,6 +48,8 @@ def test_packing_gives_the_plain_layout_byte_for_byte(dtype, out_f, in_f):
     assert p.shape == ref.shape and p.dtype == dtype and p.is_contiguous()
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(p.view(bits), ref.view(bits))
+    odd = torch.cat([torch.zeros(1, dtype=dtype), w.flatten()])[1:].view(out_f, in_f)  # a view at an odd offset
+    assert torch.equal(pack_skinny_weight(odd).view(bits), ref.view(bits))
 
 
 class _Copies(TorchDispatchMode):
