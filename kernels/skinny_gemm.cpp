@@ -5,9 +5,8 @@
 //   fp32:  Wp[N/16][K][16]        Wp[b][k][j]    = W[16b + j][k]
 //   bf16:  Wp[N/16][K/2][16][2]   Wp[b][p][j][i] = W[16b + j][2p + i]   (pairs along k, for vdpbf16ps)
 //
-// so one block is one contiguous run of memory, read front to back, and each 64-byte line feeds 16 output
-// lanes at once. With W row-major instead, every output would end in a horizontal sum of a 16-lane vector,
-// which for K = 576 costs as much as the loop that fills it.
+// so a block is one contiguous run of memory, read front to back, each 64-byte line feeding 16 output lanes.
+// Row-major W would end each output in a horizontal sum of a 16-lane vector, at K = 576 as costly as the loop before.
 //
 // A thread takes a group of 4 blocks and the rows of x, 8 at a time (kMaxRows), and cuts the group into
 // COLUMNS of one register's width (16 lanes on AVX-512; 8 on AVX2, where a block is two columns). A tile of
@@ -26,10 +25,9 @@
 //   AVX2 + FMA (16)    C = 8 at 1 row, 4 at 2 fp32, 2 (one block) to 6 fp32 / 5 bf16, 1 beyond; prefetch
 //   portable           plain loops over whole 16-lane blocks, one explicit fused multiply-add per term
 //
-// Every output is ONE chain of sums over k, in k's order, whatever the path and the rows in the call:
-// acc = fma(W[k], x[k], acc) for k = 0, 1, ... (vdpbf16ps: one step a pair). So a row's bits never depend on
-// the rows beside it (batch invariance relies on it), and fp32 results are the same on all three paths. (The
-// portable loop once left `a * b + c` to the compiler, which fused it at x86-64-v3 for 2-4 rows, not for 1.)
+// Every output is ONE chain of sums over k in k's order, whatever the path and rows: acc = fma(W[k], x[k], acc),
+// k = 0, 1, ... (vdpbf16ps: a pair a step). So a row's bits never depend on the rows beside it (batch invariance
+// relies on it), fp32 matches on all 3 paths (GCC once fused a portable `a * b + c` at x86-64-v3 for 2-4 rows, not 1).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -109,9 +107,8 @@ struct Avx512 {
 using Simd = Avx512;
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Avx2 {  // x86-64-v3: 16 ymm registers; a 16-lane block is two columns
-  // kAhead: prefetch 2 KB down each stream from 3 rows. At 4-6 rows the loop spends so long on a line that the
-  // hardware prefetcher fell behind: 1.6-1.9x the 1-row time without, 1.1-1.3x with (x86-64-v3 on a Zen 4);
-  // at 1-2 rows it keeps up and the prefetch only cost time.
+  // kAhead: prefetch 2 KB down each stream from 3 rows: at 4-6, slow on each line, the hardware prefetcher fell
+  // behind (1.6-1.9x the 1-row time without, 1.1-1.3x with; x86-64-v3, Zen 4); at 1-2 it keeps up, prefetch cost time.
   static constexpr int kWidth = 8, kRegisters = 16, kAhead = 32;
   static constexpr bool kDotPairs = false;
   using V = __m256;
@@ -152,9 +149,8 @@ inline void prefetch_ahead(const T* const (&w)[C], int64_t step) {
     for (int c = 0; c < C; ++c) __builtin_prefetch(reinterpret_cast<const char*>(w[c]) + (step + Isa::kAhead) * 64);
 }
 
-// --- one tile: C columns x MB rows, each output lane one chain over k ------------------------------------
-// out[j][m][l] for the columns q0 .. q0 + C - 1 of the group at wp (column q: block q / per_block, lanes from
-// (q % per_block) * kWidth); x is (MB, K) in T, xf the same rows in fp32.
+// --- one tile: C columns x MB rows, each output lane one chain over k: out[j][m][l] for columns q0 .. q0 + C - 1
+// of the group at wp (column q: block q / per_block, lanes from (q % per_block) * kWidth); x (MB, K) in T, xf fp32.
 template <class Isa, typename T, int C, int MB>  // noinline: inlined, GCC 12 spilled 2 of 16 zmm accumulators
 [[gnu::noinline]] void tile(const T* x, const float* xf, int64_t K, const T* wp, int q0, float (*out)[MB][kLanes]) {
   using V = typename Isa::V;
@@ -165,8 +161,7 @@ template <class Isa, typename T, int C, int MB>  // noinline: inlined, GCC 12 sp
     const int q = q0 + c, lane0 = (q % per_block) * kWidth;
     w[c] = wp + (q / per_block) * K * kLanes + (std::is_same_v<T, float> ? lane0 : 2 * lane0);
   }
-  // Unrolled in full where acc is touched whole: else GCC 12 kept acc in memory too, storing all of it every k.
-  V acc[C][MB];
+  V acc[C][MB];  // unrolled in full where touched whole: else GCC 12 kept acc in memory too, storing it every k
 #pragma GCC unroll 16
   for (int c = 0; c < C; ++c)
 #pragma GCC unroll 16
@@ -218,10 +213,8 @@ void blocks(const T* x, const float* xf, int64_t K, const T* wp, const T* bias, 
   for (int q = 0; q < columns; q += C) tile<Simd, T, C, MB>(x, xf, K, wp + block0 * K * kLanes, q, acc);
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m)
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const int64_t n = (block0 + j) * kLanes + l;
-        if (n < N) y[m * N + n] = T(acc[j][m][l] + (bias ? to_float(bias[n]) : 0.f));
-      }
+      for (int64_t l = 0, n = (block0 + j) * kLanes; l < kLanes && n + l < N; ++l)  // padding lanes are last
+        y[m * N + n + l] = T(acc[j][m][l] + (bias ? to_float(bias[n + l]) : 0.f));
 }
 
 // `rows` (1 .. kMaxRows) rows through blocks<T, NB, rows>: one instantiation per row count.
@@ -235,8 +228,7 @@ void some_rows(int64_t rows, const T* x, const float* xf, int64_t K, const T* wp
 template <typename T>
 void run(const at::Tensor& x, const float* xfp, const at::Tensor& wp, const T* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1), n_blocks = wp.size(0);
-  const T* xp = x.data_ptr<T>();
-  const T* w = wp.data_ptr<T>();
+  const T *xp = x.data_ptr<T>(), *w = wp.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   // Threads split the groups of column blocks, each its own share of the weight. A task of >= ~64 KB keeps a thread's
   // start-up small next to its work; a small weight (576 x 576 bf16: 9 groups of 72 KB) still spreads over 9 threads.
@@ -249,12 +241,9 @@ void run(const at::Tensor& x, const float* xfp, const at::Tensor& wp, const T* b
       for (int64_t m = 0; m < M; m += kMaxRows) {  // up to 8 rows a pass; a 9th row re-reads the group from cache
         const int64_t rows = std::min<int64_t>(kMaxRows, M - m);
         const float* xf = xfp ? xfp + m * K : nullptr;  // none where vdpbf16ps reads x's pairs as they are
-        if (b + kBlocks <= n_blocks) {
-          some_rows<T, kBlocks>(rows, xp + m * K, xf, K, w, bias, yp + m * N, N, b);
-        } else {
-          for (int64_t bb = b; bb < n_blocks; ++bb)
-            some_rows<T, 1>(rows, xp + m * K, xf, K, w, bias, yp + m * N, N, bb);
-        }
+        if (b + kBlocks <= n_blocks) some_rows<T, kBlocks>(rows, xp + m * K, xf, K, w, bias, yp + m * N, N, b);
+        else  // the last group, short of kBlocks blocks: one block at a time
+          for (int64_t j = b; j < n_blocks; ++j) some_rows<T, 1>(rows, xp + m * K, xf, K, w, bias, yp + m * N, N, j);
       }
     }
   });
