@@ -182,7 +182,8 @@ def test_every_dtype_starts_and_generates_at_every_isa_level(bf16_checkpoint, ca
     reads_bf16 = report["native_bf16"] or (report["x86_64_v3"] and report["kernels"])
     hf = AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.float32).eval()
     for run in report["runs"]:
-        expected = {"auto": "torch.bfloat16" if reads_bf16 else "torch.float32"}.get(run["dtype"], f"torch.{run['dtype']}")
+        asked = {"auto": "bfloat16" if reads_bf16 else "float32"}.get(run["dtype"], run["dtype"])
+        expected = f"torch.{asked}"
         assert run["resolved"] == expected and run["finish"] == "length", run
         assert run["source"] in (("tuning off",) if run["tuning"] == "off" else ("measured", "cached")), run
         widened = run["resolved"] == "torch.bfloat16" and not report["onednn_bf16"]

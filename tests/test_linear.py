@@ -109,7 +109,8 @@ def test_an_unmeasured_bf16_product_widens_from_5_rows_where_onednn_takes_no_bf1
     onednn = CpuInfo("a Xeon", amx=True, avx512_bf16=True, last_level_cache_bytes=1 << 25, onednn_bf16=True)
     assert WIDENED_FROM_ROWS in {b.lo for b in ROW_BUCKETS}  # one default per bucket
     plan = MatmulPlan(cpu=AVX2_LAPTOP)
-    assert [plan.form_for(bf16, rows) for rows in (1, 4, 5, 32, 600)] == [MatmulForm.LINEAR] * 2 + [MatmulForm.WIDENED] * 3
+    forms = [plan.form_for(bf16, rows) for rows in (1, 4, 5, 32, 600)]
+    assert forms == [MatmulForm.LINEAR] * 2 + [MatmulForm.WIDENED] * 3
     assert {MatmulPlan(cpu=AVX2_LAPTOP).form_for(fp32, rows) for rows in range(1, 600)} == {MatmulForm.LINEAR}
     assert {MatmulPlan(cpu=onednn).form_for(bf16, rows) for rows in range(1, 600)} == {MatmulForm.LINEAR}
     for tuning, cache_bytes in (("off", 0), ("cached", 1 << 30)):  # nothing timed: the fixed rule
@@ -132,7 +133,8 @@ def test_a_measured_bf16_plan_times_every_form_against_the_widened_default(plan_
     assert plan.source == "measured" and plan_timings == [4]
     assert MatmulKey(192, 64, torch.bfloat16, PREFILL_BUCKET) not in plan.forms
     assert plan.form_for(weights[0], 600) is MatmulForm.WIDENED and MatmulForm.PACKED not in plan.forms.values()
-    [entry] = [e for name, e in json.loads(TuningCache().path.read_text())["entries"].items() if name.startswith("matmul")]
+    entries = json.loads(TuningCache().path.read_text())["entries"]
+    [entry] = [e for name, e in entries.items() if name.startswith("matmul")]
     for bucket in ROW_BUCKETS[:-1]:
         key = MatmulKey(192, 64, torch.bfloat16, bucket)
         default, other = MatmulForm.LINEAR, MatmulForm.WIDENED

@@ -19,10 +19,11 @@ Why WIDENED exists: torch's bf16 GEMM is fast only where oneDNN takes bf16 (`Cpu
 AVX-512 BW+VL+DQ or AVX-NE-CONVERT). On an AVX2-only CPU (Zen 3, most laptops) bf16 F.linear falls to
 a slow path: 576 -> 1536 at 32 and 128 rows took 3-4.5x the time of widening both operands and running
 MKL's fp32 GEMM (1 thread, capped AVX2 level on a Zen 4). Widening costs a pass over the weight, so at
-1-3 rows (bound by reading the weight) plain bf16 F.linear stays 1.2-3x faster, about even at 4: `default_form`
-is WIDENED for bf16 without oneDNN's bf16 from `WIDENED_FROM_ROWS` rows, LINEAR everywhere else. The
-weight is widened `WIDEN_BLOCK_BYTES` at a time: a whole fp32 copy of the 49152 x 576 LM head is 113
-MB, a fresh mmap whose pages fault in on every call (74 ms at one row against 7 ms in 2 MiB blocks).
+1-3 rows (bound by reading the weight) plain bf16 F.linear stays 1.2-3x faster, about even at 4:
+`default_form` is WIDENED for bf16 without oneDNN's bf16 from `WIDENED_FROM_ROWS` rows, LINEAR
+everywhere else. The weight is widened `WIDEN_BLOCK_BYTES` at a time: a whole fp32 copy of the
+49152 x 576 LM head is 113 MB, a fresh mmap whose pages fault in on every call (74 ms at one row,
+against 7 ms in blocks of 2 MiB, which the allocator reuses; the same speed on smaller weights).
 
 PACKED and SKINNY read a copy of W in their own layout, kept on the weight as `weight.packed` /
 `weight.skinny` (made by the plan at warm-up for the shapes where that form won, or here on first use).
