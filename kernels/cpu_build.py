@@ -52,7 +52,8 @@ from pathlib import Path
 
 import torch
 
-HEADERS = ("cpu_simd.h", "paged_decode_simd.h")  # included by the sources: helpers, decode attention's paths
+# included by the sources: helpers; decode attention's shared vector pieces and dispatch, then its two paths
+HEADERS = ("cpu_simd.h", "paged_decode_simd.h", "paged_decode_avx512.h", "paged_decode_avx2.h")
 SOURCES = ("skinny_gemm.cpp", "paged_decode_attention.cpp", "kv_cache_write.cpp", "greedy_argmax.cpp", "rms_norm.cpp",
            "rotary_embedding.cpp", "silu_and_mul.cpp")
 LIBRARY = "minivllm_cpu"

@@ -43,6 +43,8 @@
 
 #include "cpu_simd.h"
 #include "paged_decode_simd.h"
+#include "paged_decode_avx512.h"  // run_avx512 (an AVX-512 build)
+#include "paged_decode_avx2.h"    // run_avx2 (an AVX2 + FMA build without AVX-512)
 
 namespace {
 
