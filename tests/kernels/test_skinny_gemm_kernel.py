@@ -2,7 +2,7 @@
 
 CI builds the kernel (it has a compiler and ninja), so there a failed build is a failure; elsewhere a
 machine without a compiler skips these tests with the reason, as the matmul plan skips the form. The
-code paths for other instruction sets are checked in test_cpu_build.py."""
+code paths for other instruction sets are checked in test_isa_levels.py."""
 
 from __future__ import annotations
 
