@@ -183,11 +183,12 @@ class MatmulPlan:
         if not self.forms:
             return (f"{cpu}\n{everywhere}: nothing timed ({sizes}, within one core's L2 of "
                     f"{self.l2_cache_bytes >> 10} KiB)")
+        widened = f"{MatmulForm.WIDENED.value}, " if any(widens(dtype, cpu) for dtype in self.dtypes) else ""
         lines = [str(cpu), sizes,
                  f"matmul form by measurement ({self.source}, {self.measured_with_threads} threads; above "
                  f"{ROW_BUCKETS[-1].hi} rows as at {ROW_BUCKETS[-1]}); speed-up = time of the default "
                  f"({self._defaults(cpu)}) / time of the fastest other form ({MatmulForm.WEIGHT_LEFT.value}, "
-                 f"{MatmulForm.PACKED.value}: oneDNN's prepacked weight, {MatmulForm.WIDENED.value}, or "
+                 f"{MatmulForm.PACKED.value}: oneDNN's prepacked weight, {widened}or "
                  f"{MatmulForm.SKINNY.value}: minivllm's kernel, {load_cpu_kernels().detail})",
                  "  weight (out x in)".ljust(26) + "".join(f"rows {b}".ljust(22) for b in ROW_BUCKETS)]
         for out_f, in_f, dtype in dict.fromkeys((k.out_features, k.in_features, k.dtype) for k in self.forms):

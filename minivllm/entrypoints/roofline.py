@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from minivllm.cpu.cpu_info import CpuInfo
+from minivllm.cpu.matmul_forms import default_form, matmul
 from minivllm.layers.linear import Linear
 from minivllm.layers.quantization import Int8LinearMethod
 
@@ -58,7 +59,10 @@ def measure_peaks(dtype: torch.dtype, copy_bytes: int = 256 << 20, n: int = 2048
     copy_gb_s = measure_copy_bandwidth(copy_bytes)
     read_gb_s = measure_read_bandwidth(read_bytes)
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    gemm_s = _best(lambda: a @ b, 3)
+    # In the form the engine multiplies this dtype in when untimed: bf16 where oneDNN takes none is widened
+    # to fp32 (cpu/matmul_forms.py); torch's own bf16 GEMM there ran 0.4 GFLOP/s, ~4 minutes for this probe.
+    form = default_form(dtype, CpuInfo.read(), n)
+    gemm_s = _best(lambda: matmul(a, b, form), 3)
     return Peaks(copy_gb_s, 2 * n ** 3 / gemm_s / 1e9, dtype, read_gb_s)
 
 
