@@ -4,8 +4,8 @@
 turns it into what this engine will do, with the checkpoint and the machine at hand:
 
     device              "auto": CUDA when available, else CPU                  (loading.resolve_device)
-    dtype               "auto": the checkpoint's on CUDA; on CPU bf16 only where the CPU computes it
-                        natively                                               (loading.resolve_dtype)
+    dtype               "auto": the checkpoint's on CUDA; on CPU bf16 for a 16-bit checkpoint on any
+                        AVX2+FMA CPU with the kernels built, or native bf16    (loading.resolve_dtype)
     max_model_len       None: the model's max_position_embeddings (and the token budget without chunked
                         prefill); a larger value is refused with what to lower
     prefix caching      a hybrid model's needs its state cache (`StateCacheConfig`: stride, snapshots,
