@@ -82,9 +82,10 @@ class CpuInfo:
 
     def __str__(self) -> str:
         yes_no = {True: "yes", False: "no"}
-        return (f"CPU: {self.model_name} (AVX2+FMA: {yes_no[self.x86_64_v3]}, AMX: {yes_no[self.amx]}, "
+        # Two lines: a CPU's name can be 50 characters, and a printed line must fit the docs site (100).
+        return (f"CPU: {self.model_name}\n  AVX2+FMA: {yes_no[self.x86_64_v3]}, AMX: {yes_no[self.amx]}, "
                 f"avx512_bf16: {yes_no[self.avx512_bf16]}, oneDNN bf16: {yes_no[self.onednn_bf16]}, "
-                f"last-level cache {self.last_level_cache_bytes >> 20} MiB)")
+                f"last-level cache {self.last_level_cache_bytes >> 20} MiB")
 
 
 def onednn_runs_bf16(flags: frozenset[str], machine: str, max_isa: str) -> bool:
