@@ -84,9 +84,9 @@ def sse_text(lines: list[str]) -> str:
 
 
 # 12 · sampling outputs -------------------------------------------------------------------------------
-def blocks_after_fork(prompt_len: int, block_size: int, n: int) -> int:
-    """Physical KV blocks in use right after a computed prompt of prompt_len tokens forks into n
-    sequences (n = 1: no fork), with free blocks to spare."""
+def blocks_after_fan_out(prompt_len: int, block_size: int, n: int) -> int:
+    """Physical KV blocks in use right after the n sequences of one request (n completions of a
+    prompt of prompt_len tokens) are all admitted, prefix caching on and free blocks to spare."""
     raise NotImplementedError
 
 

@@ -73,9 +73,9 @@ def sse_text(lines):
     return text
 
 
-def blocks_after_fork(prompt_len, block_size, n):
-    full, partial = divmod(prompt_len, block_size)
-    return full + (n if partial else 0)
+def blocks_after_fan_out(prompt_len, block_size, n):
+    shared = (prompt_len - 1) // block_size  # full blocks the cache can serve (>= 1 token is computed)
+    return shared + n  # plus each sequence's own last block
 
 
 def penalized_logits(logits, prompt_ids, output_ids, repetition_penalty, frequency_penalty, presence_penalty):

@@ -4,7 +4,7 @@
 
 The file must define exactly one `SchedulingPolicy` subclass. Three parts, in order:
   1. the scheduler's hypothesis state machine (the one the project's own tests run) under the policy:
-     random arrivals, steps, aborts, failed steps, drafts and forks; the seam's contract on every call,
+     random arrivals (n > 1 included), steps, aborts, failed steps, drafts; the seam's contract on every call,
      the block manager's invariants after every action, and every request finishing at the end;
   2. behaviour, with new requests arriving while others run (minivllm/teaching/policy_behaviour.py):
      a more urgent request is admitted first; the least urgent is preempted; a low-priority request

@@ -119,13 +119,16 @@ RULES: dict[str, list[Rule]] = {
              lambda a, e, g: isinstance(g, (KeyError, TypeError))),
         Rule("the text is the concatenation of choices[0].delta.content over the 'data: ' lines"),
     ],
-    "blocks_after_fork": [
-        Rule("n = 1 is no fork: the prompt's blocks only", lambda a, e, g: a[2] == 1),
-        Rule("a prompt of whole blocks has no partial block: the children share every block, nothing is "
-             "copied", lambda a, e, g: a[0] % a[1] == 0),
-        Rule("full blocks are SHARED (ref counts), never copied: they count once"),
-        Rule("the partly filled last block cannot be shared (each sequence writes its next token there): "
-             "each of the n sequences holds its own, so n - 1 copies"),
+    "blocks_after_fan_out": [
+        Rule("n = 1 is a plain request: one sequence holding its prompt's blocks, a partly filled last one "
+             "included", lambda a, e, g: a[2] == 1),
+        Rule("at least one prompt token is always computed, so a prompt of whole blocks cannot take its last "
+             "block from the prefix cache: every sequence computes that block again, in a block of its own",
+             lambda a, e, g: a[0] % a[1] == 0 and g < e),
+        Rule("the n sequences share the prompt's full blocks through the prefix cache (ref counts): a shared "
+             "block counts once", lambda a, e, g: g > e),
+        Rule("each sequence holds its own last prompt block (it writes its next token there): only the full "
+             "blocks before it are shared"),
     ],
     "penalized_logits": [
         Rule("repetition penalty (HF's): for ids in the prompt OR the output, a positive logit is divided "

@@ -100,8 +100,9 @@ def _cases(name: str, rng: random.Random) -> list[tuple]:
         return [(s, s * rng.random()) for s in (0.5, 1.0, 3.2)]
     if name == "sse_text":
         return [(_sse_lines(rng),) for _ in range(10)]
-    if name == "blocks_after_fork":
-        return [(p, b, n) for p in range(1, 21) for b in (1, 4, 8) for n in (1, 2, 3)]
+    if name == "blocks_after_fan_out":  # no block_size 1: there every prompt is whole blocks, and the
+        # smallest case could not tell "everything shared" apart from "the last full block shared"
+        return [(p, b, n) for p in range(1, 21) for b in (2, 3, 4, 8) for n in (1, 2, 3)]
     if name == "penalized_logits":
         return [_penalty_case(rng, w) for w in ("rep", "freq", "pres", "all") for _ in range(10)]
     if name == "greedy_accept":

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.parallel_sampling import fan_out
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.step_types import ScheduledSequence
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -42,7 +43,7 @@ def _ref_cacheable_tokens(prompt_len: int, block_size: int) -> int:
     prefix = bm.get_computed_blocks(first)
     bm.allocate(first, prompt_len, prefix)
     first.num_computed_tokens = prompt_len
-    bm.cache_full_blocks(first)
+    bm.cache_blocks(first, prompt_len)
     return bm.get_computed_blocks(again).num_tokens
 
 
@@ -126,14 +127,15 @@ def _ref_sse_text(lines: list[str]) -> str:
     return text
 
 
-def _ref_blocks_after_fork(prompt_len: int, block_size: int, n: int) -> int:
-    """Physical blocks in use right after a computed prompt forks into n sequences (a roomy pool)."""
-    bm = BlockManager(64, block_size, enable_prefix_caching=False)
-    parent = _seq(prompt_len)
-    bm.allocate(parent, prompt_len, bm.get_computed_blocks(parent))
-    parent.num_computed_tokens = prompt_len
-    for index in range(1, n):
-        bm.fork(parent, parent.fork(index, index))
+def _ref_blocks_after_fan_out(prompt_len: int, block_size: int, n: int) -> int:
+    """Physical blocks in use right after the n sequences of one request are admitted (a roomy pool,
+    prefix caching on): each sequence asks the prefix cache, then allocates, in turn, as the scheduler
+    admits them in one step."""
+    bm = BlockManager(64, block_size)
+    request = Sequence("r", list(range(10, 10 + prompt_len)), SamplingParams(n=n, max_tokens=4, ignore_eos=True))
+    for seq in fan_out(request):
+        prefix = bm.get_computed_blocks(seq)
+        bm.allocate(seq, prompt_len - prefix.num_tokens, prefix)
     return bm.num_blocks - bm.num_free_blocks
 
 
@@ -180,6 +182,6 @@ REFERENCES: dict[str, Callable[..., Any]] = {
     "is_decode": _ref_is_decode, "plan_step": _ref_plan_step, "can_ever_run": _ref_can_ever_run,
     "logits_indices": _ref_logits_indices, "causal_mask": _ref_causal_mask, "top_p_keep": _ref_top_p_keep,
     "min_p_keep": _ref_min_p_keep, "overhead_fraction": _ref_overhead_fraction, "sse_text": _ref_sse_text,
-    "blocks_after_fork": _ref_blocks_after_fork, "penalized_logits": _ref_penalized_logits,
+    "blocks_after_fan_out": _ref_blocks_after_fan_out, "penalized_logits": _ref_penalized_logits,
     "greedy_accept": _ref_greedy_accept, "kv_heads_of_rank": _ref_kv_heads_of_rank,
 }

@@ -4,7 +4,7 @@
     plot_block_map(step)              the KV pool after a step: who owns each block, free, free-but-cached
     plot_cache_hits(outputs)          per request: prompt tokens computed vs. served from the prefix cache
     plot_slot_map(...)                which KV slots one step writes, and for which request
-    plot_block_tables(seqs, ...)      block tables side by side, with ref counts (a fork of n > 1)
+    plot_block_tables(seqs, ...)      block tables side by side, with ref counts (the n sequences of n > 1)
     plot_acceptance(trace)            speculative decoding: drafts accepted and rejected per step
     plot_static_batches(lens, size)   what a static batch would do with the same requests (padding)
     plot_distributions(series, ...)   probability bars side by side (before/after, target/draft)
@@ -165,8 +165,9 @@ def plot_slot_map(slot_mapping: Sequence[int], positions: Sequence[int], query_l
 def plot_block_tables(seqs: Sequence[Any], ref_counts: Sequence[int], block_size: int,
                       copies: Mapping[int, int] | None = None, ax: Any = None, title: str | None = None) -> Any:
     """Each sequence's block table as a row of physical blocks. Gold = shared (ref count > 1, shown
-    under the block); hatched = a private copy (`copies`: new block -> the block it copies). The bar
-    inside a block shows how many of its slots hold tokens."""
+    under the block), coloured = the sequence's own. The bar inside a block shows how many of its slots
+    hold tokens. `copies` (new block -> the block it copies) hatches blocks copied from another, for a
+    design that copies them (copy-on-write forks; minivllm's n > 1 shares through the prefix cache)."""
     copies = dict(copies or {})
     width = max(len(s.block_table) for s in seqs)
     ax = _axes(ax, (WIDTH, 0.9 + 0.85 * len(seqs)))
@@ -186,9 +187,10 @@ def plot_block_tables(seqs: Sequence[Any], ref_counts: Sequence[int], block_size
         ax.text(-0.2, y + 0.45, seq.request_id, ha="right", va="center", fontsize=10)
     ax.set(xlim=(-2.6, width * 1.6), ylim=(len(seqs) * 1.3, -0.2))
     ax.set_axis_off()
-    ax.legend([_patch("gold"), _patch("white", hatch="//"), _patch("0.2")],
-              ["shared block (ref count > 1)", "copied partial block (copy-on-write)", "slots holding tokens"],
-              loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=9, frameon=False)
+    keys = [(_patch("gold"), "shared block (ref count > 1)"), (_patch("0.2"), "slots holding tokens")]
+    if copies:
+        keys.insert(1, (_patch("white", hatch="//"), "copied block (copy-on-write)"))
+    ax.legend(*zip(*keys), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=9, frameon=False)
     ax.set_title(title or "block tables (number = physical block id)", fontsize=11)
     return ax
 
