@@ -2,7 +2,7 @@
 
 `text` and `token_ids` are cumulative (everything generated so far), as in vLLM's default output
 kind; `LLMEngine.step()` returns one `RequestOutput` for each request that changed in that step. A
-request with `SamplingParams(n=...)` has n `CompletionOutput`s, one per forked sequence (`index`).
+request with `SamplingParams(n=...)` has n `CompletionOutput`s, one per sequence of the request (`index`).
 
 finish_reason is one of
   "stop"    EOS, a stop token id or a stop string (`stop_reason` says which, None for EOS)

@@ -12,8 +12,9 @@ Order of the logit transforms (vLLM's; see layers/logits_processors.py and layer
                ──> structured_outputs: the grammar's token bitmask, last (engine/grammar.py)
                ──> temperature ─> top-k ─> top-p ─> min-p ─> draw (argmax when greedy)
 
-`n > 1` forks the request after its prompt: the n sequences share the prompt's KV blocks, and child i
-draws with `seed + i` when a seed is given (vLLM's rule).
+`n > 1` makes the request n sequences when it arrives (engine/parallel_sampling.py): they share the
+prompt's KV blocks through the prefix cache, and child i draws with `seed + i` when a seed is given
+(vLLM's rule).
 
 Numbers are checked strictly at this boundary: NaN, infinities and booleans are refused (a NaN
 temperature would poison a whole batch's sampling), numpy integers are accepted and stored as Python
@@ -65,7 +66,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, `text` stays "" (no stop strings then)
-    n: int = 1  # completions per prompt (forked after the prompt, sharing its KV blocks)
+    n: int = 1  # completions per prompt (n sequences sharing the prompt's KV blocks: prefix cache)
     presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # HF's: divides positive / multiplies negative logits of seen tokens

@@ -1,5 +1,5 @@
 """Sampling outputs with vLLM's names: logprobs, prompt logprobs, penalties and biases, bad words,
-allowed ids, truncation, and `n > 1` as forked sequences sharing the prompt's KV blocks."""
+allowed ids, truncation, and `n > 1` as n sequences sharing the prompt's KV blocks."""
 
 from __future__ import annotations
 
@@ -177,26 +177,25 @@ def test_fields_with_token_ids_are_checked(model_factory):
         gen(llm, SamplingParams(logprobs=21))
 
 
-# --- n > 1: a fork that shares the prompt's blocks --------------------------------------------------
-def test_n_children_share_the_prompt_blocks(model_factory):
-    llm = tiny(model_factory, enable_prefix_caching=False, max_num_batched_tokens=64)
+# --- n > 1: n sequences sharing the prompt's blocks through the prefix cache ---------------------------
+def test_n_sequences_share_the_prompt_blocks(model_factory):
+    llm = tiny(model_factory, max_num_batched_tokens=64)
     engine = llm.llm_engine
     prompt = list(range(40, 50))  # 10 tokens: 2 full blocks of 4 and a partial block (2 tokens)
     engine.add_request("r", {"prompt_token_ids": prompt},
                        SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=5, ignore_eos=True))
-    engine.step()  # the whole prompt, then the fork
     seqs = engine.requests["r"].seqs
-    assert len(seqs) == 4
+    assert [s.request_id for s in seqs] == ["r", "1_r", "2_r", "3_r"] and [s.seed for s in seqs] == [0, 1, 2, 3]
+    engine.step()  # all four admitted in one step: the first computes the prompt, the others hit its blocks
     shared = seqs[0].block_table[:2]
-    assert all(s.block_table[:2] == shared for s in seqs)  # full blocks: shared, not copied
-    assert len({s.block_table[2] for s in seqs}) == 4  # the partial block: one copy each
+    assert all(s.block_table[:2] == shared for s in seqs)  # full blocks: shared, not recomputed
+    assert len({s.block_table[2] for s in seqs}) == 4  # the partial block: each computes its own
     assert all(engine.block_manager.ref_counts[b] == 4 for b in shared)
-    # 3 blocks for the prompt + 3 copies of its partial block, nothing recomputed.
     assert engine.block_manager.num_free_blocks == 64 - 6
-    assert engine.get_stats().num_prefill_tokens == len(prompt)
+    assert engine.get_stats().num_prefill_tokens == len(prompt) + 3 * 2  # + each sibling's partial block
     kv = engine.model_runner.kv_cache
-    for s in seqs[1:]:  # the copies hold the parent's K/V for the two prompt tokens in that block
-        assert torch.equal(kv[:, :, s.block_table[2], :2], kv[:, :, seqs[0].block_table[2], :2])
+    for s in seqs[1:]:  # the same two prompt tokens, the same K/V
+        torch.testing.assert_close(kv[:, :, s.block_table[2], :2], kv[:, :, seqs[0].block_table[2], :2])
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.num_free_blocks == 64

@@ -8,7 +8,8 @@ prefix cache. It never touches a tensor; it only decides which physical block ho
 Invariants (proved by `check_invariants()`):
   * every block is either FREE (ref count 0, in `free_blocks`) or OWNED (ref count = number of block
     tables that hold it), never both — whatever the allocator;
-  * a block's hash is registered only once the block is full and its K/V are computed.
+  * a block's hash is registered only once the block is full and its K/V are computed, or are being
+    computed by the step that allocated it (caching at allocation, below).
 
 Prefix caching. A full block's hash covers its tokens *and its parent's hash*:
     h_0 = SHA-256(tokens[0:B])      h_i = SHA-256(h_{i-1} || tokens[i*B:(i+1)*B])
@@ -23,6 +24,13 @@ a block from it evicts its hash, and a hit on a free cached block revives it (ta
 
 At least one prompt token is always computed (at most `(num_tokens - 1) // B` blocks can hit), so
 the last prompt position produces the logits to sample from.
+
+Caching at allocation (vLLM v1's `cache_blocks`): `allocate` and `append_slots` register the hashes of
+the blocks the step will fill, not the commit. A request admitted later in the same step (the next
+sequence of an n > 1 request, a repeated prompt) then hits them: every attention layer writes the whole
+batch's K/V into the cache before any of its rows read it, so the sharer reads what the owner writes in
+the same forward. Only tokens count, never drafts: a draft's block is cached once the draft is verified
+and the next step allocates past it. A failed step's registrations are undone with the rest of it.
 
 Transactions (engine/block_transactions.py). While a step is planned and run, every change goes
 through the step's `UndoLog` (`begin` / `commit` / `rollback`): the first time a block, a hash entry or
@@ -172,13 +180,15 @@ class BlockManager(BlockTransactions):
         self.append_slots(seq, num_new_tokens)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Grow the block table to cover `num_computed_tokens + num_new_tokens` (vLLM's may_append).
-        A new block is needed exactly when the tokens run past the last block's end."""
+        """Grow the block table to cover `num_computed_tokens + num_new_tokens` (vLLM's may_append), then
+        publish the blocks this step fills (caching at allocation; drafts excluded: `seq.num_tokens`
+        counts tokens only). A new block is needed exactly when the tokens run past the last block's end."""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(self.table(seq))
         if needed > 0:
             self._record_seq(seq)
         for _ in range(needed):
             self.table(seq).append(self._take_free_block())
+        self.cache_blocks(seq, min(seq.num_computed_tokens + num_new_tokens, seq.num_tokens))
 
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks. Tail blocks are queued first so that, under LRU, a prefix's
@@ -187,8 +197,9 @@ class BlockManager(BlockTransactions):
             self._release(seq, 0)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
-        """Free the blocks past those covering `num_tokens` tokens: the slots reserved for drafts that
-        were rejected. They hold no hash (only verified full blocks are ever published)."""
+        """At the commit: free the blocks past those covering `num_tokens` tokens, the slots reserved for
+        drafts that were rejected. They hold no hash (only tokens' blocks are ever published). (A
+        sliding-window group also gives back here the blocks that left the window.)"""
         keep = self.blocks_needed(num_tokens)
         if len(self.table(seq)) > keep:
             self._release(seq, keep)
@@ -213,33 +224,13 @@ class BlockManager(BlockTransactions):
             self.free_blocks.give_back(b, self._clock)
             self._clock += 1
 
-    def fork(self, parent: Sequence, child: Sequence, copy_partial: bool = True) -> tuple[int, int] | None:
-        """n > 1: give a new `child` the parent's computed prompt without copying or recomputing it.
-        Full blocks are shared (one more reference each). The partly filled last block cannot be:
-        both sequences are about to write their next token into it. So the child gets a block of
-        its own and the caller copies the K/V over (copy-on-write); returns that (src, dst) pair.
-        With no free block left (or `copy_partial` False: a model with KV-cache groups), the child
-        instead recomputes those few tokens (< block_size)."""
-        assert not self.table(child)
-        full, partial = divmod(parent.num_computed_tokens, self.block_size)
-        for b in self.table(parent)[:full]:
-            self._record_block(b)
-            self.ref_counts[b] += 1
-        self.set_table(child, self.table(parent)[:full])
-        child.num_computed_tokens = full * self.block_size
-        if not partial or not self.free_blocks or not copy_partial:
-            return None
-        dst = self._take_free_block()
-        self.table(child).append(dst)
-        child.num_computed_tokens = parent.num_computed_tokens
-        return self.table(parent)[full], dst
-
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """After a step: register the hashes of blocks that are now full and computed."""
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the hashes of `seq`'s full blocks among its first `num_tokens` tokens (computed, or
+        computed by this step: see "Caching at allocation")."""
         if not self.enable_prefix_caching:
             return
         table = self.table(seq)
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        num_full = min(num_tokens // self.block_size, len(table))
         # Walk back to the last block already hashed: only blocks that filled since then need work.
         start = num_full
         while start > 0 and table[start - 1] != NULL_BLOCK and self.block_hash[table[start - 1]] is None:

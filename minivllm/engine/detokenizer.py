@@ -14,7 +14,6 @@ count of tokens and decodes nothing: the text stays "".
 
 from __future__ import annotations
 
-import copy
 from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
@@ -38,12 +37,6 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
-
-    def copy(self) -> "IncrementalDetokenizer":
-        """The same state, to go on separately (a forked child's text starts as its parent's)."""
-        twin = copy.copy(self)
-        twin.ids = list(self.ids)
-        return twin
 
     @property
     def num_output_tokens(self) -> int:

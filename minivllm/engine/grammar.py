@@ -28,7 +28,7 @@ Invariants:
     rolls them back — the step leaves it as it found it. A draft it forbids has probability 0: rejected.
   * EOS is allowed exactly where the grammar is complete (llguidance is given the model's EOS ids); a
     grammar that can take no further token (`is_complete`) ends the request with finish_reason "stop".
-  * n > 1: each child gets a copy of its parent's matcher when it forks (`copy`).
+  * n > 1: each of the request's sequences gets its own copy of the matcher at its start (`copy`).
   * JSON is compact (`{"a":1,"b":[2]}`): with free whitespace a small model can emit newlines until max_tokens.
   * With a reasoning parser (minivllm/reasoning.py) the grammar governs the answer only. The matcher
     carries the sequence's `ReasoningPhase`: INSIDE, its rows are unconstrained (None) and it consumes

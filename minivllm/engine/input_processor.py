@@ -165,9 +165,9 @@ class InputProcessor:
         """Which limit makes this request impossible to run, and what to change; None if it fits."""
         cfg, n = self.config, seq.num_prompt_tokens
         num_seqs = seq.sampling_params.n
-        if num_seqs > cfg.max_num_seqs:  # its n sequences run together once forked: they must fit in one step
-            return Unservable("n", f"n={num_seqs} completions run as {num_seqs} sequences at once, but "
-                                   f"max_num_seqs={cfg.max_num_seqs}; lower n or raise max_num_seqs")
+        if num_seqs > cfg.max_num_seqs:  # a bound on what one request may fan out to (engine/parallel_sampling.py)
+            return Unservable("n", f"n={num_seqs} completions are {num_seqs} sequences, more than "
+                                   f"max_num_seqs={cfg.max_num_seqs} can run at once; lower n or raise max_num_seqs")
         if n >= cfg.max_model_len:
             return Unservable(None, f"the prompt has {n} tokens but max_model_len={cfg.max_model_len} leaves no "
                                     "room to generate; shorten the prompt or raise max_model_len")

@@ -137,16 +137,6 @@ class KVCacheCoordinator:
         for g in self.groups.values():
             g.trim(seq, num_tokens)
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Both groups share the full blocks; the child recomputes the partial last block (no copy:
-        a copy would have to happen in both pools' tensors)."""
-        self.full.fork(parent, child, copy_partial=False)
-        return self.sliding.fork(parent, child)
-
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        for g in self.groups.values():
-            g.cache_full_blocks(seq)
-
     # --- transactions: one undo log for every group ------------------------------------------------
     def begin(self, undo: UndoLog) -> None:
         """Each group records into its own log (block ids repeat across pools); the sequences and the

@@ -3,7 +3,7 @@
     add_request ──> Sequence ──> Scheduler.waiting
     step():  scheduler.schedule()                       -> SchedulerOutput: who runs, how many tokens each
              executor.execute_model(scheduler_output)   -> ModelRunnerOutput: one forward, then sampling
-             scheduler.update_from_output(...)          -> the one commit: tokens, stop rules, forks, frees
+             scheduler.update_from_output(...)          -> the one commit: tokens, stop rules, frees
              then: RequestOutputs for what changed, drafts proposed for the next step
 
 The step is a transaction (engine/undo_log.py): it begins before `schedule()`, which reserves blocks
@@ -13,6 +13,9 @@ failure in `schedule()` (a scheduling policy) is rolled back and raised. Once `e
 returned, the transaction commits: the plan's reservations are final, and `update_from_output` applies
 the results request by request, each request's failure its own (its tokens were appended: there is no
 going back, only forward). How failures are contained: engine/errors.py and docs/concepts/failures.md.
+
+A request for n > 1 completions is n plain sequences from its arrival (`enqueue`,
+engine/parallel_sampling.py), sharing the prompt's blocks through the prefix cache.
 
 A request that can never run (engine/input_processor.py) finishes at once with finish_reason "error"
 and the limit to change. A proposer's failure after the commit is its own: the error is raised, and the
@@ -35,7 +38,7 @@ from minivllm.engine.builder import build_engine
 from minivllm.engine.input_processor import PromptType, Unservable
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.output_processor import RequestState
-from minivllm.engine.errors import EngineDeadError
+from minivllm.engine.parallel_sampling import fan_out
 from minivllm.engine.recovery import StepRecovery
 from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.stats import EngineCounters, EngineStats, engine_stats
@@ -121,17 +124,21 @@ class LLMEngine:
         self.enqueue(self.make_sequence(request_id, prompt, sampling_params, priority))
 
     def enqueue(self, seq: Sequence) -> None:
+        """Queue a validated request: its seed, its n sequences (n > 1: `fan_out`), its output state."""
         seq.arrival_index = next(self._arrivals)
         if seq.sampling_params.seed is None:  # unseeded: still reproducible for a given engine seed
             seq.seed = noise_seed(self.config.seed, seq.arrival_index)
-        state = self.output_processor.new_request(seq)
+        seqs = fan_out(seq)
+        state = self.output_processor.new_request(seqs)
         error = self.unservable_reason(seq)
         if error is not None:
-            seq.finish(FinishReason.ERROR, error=error.message)
+            for s in seqs:
+                s.finish(FinishReason.ERROR, error=error.message)
             self._pending.append(self.output_processor.output(state))
             return
         self.requests[seq.group_id] = state
-        self.scheduler.add_sequence(seq)
+        for s in seqs:
+            self.scheduler.add_sequence(s)
 
     def unservable_reason(self, seq: Sequence) -> Unservable | None:
         """Which limit makes this request impossible to run, and what to change; None if it fits."""
@@ -198,19 +205,7 @@ class LLMEngine:
                                      runner_output.forward_time_s, time.perf_counter() - t0)
 
     def _publish(self, committed: CommitResult) -> list[RequestOutput]:
-        """After the commit: forked children join their requests, their blocks are copied (a copy that
-        fails fails the requests that needed it), tokens are counted, outputs made."""
-        for group_id, children in committed.changed.items():
-            for child in children:
-                self.output_processor.add_sequence(self.requests[group_id], child)
-        try:
-            self.executor.copy_blocks(committed.blocks_to_copy)
-        except EngineDeadError:  # copy-on-write on the workers failed: fatal, not these requests' fault
-            raise
-        except Exception as error:
-            for group_id in dict.fromkeys(committed.copy_owners):
-                for seq in self.requests[group_id].seqs:
-                    self.scheduler.fail(seq, f"copying this sequence's blocks failed: {type(error).__name__}: {error}")
+        """After the commit: tokens are counted, the changed requests' outputs made."""
         self.counters.num_generation_tokens_total += committed.num_generation_tokens
         self.counters.num_prompt_tokens_total += committed.num_prompt_tokens
         return self._report([g for g in committed.changed if g in self.requests], only_changed=True)
@@ -263,7 +258,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.after_step(scheduler_output, runner_output, released)
             if scheduler_output is not None:
-                self.speculator.propose(self.scheduler.running, self.scheduler.draft_room)
+                drafts = self.speculator.propose(self.scheduler.running, self.scheduler.draft_room)
+                self.scheduler.update_draft_token_ids(drafts)
 
     def _counted(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         self.counters.count_finished(o.outputs[0].finish_reason for o in outputs if o.finished)

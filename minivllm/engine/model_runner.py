@@ -9,7 +9,7 @@ One step, three phases (vLLM's names):
        (sliding-window layers: their own slot_mapping and block_tables, `meta.sliding`)
        logits_indices                 (S,)   the rows whose logits are sampled: the last row of
                                              each chunk that reaches the end of its sequence
-                                             (see engine/sampling_metadata.py for forks, drafts and
+                                             (see engine/sampling_metadata.py for drafts and
                                              prompt logprobs)
   2. `forward` (every rank, and the draft model's runner): hidden states for all T rows, logits only
      for the S sampled rows (the LM head is the biggest matmul of a small model; a prefill chunk needs
@@ -141,7 +141,8 @@ class ModelRunner:
         query_lens, context_lens, tables = [], [], []
         sb = SamplingBatch()
         row = 0
-        for i, (seq, start, n, spec) in enumerate(plan.scheduled):
+        for i, (seq, start, n, spec) in enumerate((s.seq, s.start, s.num_new_tokens, s.num_spec_tokens)
+                                                  for s in plan.scheduled):
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:start + n - spec])
             input_ids.extend(seq.spec_token_ids[:spec])  # drafts, verified by this step
@@ -253,17 +254,9 @@ class ModelRunner:
         logprobs = raw_logprobs[rows] if raw_logprobs is not None else logits[:0]
         picked = gather_logprobs(logprobs, [emitted[i] for i in rows], [sb.sampled[i].num_logprobs for i in rows])
         for i, tok in zip(rows, picked):
-            r = sb.sampled[i]
-            (result[r.entry].fork_tokens if r.is_fork else result[r.entry].tokens).append(tok)
+            result[sb.sampled[i].entry].tokens.append(tok)
 
     # --- around the step -------------------------------------------------------------------------
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write for forked sequences: block dst gets block src's K/V in every layer."""
-        if pairs:
-            src = torch.tensor([p[0] for p in pairs], device=self.device)
-            dst = torch.tensor([p[1] for p in pairs], device=self.device)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (L, 2, n, bs, Hkv, D)
-
     def measure_cpu_kernels(self, tuning: Tuning = "cached") -> list[str]:
         """Choose the CPU kernels on this machine (tuning cache or timing) and say what was chosen (engine/warmup.py)."""
         return measure_cpu_kernels(self.model, self.spec, self.backend, self.sampler, self.kv_cache.dtype,

@@ -1,8 +1,9 @@
 """From committed sequences to `RequestOutput`s: text, logprobs with their text, what is new.
 
-One `RequestState` per request (vLLM's name): its sequences — one, or n after an `n > 1` request
-forks. Each sequence carries its own incremental detokenizer, created here when the request arrives
-(a forked child gets a copy of its parent's); the commit (`Scheduler.update_from_output`) feeds it
+One `RequestState` per request (vLLM's name): its sequences — one, or the n of an `n > 1` request
+(engine/parallel_sampling.py), gathered here by their group id into one `RequestOutput`. Each sequence
+carries its own incremental detokenizer, created here when the request arrives; the commit
+(`Scheduler.update_from_output`) feeds it
 the new tokens and searches the stop strings in its text (engine/stop_checker.py). Logprobs are turned into vLLM's
 `{token_id: Logprob}` dicts once per token and kept, not rebuilt at every step. What a running
 request's outputs hold is its `SamplingParams.output_kind` (vLLM's): the whole output so far
@@ -46,21 +47,16 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._token_text: dict[int, str] = {}  # decoded text of single tokens (for logprobs)
 
-    def new_request(self, seq: Sequence) -> RequestState:
-        sp = seq.sampling_params
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, sp.skip_special_tokens,
-                                                 sp.detokenize)
-        state = RequestState(seq.group_id, [])
-        self.add_sequence(state, seq)
-        if seq.sampling_params.prompt_logprobs is not None:
+    def new_request(self, seqs: list[Sequence]) -> RequestState:
+        """A request's state: its sequences (by completion index), each with a detokenizer of its own."""
+        for seq in seqs:
+            sp = seq.sampling_params
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, sp.skip_special_tokens,
+                                                     sp.detokenize)
+        state = RequestState(seqs[0].group_id, list(seqs), [[] for _ in seqs], sent=[(0, 0, 0) for _ in seqs])
+        if seqs[0].sampling_params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         return state
-
-    def add_sequence(self, state: RequestState, seq: Sequence) -> None:
-        """A sequence joins its request (the first, or a child forked at commit)."""
-        state.seqs.append(seq)
-        state.logprobs.append([])
-        state.sent.append((0, 0, 0))
 
     def output(self, state: RequestState) -> RequestOutput:
         """The request's output now: everything so far, or with output_kind=DELTA what is new since its

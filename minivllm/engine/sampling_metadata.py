@@ -1,9 +1,8 @@
 """What a step samples: which hidden rows get logits, and what each sampled row asks.
 
 Which hidden rows get logits (the LM head runs on these rows only):
-  * the last row of every chunk that reaches the end of its sequence: one sampled row — or n rows
-    when the sequence is a prompt about to fork into n completions (the same logits row, drawn
-    with seeds seed, seed+1, ..., seed+n-1: vLLM's rule for `n` with a seed);
+  * the last row of every chunk that reaches the end of its sequence: one sampled row (an n > 1
+    request is n sequences, each with its own last row and seed: engine/parallel_sampling.py);
   * every prompt row of a chunk whose request asked for `prompt_logprobs` (row p predicts prompt
     token p+1), recorded once even if the prompt is recomputed after a preemption.
 
@@ -39,7 +38,6 @@ from minivllm.layers.sampler import SamplingRow
 
 class SampledRow(NamedTuple):
     entry: int  # index of the scheduled row group
-    is_fork: bool  # True: the first token of a forked child, not of the sequence itself
     num_logprobs: int | None
 
 
@@ -61,7 +59,7 @@ class PromptRow(NamedTuple):
 
 @dataclass
 class SamplingBatch:
-    logits_indices: list[int] = field(default_factory=list)  # hidden rows sampled (a fork repeats one)
+    logits_indices: list[int] = field(default_factory=list)  # hidden rows sampled
     sampled: list[SampledRow] = field(default_factory=list)
     rows: list[SamplingRow] = field(default_factory=list)
     processing: list[RowProcessing] = field(default_factory=list)
@@ -69,23 +67,20 @@ class SamplingBatch:
     prompt_rows: list[PromptRow] = field(default_factory=list)
     spec_groups: list[SpecGroup] = field(default_factory=list)
     # grammar rows to fill: each request's matcher and drafts, and for each of its 1 + d masks the sampled
-    # rows that take it (a prompt about to fork: its 1 + n - 1 rows all take mask 0)
+    # rows that take it
     grammar_rows: list[GrammarRows] = field(default_factory=list)
     grammar_targets: list[list[list[int]]] = field(default_factory=list)
 
     def add_sampled(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int]) -> None:
-        """The sampled row(s) of a chunk that reaches the end of `seq`."""
+        """The sampled row of a chunk that reaches the end of `seq`."""
         sp = seq.sampling_params
-        processing = row_processing(seq, eos_token_ids)
-        if seq.grammar is not None:  # children share the parent's first mask
-            self._add_grammar(seq, [], [list(range(len(self.sampled), len(self.sampled) + 1 + seq.num_forks_pending))])
-        for child in range(1 + seq.num_forks_pending):
-            self.logits_indices.append(hidden_row)
-            self.sampled.append(SampledRow(entry, child > 0, sp.logprobs))
-            seed = seq.seed + child
-            self.rows.append(SamplingRow(0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.min_p, seed,
-                                         seq.num_tokens))
-            self.processing.append(processing)
+        if seq.grammar is not None:
+            self._add_grammar(seq, [], [[len(self.sampled)]])
+        self.logits_indices.append(hidden_row)
+        self.sampled.append(SampledRow(entry, sp.logprobs))
+        self.rows.append(SamplingRow(0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.min_p, seq.seed,
+                                     seq.num_tokens))
+        self.processing.append(row_processing(seq, eos_token_ids))
 
     def add_verification(self, entry: int, seq: Sequence, hidden_row: int, num_drafts: int,
                          eos_token_ids: frozenset[int]) -> None:
@@ -99,7 +94,7 @@ class SamplingBatch:
             self._add_grammar(seq, drafts, [[len(self.sampled) + j] for j in range(len(drafts) + 1)])
         for j in range(len(drafts) + 1):
             self.logits_indices.append(hidden_row + j)
-            self.sampled.append(SampledRow(entry, False, sp.logprobs))
+            self.sampled.append(SampledRow(entry, sp.logprobs))
             self.rows.append(SamplingRow(0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.min_p, seq.seed,
                                          seq.num_tokens + j))
             self.processing.append(row_processing(seq, eos_token_ids, drafts[:j]))

@@ -2,8 +2,8 @@
 results change (`update_from_output`).
 
 One step = one forward pass over a flat batch of up to `max_num_batched_tokens` tokens from at most
-`max_num_seqs` sequences (a request with n > 1 counts its n: its children, forked when the prompt is
-done, are reserved a seat at admission). Prefill and decode share the batch ("mixed batches"):
+`max_num_seqs` sequences (a request with n > 1 is n sequences, plain requests here: the scheduler never
+sees them as one). Prefill and decode share the batch ("mixed batches"):
 
   1. RUNNING requests first, oldest first. Each gets the tokens it has not computed yet, capped by
      the budget: one token for a decode (plus the drafts attached to it, speculative decoding), the
@@ -20,9 +20,13 @@ Starvation: a request passed over for lack of blocks or seats counts `num_admiss
 `max_admission_skips`, admission stops at it until enough blocks are free. Requests that can never run
 are refused before they get here (`InputProcessor.unservable_reason`), so the loop cannot hang.
 
+Prefix caching at allocation (vLLM v1's rule): the full blocks a step will compute get their hashes when
+they are allocated, so a request admitted later in the same step (an n > 1 request's next sequence, say)
+already hits them: every layer writes the whole batch's K/V before any of its attention reads the cache.
+
 The commit, `update_from_output`, is the one place a step's results land, request by request (an
-exception fails only its request): computed counts advance, full blocks reach the prefix cache, a done
-prompt forks its n - 1 children, tokens go through the stop rules. It is the scheduler's, written in
+exception fails only its request): computed counts advance, tokens go through the stop rules, unused
+blocks go back. It is the scheduler's, written in
 engine/scheduler_commit.py (`StepCommit`, which `Scheduler` inherits) to keep the plan on one screen.
 
 Mapping onto the small teaching API of MinivLLM (github.com/Wenyueh/MinivLLM — a separate study
@@ -43,7 +47,7 @@ from minivllm.engine.scheduler_commit import StepCommit
 from minivllm.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
 from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.engine.state_pool import StatePool
-from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
+from minivllm.engine.step_types import DraftTokenIds, ScheduledSequence, SchedulerOutput
 from minivllm.engine.stop_checker import StopChecker
 from minivllm.engine.undo_log import StepTransaction
 
@@ -84,12 +88,6 @@ class Scheduler(StepCommit):
     def live_sequences(self) -> list[Sequence]:
         return [*self.running, *self.waiting]
 
-    @property
-    def num_seats_taken(self) -> int:
-        """Sequences running, counting the children each still has to fork (n > 1): a step never holds
-        more than max_num_seqs of them, forks included."""
-        return len(self.running) + sum(s.num_forks_pending for s in self.running)
-
     # --- the plan --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -124,7 +122,7 @@ class Scheduler(StepCommit):
             return out
         still_waiting: deque[Sequence] = deque()
         hold = False  # set once a starving request must be served before anyone behind it
-        seats = self.max_num_seqs - self.num_seats_taken
+        seats = self.max_num_seqs - len(self.running)
         for seq in self.policy.admission_order(self.waiting):
             if hold or budget == 0 or seats == 0:
                 still_waiting.append(seq)
@@ -134,9 +132,8 @@ class Scheduler(StepCommit):
             fits_budget = n <= budget or self.enable_chunked_prefill
             n = min(n, budget)
             self.transaction.record_seq(seq)
-            no_seat = 1 + seq.num_forks_pending > seats  # n > 1: its children will run beside it
             no_state = self.state_pool is not None and not self.state_pool.can_allocate(seq)
-            if not fits_budget or no_seat or no_state or not bm.can_allocate(seq, n, prefix):
+            if not fits_budget or no_state or not bm.can_allocate(seq, n, prefix):
                 seq.num_admission_skips += 1
                 hold = seq.num_admission_skips > self.max_admission_skips
                 still_waiting.append(seq)
@@ -151,17 +148,26 @@ class Scheduler(StepCommit):
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, prefix.num_tokens, n))
             budget -= n
-            seats -= 1 + seq.num_forks_pending
+            seats -= 1
         self.waiting = still_waiting
         return out
 
     def draft_room(self, seq: Sequence) -> int:
         """How many drafts `seq` may have verified now: d drafts commit at most d + 1 tokens, never past
-        max_tokens or max_model_len. None for a sequence that is not decoding, or a prompt about to fork
-        (n > 1): its last row is sampled once per child, which verification does not do."""
-        if seq.num_uncomputed_tokens != 1 or seq.num_forks_pending or seq.is_finished:
+        max_tokens or max_model_len. None for a sequence that is not decoding."""
+        if seq.num_uncomputed_tokens != 1 or seq.is_finished:
             return 0
         return max(0, self.stop_checker.tokens_left(seq) - 1)
+
+    def update_draft_token_ids(self, drafts: DraftTokenIds) -> None:
+        """Attach the proposer's drafts to the running sequences they name (vLLM's name; the only way a
+        draft reaches a sequence). The next `schedule()` reserves their slots; the step verifies them.
+        A name no longer running (finished, preempted since) is skipped: its drafts are for nobody."""
+        by_id = {seq.request_id: seq for seq in self.running}
+        for request_id, ids, probs in zip(drafts.req_ids, drafts.draft_token_ids, drafts.draft_probs, strict=True):
+            seq = by_id.get(request_id)
+            if seq is not None and ids:
+                seq.spec_token_ids, seq.draft_probs = list(ids), probs
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, forget the K/V and drafts, back to the front of WAITING."""

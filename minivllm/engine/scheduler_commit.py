@@ -6,16 +6,19 @@ The plan's reservations were made final before it runs (the step's transaction c
 is no going back, only forward. For each row group of the plan, in order:
 
     advance   what the forward computed is the sequence's now: its K/V (and a hybrid's state) up to the
-              verified tokens, full blocks to the prefix cache, prompt logprobs recorded, drafts used up
-    fork      n > 1 and the prompt is done: n - 1 children share its blocks (the partial last one copied)
-    tokens    accepted drafts, then the target's token, through the stop rules (`StopChecker`): token by
-              token (EOS, stop ids, lengths), then the new text (stop strings); unused draft slots go back
+              verified tokens, prompt logprobs recorded, drafts used up (the full blocks the step
+              computed were published to the prefix cache when they were allocated)
+    tokens    accepted drafts, then the target's token, each advancing the request's grammar (structured
+              outputs) and going through the stop rules (`StopChecker`): token by token (EOS, stop ids, a
+              complete grammar, lengths), then the new text (stop strings)
+    trim      blocks it will not read go back: the slots of rejected drafts, and in a sliding-window
+              group the blocks that left the window (`BlockManager.trim`)
 then, once, the step's shared tail: the states the step kept join a hybrid's prefix cache.
 
 Invariants:
   * Nothing escapes a committed step. A request finished earlier in the loop would go unreported, so an
     exception ends only the requests it was for, with finish_reason "error" and the message: one in a
-    request's part ends that request (and the children it forked in this step); one in the tail ends
+    request's part ends that request; one in the tail ends
     every request of the step still running. Each of them is in `CommitResult.changed`: reported.
   * A failure after the token that finished a sequence ("length", "stop") is an error, not an output
     one token short of its text.
@@ -28,7 +31,7 @@ from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.state_pool import StatePool
 from minivllm.engine.step_types import (CommitResult, ModelRunnerOutput, RowGroupOutput, SampledToken,
                                         ScheduledSequence, SchedulerOutput)
-from minivllm.engine.stop_checker import StopChecker
+from minivllm.engine.stop_checker import StopChecker, advance_grammar
 
 
 class StepCommit:
@@ -50,16 +53,16 @@ class StepCommit:
         raise NotImplementedError  # the scheduler's: back to WAITING, recomputed
 
     def update_from_output(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> CommitResult:
-        """Commit a step's results, request by request; the caller then copies `blocks_to_copy` (forks). The
-        step has committed: nothing may escape (a request finished earlier in the loop would go unreported),
-        so what raises ends the requests it was for with the error, each of them in `result.changed`."""
+        """Commit a step's results, request by request. The step has committed: nothing may escape (a
+        request finished earlier in the loop would go unreported), so what raises ends the requests it was
+        for with the error, each of them in `result.changed`."""
         result = CommitResult()
         for sched, out in zip(plan.scheduled, runner_output.outputs, strict=True):
             if sched.seq.is_finished:
                 continue
             try:
                 self._commit_request(sched, out, result)
-            except Exception as error:  # its children made so far ran for nobody: they fail with their parent
+            except Exception as error:
                 self._fail_commit([sched], error, result)
         try:
             self._commit_tail(plan)
@@ -68,21 +71,19 @@ class StepCommit:
         return result
 
     def _commit_request(self, sched: ScheduledSequence, out: RowGroupOutput, result: CommitResult) -> None:
-        """One request's part: what its row computed, its fork (n > 1), each sequence's tokens and stops."""
+        """One request's part: what its rows computed, its tokens and stops, the blocks it no longer needs."""
         seq = sched.seq
         self._advance(sched, out)
-        if not out.tokens and out.error is None:
-            return
-        result.changed.setdefault(seq.group_id, [])
         if out.error is not None:  # no token it may draw (e.g. its grammar against its allowed_token_ids)
+            result.mark_changed(seq.group_id)
             return self.fail(seq, out.error)
-        children = self._fork(seq, out.fork_tokens, result)
-        for s, tokens in [*((c, [t]) for c, t in zip(children, out.fork_tokens)), (seq, out.tokens)]:
+        if out.tokens:
+            result.mark_changed(seq.group_id)
             try:
-                self._commit_tokens(s, tokens, result)
+                self._commit_tokens(seq, out.tokens, result)
             except Exception as error:  # even if its last token finished it ("length"): that token's text is lost
-                self.finish(s, FinishReason.ERROR, error=commit_error("token", error))
-        if not seq.is_finished:  # slots of rejected (or never proposed) drafts go back
+                self.finish(seq, FinishReason.ERROR, error=commit_error("token", error))
+        if not seq.is_finished:
             self.block_manager.trim(seq, seq.num_tokens)
 
     def _commit_tail(self, plan: SchedulerOutput) -> None:
@@ -91,10 +92,10 @@ class StepCommit:
             self.state_pool.publish_snapshots(plan.scheduled)
 
     def _fail_commit(self, rows: list[ScheduledSequence], error: Exception, result: CommitResult) -> None:
-        """The rows' sequences, and the children they forked in this step, end with `error` unless finished."""
-        for s in [s for row in rows for s in (row.seq, *result.changed.get(row.seq.group_id, []))]:
+        """The rows' sequences end with `error` unless finished."""
+        for s in [row.seq for row in rows]:
             if not s.is_finished:
-                result.changed.setdefault(s.group_id, [])  # reported, with the tokens it has
+                result.mark_changed(s.group_id)  # reported, with the tokens it has
                 message = commit_error("step", error)
                 try:
                     self.fail(s, message)
@@ -105,35 +106,13 @@ class StepCommit:
 
     def _advance(self, sched: ScheduledSequence, out: RowGroupOutput) -> None:
         """What the forward computed is the sequence's now: K/V (and a hybrid model's state) up to the
-        verified tokens, full blocks published, prompt logprobs recorded; its drafts are used up."""
+        verified tokens, prompt logprobs recorded; its drafts are used up."""
         seq = sched.seq
         if self.state_pool is not None:  # after a verification: the state after the accepted drafts
             self.state_pool.publish(seq, sched.num_spec_tokens, max(0, len(out.tokens) - 1))
         seq.num_computed_tokens = sched.start + sched.num_new_tokens - sched.num_spec_tokens
         seq.clear_drafts()
         seq.prompt_logprobs.extend(out.prompt_logprobs)
-        self.block_manager.cache_full_blocks(seq)
-
-    def _fork(self, seq: Sequence, first_tokens: list[SampledToken], result: CommitResult) -> list[Sequence]:
-        """n > 1, the prompt is done: its children share its blocks (the partial last one is copied) and
-        go to the end of RUNNING, the newest, so preempted first. Forked before the parent appends its
-        token: it may finish at once, and its blocks must be shared first."""
-        children = []
-        for index in range(1, len(first_tokens) + 1):
-            child = seq.fork(index, seq.seed + index)
-            # Registered before it holds anything: if what follows raises, the commit fails it with its parent
-            # (`_fail_commit`), which gives back the blocks and state it was given so far.
-            self.running.append(child)
-            result.changed[seq.group_id].append(child)
-            copy = self.block_manager.fork(seq, child)
-            if copy is not None:
-                result.blocks_to_copy.append(copy)
-                result.copy_owners.append(child.group_id)
-            if self.state_pool is not None:
-                self.state_pool.fork(seq, child)
-            children.append(child)
-        seq.num_forks_pending = 0
-        return children
 
     def _commit_tokens(self, seq: Sequence, tokens: list[SampledToken], result: CommitResult) -> None:
         """Append accepted drafts then the target's token, each through the token rules (tokens past a
@@ -148,24 +127,17 @@ class StepCommit:
             if token.logprob is not None:
                 seq.logprobs.append(token)
                 seq.cumulative_logprob += token.logprob
-            stop = self.stop_checker.check_token(seq, token.token_id)
+            grammar_done = advance_grammar(seq, token.token_id)  # the one place a grammar advances
+            stop = self.stop_checker.check_token(seq, token.token_id, grammar_done)
             if stop is not None:
                 self.finish(seq, stop.finish_reason, stop.stop_reason)
                 break
-        if not seq.is_finished and len(tokens) > 1:
-            self.block_manager.cache_full_blocks(seq)  # accepted drafts: only verified blocks
         kept, match = self.stop_checker.check_strings(seq, num_new)
         if match is not None:
             self.finish(seq, FinishReason.STOP, match.stop)
             seq.truncate_output(seq.num_output_tokens - num_new + kept)
-        if (self.state_pool is not None and seq.index > 0 and first and not seq.is_finished
-                and seq.num_computed_tokens < seq.num_tokens - 1):
-            # No free block for the copy of the partial last block: the child would recompute those
-            # tokens, but a hybrid model's recurrent state (copied from the parent) already holds
-            # them. It recomputes its whole prompt instead, as a preempted sequence does.
-            self.preempt(seq)
         result.num_generation_tokens += kept
-        if first and seq.index == 0:
+        if first and seq.index == 0:  # an n > 1 request's prompt counts once
             result.num_prompt_tokens += seq.num_prompt_tokens
 
 

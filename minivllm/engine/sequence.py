@@ -10,9 +10,10 @@ the paged cache; the tokens in `[num_computed_tokens, num_tokens)` are what the 
 A decode step is just the case where that gap is one token. `block_table[i]` is the physical KV block
 holding tokens `[i*block_size, (i+1)*block_size)`.
 
-A request with `n > 1` starts as ONE sequence (index 0) and forks when its prompt is done: the n
-sequences share the request's `group_id` (the user's request id) and have their own `request_id`
-(`"{index}_{group_id}"` for index >= 1, as vLLM names them), tokens, blocks and seeds.
+A request with `n > 1` is n sequences from its arrival (engine/parallel_sampling.py): plain requests to
+the scheduler, sharing the request's `group_id` (the user's request id), each with its own `request_id`
+(`"{index}_{group_id}"` for index >= 1, as vLLM names them), tokens, blocks and seed. They share the
+prompt's K/V through the prefix cache, not through anything of their own.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Sequence:
         self.block_table: list[int] = []
         # A model with sliding-window layers: that group's table (engine/sliding_window.py); else empty.
         self.sliding_block_table: list[int] = []
-        self.block_hashes: list[int] = []  # prefix-cache hashes of full blocks (BlockManager.block_hashes)
+        self.block_hashes: list[bytes] = []  # prefix-cache hashes of full blocks (BlockManager.block_hashes)
         self.num_admission_skips = 0  # times admission passed over this request (anti-starvation)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
@@ -92,7 +93,6 @@ class Sequence:
         # Sampling outputs and n > 1 (see the module docstring).
         self.group_id = request_id  # the request this sequence belongs to
         self.index = 0  # which of the request's n completions this is
-        self.num_forks_pending = sampling_params.n - 1  # children to fork when the prompt is done
         # allowed ids, biases and bad words, prepared once by the engine (layers/logits_processors.py)
         self.logit_rules: RequestLogitRules | None = None
         # structured outputs: where the committed output stands in the request's grammar (engine/grammar.py)
@@ -109,8 +109,8 @@ class Sequence:
         # (len(spec_token_ids), V); None = a deterministic proposal (one-hot).
         self.spec_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
-        # Hybrid models: the state-pool pairs this sequence holds ([0] its own; more reserved for the
-        # children of an n > 1 fork). None while it holds none (see engine/state_pool.py).
+        # Hybrid models: the state-pool pair this sequence holds, None while it holds none
+        # (see engine/state_pool.py).
         self.state_slots: list[int] | None = None
 
     # --- sizes -------------------------------------------------------------------------------
@@ -138,10 +138,6 @@ class Sequence:
         return self._prompt_list
 
     @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -158,21 +154,6 @@ class Sequence:
         if self.logprobs:
             del self.logprobs[num_output_tokens:]
             self.cumulative_logprob = sum(t.logprob for t in self.logprobs)
-
-    def fork(self, index: int, seed: int) -> "Sequence":
-        """A child with this sequence's tokens and nothing else: no blocks yet, its own seed. The
-        block manager then shares the parent's blocks with it (`BlockManager.fork`)."""
-        child = Sequence(f"{index}_{self.group_id}", self.token_ids, self.sampling_params, prompt=self.prompt,
-                         arrival_index=self.arrival_index, seed=seed, priority=self.priority)
-        child.num_prompt_tokens, child._prompt_list = self.num_prompt_tokens, self._prompt_list
-        child.group_id, child.index, child.num_forks_pending = self.group_id, index, 0
-        child.status = self.status
-        child.num_cached_tokens = self.num_cached_tokens
-        child.block_hashes = list(self.block_hashes)  # hashes depend on tokens only
-        child.logit_rules = self.logit_rules
-        child.grammar = self.grammar.copy() if self.grammar is not None else None  # then advanced on its own
-        child.detokenizer = self.detokenizer.copy() if self.detokenizer is not None else None
-        return child
 
     def clear_drafts(self) -> None:
         self.spec_token_ids, self.draft_probs = [], None

@@ -10,7 +10,7 @@ logical block i still means tokens [i*B, (i+1)*B) and slots are computed as for 
     full group       [  7   ][  2   ][   9   ][   4    ][    11     ]     every block, for ever
     sliding group    [  -   ][  -   ][   3   ][   6    ][     1     ]     keys 11..18 are all it reads
 
-Blocks are given back at each commit (`cache_full_blocks`), never while a step is planned: a block given
+Blocks are given back at each commit (`trim`), never while a step is planned: a block given
 back inside the step's transaction could be taken and overwritten by another request in the same step,
 and a rollback would then return it to its owner (and its hash to the prefix cache) with someone else's
 K/V. After the commit nothing is rolled back.
@@ -27,8 +27,8 @@ that the query at h will read: blocks (h - W + 1) // B .. h // B - 1. Blocks bef
 exist (they are NULL in the new table). `match_prefix` shortens the full group's hit until that holds:
 if block m of the window is missing, no hit past m * B can use it, so the next try is h = m * B.
 
-Forks (n > 1) share the parent's full blocks; the child recomputes its partly filled last block
-(fewer than B tokens) instead of copying it, in both groups: the coordinator keeps them in step.
+An n > 1 request's sequences share the prompt's full blocks through the prefix cache, like any
+repeated prompt; each computes its partly filled last block itself, in both groups.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ class SlidingWindowBlockManager(BlockManager):
     # --- leaving the window ----------------------------------------------------------------------
     def _outside(self, seq: Sequence) -> range:
         """The logical blocks still held that no query from the last block boundary on will read. The
-        boundary, not num_computed_tokens: a fork's child starts there (it recomputes the parent's partial
-        last block), so its window must still be held; the bound on held blocks is the same either way.
-        Blocks leave in order, so the held ones start after the last NULL: walking back from the window's
+        boundary, not num_computed_tokens: a request that shares this prefix may start there (it recomputes
+        the partial last block), so the window before the boundary stays findable while this request holds
+        it; the bound on held blocks is the same either way. Blocks leave in order, so the held ones start after the last NULL: walking back from the window's
         first block stops at the first NULL, and the walk costs what is freed now."""
         boundary = seq.num_computed_tokens // self.block_size * self.block_size
         table = self.table(seq)
@@ -87,10 +87,11 @@ class SlidingWindowBlockManager(BlockManager):
             table[i] = NULL_BLOCK
 
     # --- the BlockManager's calls, window-aware ------------------------------------------------------
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """At the commit: publish what filled (so a block keeps its hash when it goes), then give back what
-        the next query will not read. The bound on held blocks therefore holds between steps too."""
-        super().cache_full_blocks(seq)
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """At the commit: the rejected drafts' slots, then what the next query will not read, go back (a
+        block was published when it was allocated, so it keeps its hash when it goes). The bound on held
+        blocks therefore holds between steps too."""
+        super().trim(seq, num_tokens)
         self.free_outside_window(seq)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> bool:
@@ -112,19 +113,6 @@ class SlidingWindowBlockManager(BlockManager):
                 return PrefixMatch(blocks, k * self.block_size)
             k = missing[-1]  # a hit past block m would read block m: try ending just before it
         return PrefixMatch([], 0)
-
-    def fork(self, parent: Sequence, child: Sequence, copy_partial: bool = False) -> tuple[int, int] | None:
-        """Share the parent's full blocks (NULLs stay NULL); the child recomputes the partial last one."""
-        assert not self.table(child) and not copy_partial
-        full = parent.num_computed_tokens // self.block_size
-        shared = self.table(parent)[:full]
-        for b in shared:
-            if b != NULL_BLOCK:
-                self._record_block(b)
-                self.ref_counts[b] += 1
-        self.set_table(child, list(shared))
-        child.num_computed_tokens = full * self.block_size
-        return None
 
     def rollback(self, written_blocks: set[int] = frozenset()) -> None:
         """As `BlockManager.rollback`; this group's written blocks are not listed by the plan, so every

@@ -107,10 +107,10 @@ def snapshot_points(scheduled: Seq[ScheduledSequence], stride: int, limit: int) 
     """The prompt positions that are multiples of `stride` a step's chunks reach, in batch order; the
     j-th goes to staging slot j. One function for the runner (what to keep) and the commit (what it is)."""
     points = []
-    for i, (seq, start, n, spec) in enumerate(scheduled):
-        last = min(start + n - spec, seq.num_prompt_tokens)
-        for p in range((start // stride + 1) * stride, last + 1, stride):
-            points.append(SnapshotPoint(i, p - start, p))
+    for i, s in enumerate(scheduled):
+        last = min(s.start + s.num_new_tokens - s.num_spec_tokens, s.seq.num_prompt_tokens)
+        for p in range((s.start // stride + 1) * stride, last + 1, stride):
+            points.append(SnapshotPoint(i, p - s.start, p))
     return points[:limit]
 
 

@@ -19,9 +19,6 @@ goes through the step's undo log like the blocks.
 
     pair p = physical slots (2p, 2p + 1);  published = 2p + current[p];  staging = the other one
 
-A request with n > 1 reserves n pairs at admission; its forked children take them at the fork, and
-their published state is a copy of the parent's.
-
 Speculative decoding. A verification step feeds a request's last token and d drafts, d + 1 rows; if
 only a drafts are accepted, the state to publish is the one after 1 + a rows, not after all of them.
 So each pair also has d CANDIDATE slots: the forward keeps the state after rows 1 .. d there, and the
@@ -69,21 +66,16 @@ class StatePool:
     def num_free(self) -> int:
         return len(self.free)
 
-    def bytes_per_request(self) -> int:
-        """Memory one request's state takes in every linear-attention layer (one slot)."""
-        per_layer = sum(p[0].numel() * p.element_size() for p in (*self.conv_pools[:1], *self.recurrent_pools[:1]))
-        return per_layer * len(self.conv_pools)
-
     # --- ownership (inside the step's transaction) -----------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
-        return seq.state_slots is not None or len(self.free) >= 1 + seq.num_forks_pending
+        return seq.state_slots is not None or len(self.free) >= 1
 
     def allocate(self, seq: Sequence) -> None:
-        """Give `seq` its pair, plus one for each child it will fork (n > 1)."""
+        """Give `seq` its pair (and, after a prefix hit, the cached state to start from)."""
         if seq.state_slots is not None:
             return
         self._record(seq)
-        seq.state_slots = [self.free.pop() for _ in range(1 + seq.num_forks_pending)]
+        seq.state_slots = [self.free.pop()]
         if seq.num_computed_tokens:  # a prefix hit (the block manager checked a snapshot is there)
             self.cache.load(seq, self.conv_pools, self.recurrent_pools, self.read_slot(seq), self.undo)
 
@@ -127,11 +119,3 @@ class StatePool:
         """Commit: the states the step kept at its stride positions join the prefix cache (if on)."""
         if self.cache is not None:
             self.cache.publish(scheduled)
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Hand the child one of the pairs its parent reserved, holding a copy of the parent's state."""
-        pair = parent.state_slots.pop()
-        child.state_slots = [pair]
-        src, dst = self.read_slot(parent), 2 * pair + self.current[pair]
-        for pool in (*self.conv_pools, *self.recurrent_pools):
-            pool[dst] = pool[src]

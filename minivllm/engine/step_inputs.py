@@ -1,7 +1,7 @@
 """`StepInputs`: everything one rank's forward needs, packed by `ModelRunner.prepare_inputs` on rank 0.
 
     input_ids, positions   (T,)     the new tokens of every scheduled row group, back to back
-    attn_metadata                   where their K/V go and what each row attends to (layers/attention.py)
+    attn_metadata                   where their K/V go and what each row attends to (layers/attention_interface.py)
     logits_indices         (S + P,) the hidden rows that get logits: the S sampled rows, then the P
                                     prompt rows whose logprobs were asked (engine/sampling_metadata.py)
     linear_attn            hybrid models: each row group's state slots (engine/state_pool.py) and the
@@ -57,10 +57,10 @@ def linear_attn_slots(scheduled: Sequence[ScheduledSequence], pool: StatePool, d
     seqs = [s.seq for s in scheduled]
     offsets, cache_slots = pool.cache.step_snapshots(scheduled) if pool.cache else ([() for _ in seqs], [])
     offsets, candidates = list(offsets), []
-    for i, (seq, _start, n, spec) in enumerate(scheduled):
-        if spec:  # a verification is past the prompt (no snapshot): it keeps a candidate after each row
-            offsets[i] = tuple(range(1, n))
-            candidates += [pool.candidate_slot(seq, j) for j in range(1, n)]
+    for i, s in enumerate(scheduled):
+        if s.num_spec_tokens:  # a verification is past the prompt (no snapshot): it keeps a candidate after each row
+            offsets[i] = tuple(range(1, s.num_new_tokens))
+            candidates += [pool.candidate_slot(s.seq, j) for j in range(1, s.num_new_tokens)]
     to_cache = [not scheduled[i].num_spec_tokens for i, offs in enumerate(offsets) for _ in offs]
     return LinearAttnSlots(
         state_slots=torch.tensor([pool.read_slot(s) for s in seqs], dtype=torch.int64, device=device),
@@ -106,7 +106,7 @@ def sliding_metadata(scheduled: Sequence[ScheduledSequence], meta: AttentionMeta
     left the window (NULL_BLOCK, -1) reads as 0: the window keeps every backend from reading it."""
     bs, slots, flat = meta.block_size, array("q"), array("i")
     width = max(len(s.seq.sliding_block_table) for s in scheduled)
-    for seq, start, n, _spec in scheduled:
+    for seq, start, n in ((s.seq, s.start, s.num_new_tokens) for s in scheduled):
         table = seq.sliding_block_table  # the rows' own positions always lie in blocks it holds
         slots.extend([table[p // bs] * bs + p % bs for p in range(start, start + n)])
         flat.extend([max(b, 0) for b in table])

@@ -16,26 +16,35 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from minivllm.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    import torch
 
-class ScheduledSequence(NamedTuple):
+
+@dataclass(frozen=True)
+class ScheduledSequence:
     """One row group of the step: `seq` computes positions [start, start + num_new_tokens). The last
     `num_spec_tokens` of them are draft slots (speculative decoding): the rows after the sequence's
     last token, fed with the first `num_spec_tokens` of its `spec_token_ids`, every one of them
-    sampled to verify the drafts."""
+    sampled to verify the drafts. `num_tokens` is the sequence's length when the plan was made: the
+    plan's own facts (`samples`, `is_prefill`) read values, not the sequence, which the commit changes."""
 
     seq: Sequence
     start: int
     num_new_tokens: int
     num_spec_tokens: int = 0
+    num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_tokens", self.seq.num_tokens)  # frozen: set once, at planning
 
     @property
     def samples(self) -> bool:
         """Does this chunk reach the end of the sequence (so its last row's logits are sampled)?"""
-        return self.start + self.num_new_tokens - self.num_spec_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - self.num_spec_tokens == self.num_tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -88,7 +97,6 @@ class RowGroupOutput:
     """What one scheduled row group produced in a step."""
 
     tokens: list[SampledToken] = field(default_factory=list)  # appended to the sequence, in order
-    fork_tokens: list[SampledToken] = field(default_factory=list)  # first tokens of forked children 1..n-1
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     error: str | None = None  # the request cannot go on (no token it may draw): it finishes with this error
 
@@ -107,13 +115,24 @@ class ModelRunnerOutput:
         return cls([RowGroupOutput([] if t is None else [SampledToken(t)]) for t in token_ids])
 
 
+class DraftTokenIds(NamedTuple):
+    """Drafts for the next step (vLLM's name), from the proposer to `Scheduler.update_draft_token_ids`:
+    per sequence named, its draft tokens and their proposal distribution ((d, V); None = one-hot)."""
+
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
+    draft_probs: list[torch.Tensor | None]
+
+
 @dataclass
 class CommitResult:
     """What `Scheduler.update_from_output` changed, for the engine to report and finish."""
 
-    # request (group id) -> the children it forked this step; every request whose sequences got a token
-    changed: dict[str, list[Sequence]] = field(default_factory=dict)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write of forks
-    copy_owners: list[str] = field(default_factory=list)  # the request each copy is for
+    # the requests (group ids) whose sequences got a token or finished, in the plan's order, each once
+    changed: list[str] = field(default_factory=list)
     num_generation_tokens: int = 0  # tokens appended for good (a stop string's cut excluded)
     num_prompt_tokens: int = 0  # prompt tokens of requests that got their first token
+
+    def mark_changed(self, group_id: str) -> None:
+        if group_id not in self.changed:
+            self.changed.append(group_id)

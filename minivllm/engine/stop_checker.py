@@ -3,8 +3,9 @@
 Two kinds of rule, both applied at commit (`Scheduler.update_from_output`), token by token:
 
     token rules    EOS (unless ignore_eos), a stop token id, a complete grammar (structured outputs:
-                   the token advances the sequence's matcher here, the one place it advances),
-                   max_tokens, max_model_len — checked as each token is appended (`check_token`)
+                   the commit advances the sequence's matcher by the token first, and says whether
+                   that completed it), max_tokens, max_model_len — checked as each token is appended
+                   (`check_token`)
     stop strings   need text: the sequence's incremental detokenizer decodes the new tokens and the
                    stop strings are searched in the tail the new text could have completed
                    (`check_strings`); the output is cut where the stop string starts (or ends, with
@@ -30,15 +31,26 @@ class StopReason(NamedTuple):
     stop_reason: int | str | None  # the stop token id or stop string (None: EOS, or a length limit)
 
 
+def advance_grammar(seq: Sequence, token_id: int) -> bool:
+    """Advance `seq`'s grammar (structured outputs) by its new token; True when the grammar is complete
+    (it can take no further token), even before min_tokens: the grammar's end wins. Raises ValueError if
+    the grammar forbids the token (the sampler's mask makes that impossible). False without a grammar."""
+    if seq.grammar is None:
+        return False
+    if not seq.grammar.accept(token_id):
+        raise ValueError(f"token {token_id} breaks the request's structured_outputs grammar: {seq.grammar.error}")
+    return seq.grammar.is_complete
+
+
 class StopChecker:
     def __init__(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def check_token(self, seq: Sequence, token_id: int) -> StopReason | None:
-        """The token rules, for the token just appended to `seq`."""
+    def check_token(self, seq: Sequence, token_id: int, grammar_done: bool = False) -> StopReason | None:
+        """The token rules, for the token just appended to `seq` (`grammar_done`: it completed the
+        request's grammar, `advance_grammar`)."""
         sp = seq.sampling_params
-        grammar_done = seq.grammar is not None and self.advance_grammar(seq, token_id)
         if seq.num_output_tokens > sp.min_tokens:  # the sampler masked these ids before that
             if not sp.ignore_eos and token_id in self.eos_token_ids:
                 return StopReason(FinishReason.STOP, None)
@@ -51,15 +63,6 @@ class StopChecker:
         if seq.num_tokens >= self.max_model_len:
             return StopReason(FinishReason.LENGTH, None)
         return None
-
-    @staticmethod
-    def advance_grammar(seq: Sequence, token_id: int) -> bool:
-        """Advance `seq`'s grammar by its new token; True when the grammar is complete (it can take no
-        further token), even before min_tokens: the grammar's end wins. Raises ValueError if the grammar
-        forbids the token (the sampler's mask makes that impossible)."""
-        if not seq.grammar.accept(token_id):
-            raise ValueError(f"token {token_id} breaks the request's structured_outputs grammar: {seq.grammar.error}")
-        return seq.grammar.is_complete
 
     def tokens_left(self, seq: Sequence) -> int:
         """How many more tokens `seq` may get before max_tokens or max_model_len stops it."""

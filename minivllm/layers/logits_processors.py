@@ -66,7 +66,7 @@ class BadWords:
 @dataclass(frozen=True)
 class RequestLogitRules:
     """What a request's allowed ids, biases and bad words ask of every one of its rows, prepared once at
-    admission (engine/input_processor.py) on the device the logits are on; forked children share it."""
+    admission (engine/input_processor.py) on the device the logits are on; an n > 1 request's sequences share it."""
 
     allowed: torch.Tensor | None = None  # (V,) bool: True = may be drawn
     bias_ids: torch.Tensor | None = None  # (B,) int64

@@ -58,7 +58,7 @@ class SamplingRow(NamedTuple):
     top_k: int  # 0 or -1 = off
     top_p: float  # 1 = off
     min_p: float  # 0 = off
-    seed: int  # the request's (or forked child's) seed
+    seed: int  # the sequence's seed (an n > 1 request's child i: seed + i)
     position: int  # position of the token being drawn: keys the noise
 
 

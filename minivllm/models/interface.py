@@ -1,7 +1,7 @@
 """`CausalLM`: what the engine needs of a model, whatever its family.
 
-Every family (Llama/Qwen2/Qwen3 in llama.py, the Qwen3.5 hybrid in qwen3_5.py) subclasses it, so the
-model runner calls one forward with one return type and never asks `hasattr`:
+Every family (Llama/Qwen2/Qwen3 in llama.py, Gemma 3 in gemma3.py, the Qwen3.5 hybrid in qwen3_5.py)
+subclasses it, so the model runner calls one forward with one return type and never asks `hasattr`:
 
     forward(input_ids (T,), positions (T,), attn_metadata, kv_caches, backend, linear_attn=None)
         -> hidden (T, hidden_size)

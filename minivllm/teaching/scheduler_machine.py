@@ -4,8 +4,8 @@
     run_state_machine_as_test(machine)          # or: TestScheduler = machine.TestCase, under pytest
     scheduler_machine(make_allocator=MyAllocator)   # a block allocator of your own under the same rules
 
-hypothesis drives a `Scheduler` on a tiny pool through random actions — add a request (with n > 1
-forks, with a priority), step (`schedule` then `update_from_output`; speculative drafts attached after
+hypothesis drives a `Scheduler` on a tiny pool through random actions — add a request (n > 1: its n
+sequences, sharing the prompt through the prefix cache; with a priority), step (`schedule` then `update_from_output`; speculative drafts attached after
 the commit, as the engine's proposer does, some accepted), abort, and a failed step
 that is rolled back — and after every action checks the block manager's invariants: every block is
 owned or free, ref counts match the block tables, a rolled-back step leaves no trace. At the end
@@ -28,6 +28,7 @@ from typing import Any
 
 from minivllm.engine.block_allocator import BlockAllocator
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.parallel_sampling import fan_out
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.scheduling_policy import CheckedPolicy, FCFSPolicy, SchedulingPolicy
 from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -39,7 +40,7 @@ EOS = 1  # the machine's end-of-sequence token: a request that samples it finish
 def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, *, priorities: bool = False,
                       max_spec: int = 3, make_allocator: Callable[[], BlockAllocator] | None = None) -> type:
     """The scheduler's hypothesis state machine, for any policy: random add / step / abort / failed
-    step against a tiny pool (speculative drafts and n > 1 forks included), the block manager's
+    step against a tiny pool (speculative drafts and n > 1 requests included), the block manager's
     invariants after every action, and a full drain at the end. `priorities`: also add requests with
     random priorities in -2..2. Run it with `run_state_machine_as_test(machine)` or as
     `machine.TestCase` under pytest. The policy is wrapped in `CheckedPolicy`. `make_allocator`: the block
@@ -47,7 +48,7 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
     import hypothesis.strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-    from minivllm.engine.step_types import ModelRunnerOutput, RowGroupOutput, SampledToken
+    from minivllm.engine.step_types import DraftTokenIds, ModelRunnerOutput, RowGroupOutput, SampledToken
 
     class SchedulerMachine(RuleBasedStateMachine):
         @initialize(num_blocks=st.integers(4, 12), block_size=st.sampled_from([1, 2, 4]),
@@ -74,7 +75,8 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
                          SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n_seqs),
                          arrival_index=self.count, priority=priority)
             self.count += 1
-            self.sched.add_sequence(s)
+            for seq in fan_out(s):  # n > 1: n plain sequences, as the engine queues them
+                self.sched.add_sequence(seq)
 
         @rule(n=st.integers(1, 20), max_tokens=st.integers(1, 12), n_seqs=st.sampled_from([1, 1, 2, 3]))
         def add(self, n: int, max_tokens: int, n_seqs: int) -> None:
@@ -91,22 +93,23 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
             outputs = []
             for s in out.scheduled:
                 token = SampledToken(self.rng.choice([EOS, 7, 8]))
-                assert not (s.num_spec_tokens and s.seq.num_forks_pending), \
-                    "a prompt about to fork got draft slots: its children would never be forked"
                 assert s.num_spec_tokens <= len(s.seq.spec_token_ids), "more draft slots than drafts"
                 if s.num_spec_tokens:  # the target accepts a <= d of the d drafts verified
                     a = self.rng.randint(0, s.num_spec_tokens)
                     outputs.append(RowGroupOutput([SampledToken(t) for t in s.seq.spec_token_ids[:a]] + [token]))
                 elif s.samples:
-                    forks = [SampledToken(self.rng.choice([EOS, 7])) for _ in range(s.seq.num_forks_pending)]
-                    outputs.append(RowGroupOutput([token], forks))
+                    outputs.append(RowGroupOutput([token]))
                 else:
                     outputs.append(RowGroupOutput())
             self.sched.update_from_output(out, ModelRunnerOutput(outputs))
+            drafts = DraftTokenIds([], [], [])
             for seq in self.sched.running:  # a proposer drafts d <= k tokens after the commit
                 room = min(self.num_speculative_tokens, self.sched.draft_room(seq))
                 if room:
-                    seq.spec_token_ids = [self.rng.choice([7, 8]) for _ in range(self.rng.randint(0, room))]
+                    drafts.req_ids.append(seq.request_id)
+                    drafts.draft_token_ids.append([self.rng.choice([7, 8]) for _ in range(self.rng.randint(0, room))])
+                    drafts.draft_probs.append(None)
+            self.sched.update_draft_token_ids(drafts)
 
         @rule(data=st.data())
         def abort(self, data: Any) -> None:
@@ -134,8 +137,7 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
                 bm = self.sched.block_manager
                 bm.check_invariants(self.sched.live_sequences)
                 assert all(s.status is SequenceStatus.RUNNING for s in self.sched.running)
-                seats = len(self.sched.running) + sum(s.num_forks_pending for s in self.sched.running)
-                assert seats <= self.sched.max_num_seqs, "more sequences than max_num_seqs (forks to come included)"
+                assert len(self.sched.running) <= self.sched.max_num_seqs, "more sequences than max_num_seqs"
                 for s in self.sched.live_sequences:  # drafts wait on decoding sequences only; rejected ones leave no trace
                     assert len(s.spec_token_ids) <= self.sched.draft_room(s)
                     assert len(s.block_table) <= bm.blocks_needed(s.num_tokens)

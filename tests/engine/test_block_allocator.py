@@ -96,7 +96,7 @@ def prefilled(bm: BlockManager, rid: str, tokens: list[int]) -> Sequence:
     prefix = bm.get_computed_blocks(s)
     bm.allocate(s, s.num_tokens - prefix.num_tokens, prefix)
     s.num_computed_tokens = s.num_tokens
-    bm.cache_full_blocks(s)
+    bm.trim(s, s.num_tokens)  # the commit's part (caching: at allocation)
     return s
 
 

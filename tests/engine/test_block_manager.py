@@ -22,7 +22,7 @@ def run_prefill(bm: BlockManager, s: Sequence) -> None:
     assert bm.can_allocate(s, n, prefix)
     bm.allocate(s, n, prefix)
     s.num_computed_tokens = s.num_tokens
-    bm.cache_full_blocks(s)
+    bm.trim(s, s.num_tokens)  # the commit's part (caching: at allocation)
 
 
 def test_allocate_and_free_round_trip():

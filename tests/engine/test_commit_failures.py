@@ -3,9 +3,8 @@ lost between the queues.
 
 `Scheduler.finish` takes a sequence out of RUNNING, then gives back its blocks (`_release`). If that raises,
 the commit's recovery (`fail`) finishes it again: the second `finish` must find it out of the queues and not
-fail there (a ValueError escaping the commit left it in no queue and never finished: `generate` spun). A
-fork registers its child before the child holds anything, so a failure after the block manager shared
-the parent's blocks fails the child with its parent and gives those blocks back.
+fail there (a ValueError escaping the commit left it in no queue and never finished: `generate` spun). An
+n > 1 request's sequences are committed one by one: a failure ends only the completion it was for.
 """
 
 from __future__ import annotations
@@ -64,28 +63,30 @@ def test_a_release_that_fails_ends_its_request_once(model_factory, failures):
         assert stats.num_total_blocks - stats.num_free_blocks == len(bad_seq.block_table) > 0
 
 
-def test_a_fork_that_fails_gives_back_the_childs_blocks(model_factory):
-    """n = 2: the fork fails after the block manager shared the parent's blocks with the child. The child
-    was registered first, so it fails with its parent and every block comes back."""
+def test_a_commit_that_fails_for_one_of_n_sequences_ends_only_that_completion(model_factory):
+    """n = 2 is two sequences (engine/parallel_sampling.py): the commit fails for the second one only. That
+    completion ends with "error", its sibling and the other request go on, and every block comes back."""
     llm = LLM(model_factory("qwen3"), warmup=False, block_size=4, num_kv_blocks=64)
     engine = llm.llm_engine
-    fork = engine.block_manager.fork
+    trim = engine.block_manager.trim
 
-    def failing_fork(parent, child, *args, **kwargs):
-        fork(parent, child, *args, **kwargs)  # the child holds the shared blocks (and a copy), then this fails
-        raise RuntimeError("injected after the fork")
+    def failing_trim(seq, num_tokens):
+        if seq.request_id == "1_two" and seq.num_output_tokens == 2:
+            raise RuntimeError("injected in the second sequence's commit")
+        trim(seq, num_tokens)
 
-    engine.block_manager.fork = failing_fork
-    engine.add_request("forked", {"prompt_token_ids": [3, 4, 5, 6, 7, 8]},
-                       SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=3, ignore_eos=True))
+    engine.block_manager.trim = failing_trim
+    engine.add_request("two", {"prompt_token_ids": [3, 4, 5, 6, 7, 8]},
+                       SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=4, ignore_eos=True))
     engine.add_request("alone", {"prompt_token_ids": [3, 4, 9]}, SamplingParams(temperature=0, max_tokens=3))
     finals = drain(engine)
-    assert sorted(finals) == ["alone", "forked"] and all(len(f) == 1 for f in finals.values())
-    out = finals["forked"][0]
-    assert "injected after the fork" in out.error and {c.finish_reason for c in out.outputs} == {"error"}
+    assert sorted(finals) == ["alone", "two"] and all(len(f) == 1 for f in finals.values())
+    out = finals["two"][0]
+    assert "injected in the second sequence's commit" in out.error
+    assert [c.finish_reason for c in out.outputs] == ["length", "error"] and len(out.outputs[0].token_ids) == 4
     assert finals["alone"][0].error is None
     stats = llm.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks, "the child's blocks leaked"
+    assert stats.num_free_blocks == stats.num_total_blocks, "a sequence's blocks leaked"
 
 
 def _engine(model_factory, prompts: dict[str, list[int]], sp: SamplingParams):

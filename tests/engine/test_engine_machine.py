@@ -1,8 +1,9 @@
 """The whole engine under a random search: where its paths cross.
 
 teaching/scheduler_machine.py drives the scheduler alone, with made-up tokens. This machine drives a
-real `LLMEngine` on a tiny model, where the bugs of the last reviews lived: forks (n > 1) with drafts,
-chunk boundaries, a pool under pressure (preemption, a fork with no block to copy into), failed steps
+real `LLMEngine` on a tiny model, where the bugs of the last reviews lived: n > 1 requests (n sequences
+sharing the prompt through blocks cached at allocation) with drafts, chunk boundaries, a pool under
+pressure (preemption, siblings admitted in different steps), failed steps
 (a request to blame, or none), failed commits, a proposer that fails, aborts, a hybrid model's
 state pool with its prefix caching (state snapshots: hits, evictions, rollbacks) and drafts (candidate
 states), and a sliding-window model's second KV-cache group (Gemma 3, window 8: blocks given back
@@ -30,8 +31,8 @@ configuration and a sequence of actions:
                requests; a step whose beam failed or was aborted ends the search and aborts its siblings
 
 After every action: every sequence the scheduler holds belongs to a live request that knows it, blocks,
-state pairs and a hybrid's snapshot slots are conserved, no more than max_num_seqs sequences run (forks
-included), no step's transaction is left open, and a draft model keeps nothing for a sequence that left. At the end
+state pairs and a hybrid's snapshot slots are conserved, no more than max_num_seqs sequences run, no
+step's transaction is left open, and a draft model keeps nothing for a sequence that left. At the end
 every request has exactly one final output, every block and state pair is free, and every completion
 of a greedy request is what a lone run gives: each token HF's argmax, teacher-forced (within 1e-3, so
 that a near-tie may go either way). A beam search that finished has beam_width beams of max_tokens
@@ -394,8 +395,8 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                 assert state is not None and any(s is seq for s in state.seqs), f"{seq} belongs to no live request"
             engine.block_manager.check_invariants(live)
             assert sched.transaction.log is None, "a step's transaction was left open"
-            seats = len(sched.running) + sum(s.num_forks_pending for s in sched.running)  # forks to come included
-            assert seats <= engine.config.max_num_seqs, f"{seats} sequences for max_num_seqs={engine.config.max_num_seqs}"
+            assert len(sched.running) <= engine.config.max_num_seqs, \
+                f"{len(sched.running)} sequences for max_num_seqs={engine.config.max_num_seqs}"
             pool = engine.state_pool
             if pool is not None:
                 held = [p for s in live if s.state_slots is not None for p in s.state_slots]
@@ -426,7 +427,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             reach["steps"] += stats.num_steps
             for reached, what in ((stats.num_preemptions, "preempted"), (stats.num_accepted_tokens, "drafts accepted"),
                                   (stats.prefix_cache_hits, "prefix hit"), (stats.num_mixed_steps, "mixed steps"),
-                                  (any(len(r.finals[0].outputs) > 1 for r in self.requests.values()), "forked"),
+                                  (any(len(r.finals[0].outputs) > 1 for r in self.requests.values()), "n > 1"),
                                   (any(r.finals[0].error and not r.poisoned for r in self.requests.values()),
                                    "a request failed on its own")):
                 if reached:
@@ -576,12 +577,12 @@ def test_engine_machine(models, which, examples):
         torch.set_num_threads(threads)
     # The search must cross the paths it exists for (in every run: these counts are tens or more), or it proves
     # nothing about them.
-    wanted = ["forked", "preempted", "rolled back", "mixed steps", "a request failed on its own", "beam search",
+    wanted = ["n > 1", "preempted", "rolled back", "mixed steps", "a request failed on its own", "beam search",
               "structured", "tail failed", "last token failed", "grammar over budget"]
     wanted += ["drafts accepted", "prefix hit"]
     wanted += ["state snapshot hit", "state snapshot evicted"] if which == "hybrid" else []
     if which == "reasoning":  # one setup, fewer runs: its own paths (a structured output crossed </think>)
-        wanted = ["forked", "rolled back", "structured", "reasoning ended", "drafts accepted", "tail failed",
+        wanted = ["n > 1", "rolled back", "structured", "reasoning ended", "drafts accepted", "tail failed",
                   "last token failed", "grammar over budget"]
     wanted += [f"setup {s.name}" for s in setups]  # each setup's paths (e.g. batch-invariant's) were crossed
     assert all(reach[w] for w in wanted), ([w for w in wanted if not reach[w]], dict(reach))

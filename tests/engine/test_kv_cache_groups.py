@@ -1,5 +1,5 @@
 """KV-cache groups without a model: the sliding-window group gives back what left the window, a prefix hit
-needs the window's blocks, a fork shares both groups, a rollback restores both pools."""
+needs the window's blocks, a repeated prompt shares both groups, a rollback restores both pools."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def step(kv: KVCacheCoordinator, s: Sequence, n: int) -> None:
     assert kv.can_append(s, n)
     kv.append_slots(s, n)
     s.num_computed_tokens += n
-    kv.cache_full_blocks(s)
+    kv.trim(s, s.num_tokens)  # the commit's part (caching: at allocation)
 
 
 def held(s: Sequence) -> list[int]:
@@ -69,7 +69,7 @@ def test_a_prefix_hit_needs_the_blocks_of_the_window_before_it():
     a = seq("a", prompt)
     kv.allocate(a, len(prompt), kv.get_computed_blocks(a))
     a.num_computed_tokens = len(prompt)
-    kv.cache_full_blocks(a)
+    kv.trim(a, a.num_tokens)  # the commit's part (caching: at allocation)
     kv.free(a)  # every block back to its pool, still findable
     b = seq("b", prompt)
     hit = kv.get_computed_blocks(b)
@@ -94,7 +94,7 @@ def test_no_window_blocks_no_hit_at_all():
     a = seq("a", prompt)
     kv.allocate(a, 8, kv.get_computed_blocks(a))
     a.num_computed_tokens = 8
-    kv.cache_full_blocks(a)
+    kv.trim(a, a.num_tokens)  # the commit's part (caching: at allocation)
     step(kv, a, 8)
     step(kv, a, 5)
     kv.free(a)
@@ -103,32 +103,38 @@ def test_no_window_blocks_no_hit_at_all():
     assert kv.get_computed_blocks(b).num_tokens == 0
 
 
-def test_a_fork_shares_both_groups_and_recomputes_the_partial_block():
+def test_a_sibling_shares_both_groups_and_recomputes_the_partial_block():
+    """An n > 1 request's second sequence (or any repeat of the prompt) admitted in the same step: both
+    groups' full blocks were cached when the first sequence's were allocated, so it holds them too and
+    computes only the partly filled last block."""
     kv = coordinator()
-    parent = seq("p", list(range(22)))
-    kv.allocate(parent, 22, kv.get_computed_blocks(parent))
-    parent.num_computed_tokens = 22
-    child = parent.fork(1, 1)
-    assert kv.fork(parent, child) is None
-    assert child.num_computed_tokens == 20 and child.block_table == parent.block_table[:5]
-    assert child.sliding_block_table == parent.sliding_block_table[:5]
-    kv.check_invariants([parent, child])
+    first, second = seq("p", list(range(22))), seq("1_p", list(range(22)))
+    kv.allocate(first, 22, kv.get_computed_blocks(first))
+    hit = kv.get_computed_blocks(second)
+    kv.allocate(second, 22 - hit.num_tokens, hit)
+    assert second.num_computed_tokens == 20 and second.block_table[:5] == first.block_table[:5]
+    window = kv.sliding.first_needed_block(20)  # the blocks its first query reads; none before (NULL)
+    assert second.sliding_block_table[:window] == [NULL_BLOCK] * window
+    assert second.sliding_block_table[window:5] == first.sliding_block_table[window:5]
+    assert second.block_table[5] != first.block_table[5]  # its own last block
+    kv.check_invariants([first, second])
 
 
-def test_a_forked_child_finds_its_whole_window_after_a_chunk_that_ended_mid_block():
-    """The child starts at the parent's last block boundary (8 here), whose window (keys 3..8 for W = 6) reaches
-    block 0; a chunk that ended at 10 must not have given block 0 back (its own window starts at 5)."""
+def test_a_sibling_finds_its_whole_window_after_a_chunk_that_ended_mid_block():
+    """A sibling starts at the first one's last block boundary (8 here), whose window (keys 3..8 for W = 6)
+    reaches block 0; a chunk that ended at 10 must not have given block 0 back (its own window starts at 5)."""
     kv = coordinator(window=6)
-    parent = seq("p", list(range(11)))
-    kv.allocate(parent, 10, kv.get_computed_blocks(parent))
-    parent.num_computed_tokens = 10
-    kv.cache_full_blocks(parent)
-    step(kv, parent, 1)
-    child = parent.fork(1, 1)
-    kv.fork(parent, child)
-    first = kv.sliding.first_needed_block(child.num_computed_tokens)
-    assert child.num_computed_tokens == 8 and NULL_BLOCK not in child.sliding_block_table[first:]
-    kv.check_invariants([parent, child])
+    first = seq("p", list(range(11)))
+    kv.allocate(first, 10, kv.get_computed_blocks(first))
+    first.num_computed_tokens = 10
+    kv.trim(first, first.num_tokens)  # the commit's part
+    step(kv, first, 1)
+    second = seq("1_p", list(range(11)))
+    hit = kv.get_computed_blocks(second)
+    kv.allocate(second, 11 - hit.num_tokens, hit)
+    held = kv.sliding.first_needed_block(second.num_computed_tokens)
+    assert second.num_computed_tokens == 8 and NULL_BLOCK not in second.sliding_block_table[held:]
+    kv.check_invariants([first, second])
 
 
 def test_a_rollback_restores_both_pools_and_both_tables():
@@ -136,7 +142,7 @@ def test_a_rollback_restores_both_pools_and_both_tables():
     s = seq("a", list(range(26)))
     kv.allocate(s, 26, kv.get_computed_blocks(s))
     s.num_computed_tokens = 26
-    kv.cache_full_blocks(s)
+    kv.trim(s, s.num_tokens)  # the commit's part (caching: at allocation)
     before = (list(s.block_table), list(s.sliding_block_table), list(kv.full.free_blocks),
               list(kv.sliding.free_blocks), list(kv.sliding.ref_counts))
     undo = UndoLog()
@@ -169,7 +175,7 @@ def test_ownership_holds_in_both_groups_whatever_the_steps(moves):
             if kv.can_allocate(s, 1, prefix):
                 kv.allocate(s, 1, prefix)
                 s.num_computed_tokens += 1
-                kv.cache_full_blocks(s)
+                kv.trim(s, s.num_tokens)  # the commit's part (caching: at allocation)
                 running.add(who)
         elif n == 9:  # finish it: a later start may hit what it cached
             kv.free(s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import settings
 
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.parallel_sampling import fan_out
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
 from minivllm.engine.sequence import Sequence
@@ -47,7 +48,7 @@ def test_running_first_then_admission_in_one_mixed_batch():
 def test_chunked_prefill_applies_to_every_admitted_request():
     sched = make_scheduler(budget=12)
     for i in range(3):
-        sched.add_sequence(seq(f"r{i}", 5))
+        sched.add_sequence(seq(f"r{i}", 5, start=10 * (i + 1)))  # different prompts: no prefix hits
     out = sched.schedule()
     assert [s.num_new_tokens for s in out.scheduled] == [5, 5, 2]  # the third gets a partial chunk
 
@@ -55,8 +56,8 @@ def test_chunked_prefill_applies_to_every_admitted_request():
 def test_without_chunking_a_too_long_prompt_is_skipped_not_blocking():
     sched = make_scheduler(budget=8, chunked=False)
     sched.add_sequence(seq("r0", 6))
-    sched.add_sequence(seq("r1", 6))
-    sched.add_sequence(seq("r2", 2))
+    sched.add_sequence(seq("r1", 6, start=30))
+    sched.add_sequence(seq("r2", 2, start=50))
     out = sched.schedule()
     assert [s.seq.request_id for s in out.scheduled] == ["r0", "r2"]  # r1 skipped, r2 overtakes
     assert [s.request_id for s in sched.waiting] == ["r1"]
@@ -85,23 +86,21 @@ def test_no_head_of_line_blocking_on_blocks_and_starvation_guard():
         assert "r3" not in admitted or "r1" not in [s.request_id for s in sched.waiting]
 
 
-def test_a_request_passed_over_for_seats_is_held_for():
-    """n = 3 needs three seats; single requests behind it take each seat that frees. Being passed over
-    for seats counts a skip like being passed over for blocks, so the hold then keeps the seats for it."""
-    sched = make_scheduler(num_blocks=64, max_num_seqs=3, budget=64, skips=2)
-    sched.add_sequence(seq("r0", 2, max_tokens=3))
-    fake_step(sched)  # r0 holds a seat: two are left, r1 needs three
-    big = seq("r1", 2, max_tokens=2, n_seqs=3)
-    sched.add_sequence(big)
-    overtaken_by = []
-    for i in range(2, 30):
-        sched.add_sequence(seq(f"r{i}", 2, max_tokens=3, start=10 * i))
-        out = fake_step(sched)
-        if any(s.seq is big for s in out.scheduled):
-            break
-        overtaken_by += [s.seq.request_id for s in out.scheduled if s.start == 0]
-    assert big.status.name == "RUNNING" and big.num_admission_skips == 0
-    assert 1 <= len(overtaken_by) <= 3 and i <= 8, (overtaken_by, i)  # overtaken, then held for
+def test_an_n_request_computes_the_full_blocks_of_its_prompt_once():
+    """n = 3 is three plain sequences (engine/parallel_sampling.py). Admitted in one step, the second and
+    third hit the blocks the first is computing (cached when allocated): each computes only the prompt's
+    partly filled last block, and all three hold the same full blocks."""
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    for s in fan_out(seq("r0", 10, n_seqs=3)):
+        sched.add_sequence(s)
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == \
+        [("r0", 0, 10), ("1_r0", 8, 2), ("2_r0", 8, 2)]
+    tables = [s.seq.block_table for s in out.scheduled]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2] and len({t[2] for t in tables}) == 3
+    assert [s.seq.seed for s in out.scheduled] == [0, 1, 2]  # seed + i
+    sched.update_from_output(out, ModelRunnerOutput.from_token_ids([7, 8, 9]))
+    assert [s.output_token_ids for s in sched.running] == [[7], [8], [9]]
 
 
 def test_preemption_takes_the_newest_and_puts_it_first_in_line():

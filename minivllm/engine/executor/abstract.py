@@ -1,7 +1,6 @@
 """`Executor` (vLLM's name): the engine's one handle on the ranks that run the model.
 
     execute_model(scheduler_output) -> ModelRunnerOutput   one step: pack, forward on every rank, sample
-    copy_blocks(pairs)                                     copy-on-write of forked sequences' K/V blocks
     collective_rpc(method)                                 method(rank, model_runner) on every rank
     warmup()                                               time the CPU kernels, run the first steps
     shutdown()                                             end the workers, if any
@@ -30,10 +29,6 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; rank 0's results."""
-
-    @abc.abstractmethod
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Block dst gets block src's K/V, in every layer, on every rank."""
 
     @abc.abstractmethod
     def collective_rpc(self, method: Callable[[int, ModelRunner], T]) -> list[T]:

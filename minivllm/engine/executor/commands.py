@@ -4,7 +4,6 @@ channel (distributed/communication.py), in the same order on every worker.
     WorkerStart    the first command: the engine's config (the workers build their shard from it)
     StepInputs     run this step's forward: the packed batch of `ModelRunner.prepare_inputs`
                    (engine/step_inputs.py)
-    CopyBlocks     copy-on-write of KV blocks (`n > 1` forks): every rank copies its own heads
     CollectiveRpc  run a function on every rank (`LLMEngine.collective_rpc`); results come back
     Shutdown       leave the loop and the group; the process exits
 
@@ -31,11 +30,6 @@ class WorkerStart:
 
 
 @dataclass(frozen=True)
-class CopyBlocks:
-    pairs: list[tuple[int, int]]  # (source block, destination block)
-
-
-@dataclass(frozen=True)
 class CollectiveRpc:
     method: Callable[[int, "ModelRunner"], Any]  # called as method(rank, model_runner); picklable by name
 
@@ -45,4 +39,4 @@ class Shutdown:
     pass
 
 
-WorkerCommand = Union[WorkerStart, StepInputs, CopyBlocks, CollectiveRpc, Shutdown]
+WorkerCommand = Union[WorkerStart, StepInputs, CollectiveRpc, Shutdown]

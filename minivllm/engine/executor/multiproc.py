@@ -48,7 +48,7 @@ from minivllm.distributed.parallel_state import (JOIN_TIMEOUT_S, Rendezvous, clo
                                                 init_parallel_context)
 from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.executor.abstract import Executor
-from minivllm.engine.executor.commands import CollectiveRpc, CopyBlocks, Shutdown, WorkerCommand, WorkerStart
+from minivllm.engine.executor.commands import CollectiveRpc, Shutdown, WorkerCommand, WorkerStart
 from minivllm.engine.executor.worker import WorkerLaunch, worker_main
 from minivllm.engine.loading import load_rank
 from minivllm.engine.model_runner import ModelRunner
@@ -133,11 +133,6 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output, on_every_rank=self.run)
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        if pairs:
-            with self.run(CopyBlocks(pairs)):  # every rank holds its own heads of these blocks
-                self.runner.copy_blocks(pairs)
 
     @contextmanager
     def run(self, command: WorkerCommand) -> Iterator[None]:

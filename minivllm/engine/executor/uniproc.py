@@ -27,8 +27,5 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        self.runner.copy_blocks(pairs)
-
     def collective_rpc(self, method: Callable[[int, ModelRunner], T]) -> list[T]:
         return [method(0, self.runner)]

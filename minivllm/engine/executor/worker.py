@@ -10,7 +10,6 @@
       loop over commands            StepInputs    -> `ModelRunner.forward`, the one forward path: the same
                                                      all-reduces as every other rank, then its slice of
                                                      the logits, gathered on rank 0 (which alone samples)
-                                    CopyBlocks    -> copy-on-write in its own pool
                                     CollectiveRpc -> run the function, send the result back
                                     Shutdown      -> leave the group, exit
 
@@ -35,7 +34,7 @@ from minivllm.config import EngineConfig
 from minivllm.distributed.communication import CommandChannel
 from minivllm.distributed.parallel_state import (ParallelContext, Rendezvous, close_parallel_context,
                                                 init_parallel_context)
-from minivllm.engine.executor.commands import CollectiveRpc, CopyBlocks, Shutdown, WorkerStart
+from minivllm.engine.executor.commands import CollectiveRpc, Shutdown, WorkerStart
 from minivllm.engine.loading import load_rank, resolve_dtype
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.step_inputs import StepInputs
@@ -74,8 +73,6 @@ class Worker:
             match channel.receive():
                 case StepInputs() as step:  # rank 0's forward, on this rank's shard; no sampling here
                     self.runner.forward(step)
-                case CopyBlocks(pairs):
-                    self.runner.copy_blocks(pairs)
                 case CollectiveRpc(method):
                     channel.gather(method(self.tp.rank, self.runner))
                 case Shutdown():

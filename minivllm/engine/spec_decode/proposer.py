@@ -58,6 +58,3 @@ class Proposer(abc.ABC):
 
     def on_free(self, request_id: str) -> None:
         """The sequence finished or was preempted: forget what is kept for it."""
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write of forked sequences' last blocks, for a proposer with its own KV cache."""

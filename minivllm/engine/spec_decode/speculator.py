@@ -5,10 +5,11 @@
                               verified (`on_commit`), then which sequences gave their blocks back
                               since, for whatever reason (finished, aborted, failed, preempted:
                               `on_free`), so that it forgets them
-    propose(running, room)    ask the proposer for drafts for every decoding sequence that has none,
-                              and attach them to it (`seq.spec_token_ids`, `seq.draft_probs`); the
-                              next `schedule()` reserves their slots — as many as its token budget
-                              and the pool allow — and the step after verifies them
+    propose(running, room)    ask the proposer for drafts for every decoding sequence that has none;
+                              the engine hands them to the scheduler (`update_draft_token_ids`, the
+                              only way a draft reaches a sequence); the next `schedule()` reserves
+                              their slots — as many as its token budget and the pool allow — and
+                              that step verifies them
 
 Drafts are proposed after the commit, never between planning and the forward: a plan is final when
 `schedule()` returns.
@@ -29,7 +30,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.engine.spec_decode.config import SpeculativeConfig
 from minivllm.engine.spec_decode.ngram import NgramProposer
 from minivllm.engine.spec_decode.proposer import Draft, DraftRequest, Proposer
-from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
+from minivllm.engine.step_types import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 
 
 def build_proposer(cfg: SpeculativeConfig, config: ResolvedConfig, num_blocks: int) -> Proposer:
@@ -64,14 +65,16 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.per_position = [[0, 0] for _ in range(cfg.num_speculative_tokens)]  # [drafted, accepted]
 
-    def propose(self, running: list[Sequence], room: Callable[[Sequence], int]) -> None:
+    def propose(self, running: list[Sequence], room: Callable[[Sequence], int]) -> DraftTokenIds:
         """Drafts for every decoding sequence in `running` that has none, at most `room(seq)` (the
         scheduler's `draft_room`: what max_tokens and max_model_len allow) and num_speculative_tokens each.
-        All are checked before any is attached: a proposer's bad draft attaches nothing."""
+        All are checked before any is returned: a proposer's bad draft hands over nothing. Reads the
+        sequences, writes none of them."""
         wanted = [(seq, min(self.num_speculative_tokens, room(seq))) for seq in running if not seq.spec_token_ids]
         wanted = [(seq, k) for seq, k in wanted if k > 0]
+        out = DraftTokenIds([], [], [])
         if not wanted:
-            return
+            return out
         requests = [DraftRequest(seq.request_id, seq.token_ids, k, tuple(seq.block_table), seq.num_computed_tokens,
                                  seq.sampling_params, seq.seed) for seq, k in wanted]
         drafts = self.proposer.propose(requests)
@@ -81,8 +84,10 @@ class Speculator:
             self._check(seq, k, draft)
         for (seq, _), draft in zip(wanted, drafts):
             ids = list(draft.token_ids)
-            seq.spec_token_ids = ids
-            seq.draft_probs = draft.probs[:len(ids)] if draft.probs is not None and ids else None
+            out.req_ids.append(seq.request_id)
+            out.draft_token_ids.append(ids)
+            out.draft_probs.append(draft.probs[:len(ids)] if draft.probs is not None and ids else None)
+        return out
 
     def _check(self, seq: Sequence, k: int, draft: Draft) -> None:
         ids = list(draft.token_ids)
