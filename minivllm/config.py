@@ -16,6 +16,10 @@ Four fields are seams that take an object of your own (docs/concepts/seams.md): 
 `SamplingFilter`) and `block_allocator` (a `BlockAllocator`). They are checked here for their type and
 for what they cannot be combined with; the engine checks the rest when it builds (a backend's heads
 against the model's). On the command line only the names are flags; an object is passed from Python.
+
+The config sits below the engine and imports nothing of it: the engine's modules all read it. So what
+it checks against lives below too: the scheduler side's two interfaces and the policy names in
+minivllm/seams.py, the layers' two in layers/, the speculative dict's parse in minivllm/speculative_config.py.
 """
 
 from __future__ import annotations
@@ -23,12 +27,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from minivllm.engine.block_allocator import BlockAllocator
-from minivllm.engine.scheduling_policy import SchedulingPolicy, get_policy
 from minivllm.layers.attention_interface import AttentionBackend
 from minivllm.layers.sampler import SamplingFilter
 from minivllm.cpu.tuner import TUNING_MODES, Tuning
 from minivllm.reasoning import ReasoningParserName
+from minivllm.seams import BlockAllocator, SchedulingPolicy, check_policy
+from minivllm.speculative_config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
@@ -66,13 +70,13 @@ class EngineConfig:
     # {"model": draft_dir, "num_speculative_tokens": k}, or {"proposer": Proposer, ...}; None = off.
     speculative_config: dict | None = None
     # Which waiting request to admit first and whom to preempt: "fcfs" (default), "priority" (lower
-    # `priority` first), or a SchedulingPolicy instance (engine/scheduling_policy.py).
+    # `priority` first; both in engine/scheduling_policy.py), or a SchedulingPolicy instance (minivllm/seams.py).
     scheduling_policy: str | SchedulingPolicy = "fcfs"
     # The sampler's filter step (temperature-scaled logits -> logits with removed tokens at -inf): None =
     # top-k, top-p, min-p; or a SamplingFilter instance (layers/sampler.py). The PyTorch sampler only.
     sampling_filter: SamplingFilter | None = None
     # Which free KV block is reused next (so which cached prefix is evicted): None = least recently
-    # freed first; or a BlockAllocator instance (engine/block_allocator.py), one per engine.
+    # freed first; or a BlockAllocator instance (minivllm/seams.py), one per engine.
     block_allocator: BlockAllocator | None = None
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's default: 20).
     max_logprobs: int = 20
@@ -175,7 +179,7 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed!r} must be an integer")
         if self.tuning not in TUNING_MODES:
             raise ValueError(f"tuning={self.tuning!r} is invalid: choose one of {TUNING_MODES}")
-        get_policy(self.scheduling_policy)  # raises, naming the choices
+        check_policy(self.scheduling_policy)  # raises, naming the choices
         if self.reasoning_parser is not None:
             ReasoningParserName.parse(self.reasoning_parser)  # raises, naming the choices
         b = self.grammar_mask_budget_ms
@@ -195,15 +199,13 @@ class EngineConfig:
                              f"{self.tensor_parallel_size}: each rank needs a backend of its own for its own heads; "
                              f"pass a name {_BACKENDS}, or tensor_parallel_size=1")
         for name, kind, module in (("sampling_filter", SamplingFilter, "layers.sampler"),
-                                   ("block_allocator", BlockAllocator, "engine.block_allocator")):
+                                   ("block_allocator", BlockAllocator, "seams")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 raise ValueError(f"{name}={value!r} is not a {kind.__name__}: subclass minivllm.{module}."
                                  f"{kind.__name__}, or pass None for the default")
         if self.speculative_config is None:
             return
-        from minivllm.engine.spec_decode.config import SpeculativeConfig
-
         method = SpeculativeConfig.from_dict(self.speculative_config).method  # raises, naming what to change
         if self.sampling_filter is not None:
             raise ValueError(f"sampling_filter={type(self.sampling_filter).__name__}(...) with speculative_config: "

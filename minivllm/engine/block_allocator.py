@@ -1,74 +1,27 @@
-"""`BlockAllocator`: which free block the `BlockManager` hands out next, the seam for eviction policies.
+"""The block allocators the engine ships, and the check it wraps an allocator of your own in.
 
-A free block may still hold a cached prefix (its hash stays findable until the block is reused), so
-choosing the block to reuse IS choosing which cached prefix to evict. The block manager keeps the
-mechanics — ref counts, hashes, block tables, the undo log — and asks its allocator five things:
-
-    reset(num_blocks)        every block 0 .. num_blocks-1 is free; block b was freed at time b
-    take() -> block          remove and return the free block to reuse now (its cached prefix is evicted)
-    give_back(block, stamp)  a block's last owner let go at time `stamp` (a clock that only goes up)
-    revive(block)            remove this free block: a prefix-cache hit took it, or a rollback undoes a free
-    len() / iter()           how many blocks are free; each of them once, the next to be taken first
+A `BlockAllocator` decides which free block the `BlockManager` hands out next, so which cached prefix is
+evicted: the seam for eviction policies. Its interface (reset, take, give_back, revive, len/iter, and
+restore for a rollback) lives below the engine in minivllm/seams.py, with its contract, because the config
+checks an allocator's type without importing the engine; it is imported here, so `from
+minivllm.engine.block_allocator import BlockAllocator` works as before.
 
 `LRUAllocator` is the default: the least recently freed block goes first (vLLM's order), so a prefix
 used a moment ago outlives one unused for long. Write your own by subclassing `BlockAllocator`
 (`LLM(model, block_allocator=MyAllocator())`); the engine wraps it in `CheckedAllocator`, which refuses
 (`AllocatorContractError`, naming the rule) a `take()` of a block that is not free and a count that
 disagrees with the blocks given and taken.
-
-Rollback. A failed step is undone by the block manager's undo log, which records each block's stamp.
-It calls `revive` for the blocks freed during the step, then `restore([(block, stamp), ...])` for the
-blocks that were free before it, oldest first. The default `restore` gives each back with its old
-stamp: exact for an allocator whose choice depends only on which blocks are free and their stamps
-(LRU, MRU, lowest id first, ...). One whose state has a history of its own (a random generator) must
-restore it too, or the rolled-back step will not replay the same choices.
-
-One instance serves one engine: `reset` is called when the engine's block manager is built.
 """
 
 from __future__ import annotations
 
-import abc
 from collections import OrderedDict
 from collections.abc import Iterator
 
+from minivllm.seams import BlockAllocator
 
-class BlockAllocator(abc.ABC):
-    name = "custom"
-
-    @abc.abstractmethod
-    def reset(self, num_blocks: int) -> None:
-        """Every block of the pool free; block b counts as freed at time b (stamps 0 .. num_blocks-1)."""
-
-    @abc.abstractmethod
-    def take(self) -> int:
-        """Remove and return one free block: the one to reuse now (raise if none is free: the block
-        manager only asks when `len(self)` says one is)."""
-
-    @abc.abstractmethod
-    def give_back(self, block: int, stamp: int) -> None:
-        """`block` is free again, freed at time `stamp` (later blocks get larger stamps)."""
-
-    @abc.abstractmethod
-    def revive(self, block: int) -> None:
-        """Remove `block`, which is free, from the free blocks (it is owned again)."""
-
-    @abc.abstractmethod
-    def __len__(self) -> int:
-        """How many blocks are free."""
-
-    @abc.abstractmethod
-    def __iter__(self) -> Iterator[int]:
-        """Every free block once, the next to be taken first (traces and tests read it; need not be fast)."""
-
-    def restore(self, blocks: list[tuple[int, int]]) -> None:
-        """A rollback: these (block, stamp) pairs, free before the failed step, are free again with the
-        stamps they had, oldest first."""
-        for block, stamp in blocks:
-            self.give_back(block, stamp)
-
-    def check_invariants(self) -> None:
-        """Your allocator's own invariants, asserted by `BlockManager.check_invariants` (none by default)."""
+# BlockAllocator is re-exported: the path tests, exercises and notebooks import it by.
+__all__ = ["AllocatorContractError", "BlockAllocator", "CheckedAllocator", "LRUAllocator", "get_allocator"]
 
 
 class LRUAllocator(BlockAllocator):
@@ -186,5 +139,5 @@ def get_allocator(allocator: BlockAllocator | None) -> BlockAllocator:
         return LRUAllocator()
     if not isinstance(allocator, BlockAllocator):
         raise ValueError(f"block_allocator={allocator!r} is not a BlockAllocator: subclass "
-                         "minivllm.engine.block_allocator.BlockAllocator, or pass None for LRU")
+                         "minivllm.seams.BlockAllocator, or pass None for LRU")
     return allocator if isinstance(allocator, CheckedAllocator) else CheckedAllocator(allocator)

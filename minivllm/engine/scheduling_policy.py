@@ -1,40 +1,30 @@
-"""`SchedulingPolicy`: the two choices a scheduler makes that are a matter of policy, not of mechanics.
+"""The scheduling policies the engine ships, and the check it wraps a policy of your own in.
+
+The interface, `SchedulingPolicy`, lives below the engine in minivllm/seams.py (the config checks a
+policy's type without importing the engine); it is imported here, so `from
+minivllm.engine.scheduling_policy import SchedulingPolicy` works as before. It asks two things:
 
     admission_order(waiting)    in which order to TRY to admit waiting requests this step
     choose_victim(candidates)   which running request to preempt when the pool is out of blocks
 
-Everything else stays in `Scheduler` and holds for any policy: the token budget, chunked prefill,
-draft slots, state slots, skip-and-continue admission with its anti-starvation hold (it stops admission
-behind a starving request in the policy's order, never moves it forward: bounded waiting across
-priorities is the policy's job), and the rule
-that a victim is never a request already scheduled in this step (the candidates are the request that
-needs the block and the ones scheduled after it). `FCFSPolicy` is the default (vLLM's "fcfs"):
-arrival order, and the newest admitted request is preempted so the oldest always progresses.
-`PriorityPolicy` (vLLM's "priority"): a lower `priority` value first, ties by arrival; the victim is
-the least urgent. Write your own by subclassing (see the capstone in docs/teachers.md). A policy of your
-own is wrapped in `CheckedPolicy`, which refuses (`PolicyContractError`, naming the rule) an admission
-order that drops, adds or repeats a request, and a victim that is not one of the candidates.
+Everything else stays in `Scheduler` and holds for any policy (the seam's docstring lists it).
+`FCFSPolicy` is the default (vLLM's "fcfs"): arrival order, and the newest admitted request is preempted
+so the oldest always progresses. `PriorityPolicy` (vLLM's "priority"): a lower `priority` value first,
+ties by arrival; the victim is the least urgent. Write your own by subclassing (see the capstone in
+docs/teachers.md). A policy of your own is wrapped in `CheckedPolicy`, which refuses
+(`PolicyContractError`, naming the rule) an admission order that drops, adds or repeats a request, and a
+victim that is not one of the candidates.
 """
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Sequence as SequenceABC
 
 from minivllm.engine.sequence import Sequence
+from minivllm.seams import POLICY_NAMES, SchedulingPolicy, check_policy
 
-
-class SchedulingPolicy(abc.ABC):
-    name = "custom"
-
-    @abc.abstractmethod
-    def admission_order(self, waiting: SequenceABC[Sequence]) -> list[Sequence]:
-        """Every waiting request exactly once, most urgent first (the queue's order is arrival order,
-        with preempted requests in front)."""
-
-    @abc.abstractmethod
-    def choose_victim(self, candidates: SequenceABC[Sequence]) -> Sequence:
-        """One of `candidates` (running, in admission order; the last one was admitted last)."""
+# SchedulingPolicy is re-exported: the path tests, exercises and notebooks import it by.
+__all__ = ["CheckedPolicy", "FCFSPolicy", "PolicyContractError", "PriorityPolicy", "SchedulingPolicy", "get_policy"]
 
 
 class FCFSPolicy(SchedulingPolicy):
@@ -94,11 +84,13 @@ def _ids(seqs: SequenceABC[Sequence], most: int = 12) -> str:
 
 
 POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
+# The config checks names against seams.POLICY_NAMES (it cannot import this module): the two must agree.
+assert tuple(POLICIES) == POLICY_NAMES, f"seams.POLICY_NAMES {POLICY_NAMES} is not {tuple(POLICIES)}"
 
 
 def get_policy(policy: str | SchedulingPolicy) -> SchedulingPolicy:
+    """The scheduler's policy: a built-in one by its name; one of your own, wrapped in `CheckedPolicy`."""
+    check_policy(policy)  # raises, naming the choices
     if isinstance(policy, SchedulingPolicy):
         return policy if isinstance(policy, CheckedPolicy) else CheckedPolicy(policy)
-    if policy not in POLICIES:
-        raise ValueError(f"scheduling_policy={policy!r}: use one of {sorted(POLICIES)} or a SchedulingPolicy")
     return POLICIES[policy]()
