@@ -44,7 +44,6 @@ import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.engine.kv_cache_groups import sliding_pool_blocks
 from minivllm.models.hf_config import ModelSpec
 
 
@@ -54,6 +53,16 @@ def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype, num_lay
     itemsize = torch.empty((), dtype=dtype).element_size()
     layers = len(spec.full_attention_layers) if num_layers is None else num_layers
     return 2 * layers * block_size * spec.num_key_value_heads * spec.head_dim * itemsize
+
+
+def sliding_pool_blocks(sliding_window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Blocks enough for the sliding group never to be what stops admission: each running request
+    holds ceil(W/B) + 1 blocks after a decode, one more while a step's token crosses into a new block,
+    and a step's new tokens take at most ceil(budget / B) + max_num_seqs blocks beyond that. (What a
+    request holds is the scheduler's books' rule, engine/sliding_window.py; the count lives here, with
+    the pools it sizes, so the runner's side imports nothing of the scheduler's.)"""
+    per_request = -(-sliding_window // block_size) + 2
+    return max_num_seqs * (per_request + 1) + -(-max_num_batched_tokens // block_size)
 
 
 class KVPoolSizes(NamedTuple):

@@ -17,8 +17,9 @@ between kinds as the load changes. Here each kind has its own tensors and its ow
   * each group keeps the block manager as it is (ref counts, prefix cache, undo log, allocator): the
     sliding group is a subclass that gives back blocks leaving the window (engine/sliding_window.py);
   * the sliding pool's need is bounded, so its size is a calculation, not a guess: max_num_seqs
-    requests of ceil(W/B) + 2 blocks, plus a step's new tokens (`sliding_pool_blocks`); what the full
-    layers would have spent on those tokens' older blocks goes to the full pool instead;
+    requests of ceil(W/B) + 2 blocks, plus a step's new tokens (`sliding_pool_blocks`, with the pools'
+    sizing in engine/kv_cache.py, the runner's side); what the full layers would have spent on those
+    tokens' older blocks goes to the full pool instead;
   * the cost: memory is split at start-up. Under many short requests the sliding pool idles while
     the full pool fills (vLLM's shared pool would lend it). Admission still checks both pools, so a
     short pool only makes requests wait, never breaks one.
@@ -47,14 +48,6 @@ class KVCacheKind(enum.StrEnum):
 
     FULL_ATTENTION = "full_attention"
     SLIDING_ATTENTION = "sliding_attention"
-
-
-def sliding_pool_blocks(sliding_window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """Blocks enough for the sliding group never to be what stops admission: each running request
-    holds ceil(W/B) + 1 blocks after a decode, one more while a step's token crosses into a new block,
-    and a step's new tokens take at most ceil(budget / B) + max_num_seqs blocks beyond that."""
-    per_request = -(-sliding_window // block_size) + 2
-    return max_num_seqs * (per_request + 1) + -(-max_num_batched_tokens // block_size)
 
 
 class GroupPrefixMatch(NamedTuple):

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.engine.block_manager import NULL_BLOCK, BlockManager
-from minivllm.engine.kv_cache_groups import KVCacheCoordinator, sliding_pool_blocks
+from minivllm.engine.kv_cache import sliding_pool_blocks
+from minivllm.engine.kv_cache_groups import KVCacheCoordinator
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.sliding_window import SlidingWindowBlockManager
 from minivllm.engine.undo_log import UndoLog
