@@ -52,7 +52,8 @@ def test_prefix_caching_is_on_and_speculation_accepted(hybrid_dir, capsys):
     assert "a state snapshot every" in capsys.readouterr().err
     spec = hybrid(hybrid_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     pool = spec.llm_engine.state_pool  # a candidate slot per draft (tests/test_hybrid_spec_decode.py)
-    assert pool.num_speculative_tokens == 2 and len(pool.recurrent_pools[0]) == 4 * pool.num_pairs
+    tensors = spec.llm_engine.model_runner.state_tensors  # the runner's; the scheduler's books hold integers
+    assert pool.num_speculative_tokens == 2 and len(tensors.recurrent_pools[0]) == 4 * pool.num_pairs
 
 
 def test_a_failed_step_leaves_every_published_state_as_it_was(hybrid_dir):
@@ -62,9 +63,9 @@ def test_a_failed_step_leaves_every_published_state_as_it_was(hybrid_dir):
         [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     llm = hybrid(hybrid_dir, max_num_batched_tokens=12)
     engine = llm.llm_engine
-    pool = engine.state_pool
+    pool, tensors = engine.state_pool, engine.model_runner.state_tensors
     def slots(s):  # a sequence's published states, every linear-attention layer
-        return [p[pool.read_slot(s)] for p in pool.recurrent_pools + pool.conv_pools]
+        return [p[pool.read_slot(s)] for p in tensors.recurrent_pools + tensors.conv_pools]
 
     def published():
         return {s.request_id: [t.clone() for t in slots(s)]

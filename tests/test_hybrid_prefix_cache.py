@@ -11,7 +11,7 @@ import torch
 from helpers import run_with_flaky_sampler
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.state_cache import snapshot_bytes
+from minivllm.engine.state_layout import snapshot_bytes
 from minivllm.teaching.checkpoints import make_tiny_model
 from minivllm.teaching.hf_check import assert_hf_greedy
 
@@ -91,18 +91,18 @@ def test_a_failed_step_leaves_the_state_cache_unchanged(hybrid_dir):
         [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     llm = hybrid(hybrid_dir, max_num_batched_tokens=40)
     engine = llm.llm_engine
-    cache = engine.state_pool.cache
+    cache, tensors = engine.state_pool.cache, engine.model_runner.state_tensors
+    pools = tensors.snapshot_recurrent_pools + tensors.snapshot_conv_pools
 
-    def state():
-        return ({k: (e.slot, e.last_used) for k, e in cache.entries.items()}, list(cache.free), cache.clock,
-                cache.num_hits, [p[:cache.cfg.num_snapshots].clone() for p in cache.recurrent_pools + cache.conv_pools])
+    def state():  # the books, and what every entry's slot holds (a failed step may write free slots only)
+        return ({k: (e.slot, e.last_used) for k, e in cache.entries.items()}, sorted(cache.free + cache.reserved),
+                cache.clock, cache.num_hits, {k: [p[e.slot].clone() for p in pools] for k, e in cache.entries.items()})
 
     def unchanged(before):
-        entries, free, clock, hits, tensors = before
-        assert ({k: (e.slot, e.last_used) for k, e in cache.entries.items()}, cache.free, cache.clock,
-                cache.num_hits) == (entries, free, clock, hits)
-        assert all(torch.equal(a, b[:cache.cfg.num_snapshots]) for a, b in
-                   zip(tensors, cache.recurrent_pools + cache.conv_pools))
+        entries, free, clock, hits, held = before
+        assert ({k: (e.slot, e.last_used) for k, e in cache.entries.items()}, sorted(cache.free + cache.reserved),
+                cache.clock, cache.num_hits) == (entries, free, clock, hits)
+        assert all(torch.equal(a, p[cache.entries[k].slot]) for k, saved in held.items() for a, p in zip(saved, pools))
 
     requests = {f"r{i}": (p, sp) for i, p in enumerate(prompts)}
     finals, failures = run_with_flaky_sampler(engine, requests, every=3, phase=2, before_step=state,
@@ -113,16 +113,16 @@ def test_a_failed_step_leaves_the_state_cache_unchanged(hybrid_dir):
 
 
 def test_eviction_under_budget_pressure(hybrid_dir):
-    """A budget of 5 snapshots (4 cached + 1 staging): the least recently used ones go; hits remain
-    exact, ownership of the snapshot slots is conserved."""
+    """A budget of 5 snapshots: the least recently used ones go; hits remain exact, ownership of the
+    snapshot slots is conserved."""
     llm0 = hybrid(hybrid_dir)
     budget = 5 * snapshot_bytes(llm0.llm_engine.spec, torch.float32)
-    # a 64-token budget: one stride position a step, so the one staging slot keeps every snapshot
+    # a 64-token budget: one stride position a step, which the one snapshot a step keeps
     llm = hybrid(hybrid_dir, state_cache_bytes=budget, state_cache_stride=64, max_num_batched_tokens=64)
     cache = llm.llm_engine.state_pool.cache
-    assert (cache.cfg.num_snapshots, cache.cfg.num_staging) == (4, 1)
+    assert (cache.cfg.num_snapshots, cache.cfg.max_per_step) == (5, 1)  # 4 entries kept, a step's 1 slot free
     prompts = [rand(140, seed=90 + i) for i in range(4)]
-    first = [tokens(llm, [p])[0] for p in prompts]  # 8 snapshots for 4 slots: evictions
+    first = [tokens(llm, [p])[0] for p in prompts]  # 8 snapshots for 4 entries: evictions
     cache.check_invariants()
     assert cache.num_evictions >= 4 and len(cache.entries) == 4
     again = [tokens(llm, [p + [5]])[0] for p in reversed(prompts)]  # the newest still hit

@@ -202,3 +202,15 @@ def test_a_flag_for_an_object_field_says_to_pass_it_from_python(capsys):
     assert "sampling_filter takes a SamplingFilter object" in capsys.readouterr().err
     args = cli.build_parser().parse_args(["serve", "--attention-backend", "torch", "--scheduling-policy", "priority"])
     assert (args.attention_backend, args.scheduling_policy) == ("torch", "priority")  # names stay flags
+
+
+def test_a_sequence_has_everything_a_policy_may_read():
+    """`SchedulableRequest` (minivllm/seams.py) lists what a policy may read of a request; the engine hands
+    policies its `Sequence`s, so each of those attributes must exist there (the Protocol cannot drift)."""
+    from minivllm.engine.sequence import Sequence
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.seams import SchedulableRequest
+
+    names = [n for n in vars(SchedulableRequest) if not n.startswith("_")]
+    seq = Sequence("r", [1, 2, 3], SamplingParams())
+    assert names and all(hasattr(seq, n) for n in names), [n for n in names if not hasattr(seq, n)]

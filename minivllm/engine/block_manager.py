@@ -80,7 +80,7 @@ class PoolShortfall(NamedTuple):
 
 class BlockManager(BlockTransactions):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 allocator: BlockAllocator | None = None) -> None:
+                 allocator: BlockAllocator | None = None, state_cache: StateCache | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -96,7 +96,7 @@ class BlockManager(BlockTransactions):
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of which found cached
         self.undo: UndoLog | None = None  # the open step's log (None outside a transaction)
-        self.state_cache: StateCache | None = None  # a hybrid model's: a hit needs a state snapshot too
+        self.state_cache = state_cache  # a hybrid model's snapshot books: a hit needs a state snapshot too
 
     # --- which table of a sequence this manager keeps (a KV-cache group's: engine/kv_cache_groups.py) ---
     def table(self, seq: Sequence) -> list[int]:

@@ -39,6 +39,7 @@ from minivllm.engine.scheduling_policy import get_policy
 from minivllm.engine.spec_decode.speculator import Speculator, build_proposer
 from minivllm.engine.state_cache import StateCache
 from minivllm.engine.state_pool import StatePool
+from minivllm.engine.state_tensors import StateTensors
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.models.hf_config import load_model_spec
 from minivllm.models.sharding import check_shardable
@@ -69,13 +70,16 @@ def build_engine(config: EngineConfig) -> EngineParts:
     resolved = resolve_config(config, spec, tokenizer)
     c = resolved.engine
     input_processor = InputProcessor(tokenizer, spec, c, resolved.device, resolved.eos_token_ids, resolved.reasoning)
-    state_pool = None
+    state_pool, state_tensors, cache = None, None, None
     if spec.linear_attn:  # (before the executor: on a GPU the KV pool is sized from what is left)
-        cache = (StateCache(resolved.state_cache, spec, c.block_size, resolved.dtype, resolved.device)
-                 if resolved.state_cache is not None else None)
-        state_pool = StatePool(spec, c.max_num_seqs, resolved.dtype, resolved.device, cache,
-                               resolved.num_speculative_tokens)
-    executor = MultiprocExecutor(resolved) if c.tensor_parallel_size > 1 else UniProcExecutor(resolved, state_pool)
+        d, snapshots = resolved.num_speculative_tokens, resolved.state_cache
+        # the tensors for the runner, the books (integers) for the scheduler: engine/state_layout.py
+        state_tensors = StateTensors(spec, c.max_num_seqs, d, snapshots.num_snapshots if snapshots else 0,
+                                     resolved.dtype, resolved.device)
+        cache = StateCache(snapshots, c.block_size) if snapshots is not None else None
+        state_pool = StatePool(c.max_num_seqs, d, cache)
+    executor = (MultiprocExecutor(resolved) if c.tensor_parallel_size > 1
+                else UniProcExecutor(resolved, state_tensors))
     try:
         runner = executor.runner
         if c.sampling_filter is not None:  # sampling is rank 0's alone; the Triton sampler refuses one
@@ -92,9 +96,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         executor.shutdown()
         raise
     block_manager: KVBlockManager = BlockManager(runner.num_blocks, c.block_size, c.enable_prefix_caching,
-                                                 c.block_allocator)
-    if state_pool is not None:
-        block_manager.state_cache = state_pool.cache  # a hybrid's hit needs a state snapshot too
+                                                 c.block_allocator, state_cache=cache)
     if runner.num_sliding_blocks:  # a second KV-cache group, with a pool (and an LRU allocator) of its own
         block_manager = KVCacheCoordinator(block_manager, SlidingWindowBlockManager(
             runner.num_sliding_blocks, c.block_size, spec.sliding_window, c.enable_prefix_caching))

@@ -79,7 +79,7 @@ class LLMEngine:
             self.block_manager, self.scheduler, self.speculator = parts.block_manager, parts.scheduler, parts.speculator
             self.input_processor, self.output_processor = parts.input_processor, parts.output_processor
             self.compilation = parts.compilation
-            self.recovery = StepRecovery(self.scheduler, self.executor, self.config.block_size)
+            self.recovery = StepRecovery(self.scheduler, self.executor)
             self.requests: dict[str, RequestState] = {}  # unfinished requests by id
             self._pending: list[RequestOutput] = []  # refused/aborted requests, reported by the next step
             self._arrivals = itertools.count()
@@ -174,14 +174,14 @@ class LLMEngine:
 
     def _step(self, outputs: list[RequestOutput]) -> None:
         t0 = time.perf_counter()
-        self.scheduler.transaction.begin()  # the transaction: what schedule() changes can be rolled back
+        self.scheduler.begin_step()  # the transaction: what schedule() changes can be rolled back
         try:
             scheduler_output = self.scheduler.schedule()
         except BaseException:  # a scheduling policy's failure, not a request's: undo, raise
-            self.scheduler.transaction.rollback()
+            self.scheduler.rollback_step()
             raise
         if scheduler_output.is_empty:  # nothing could run (every candidate preempted or waiting): no forward
-            self.scheduler.transaction.commit()
+            self.scheduler.commit_step()
             return self._after_commit()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
@@ -189,9 +189,9 @@ class LLMEngine:
             outputs.extend(self._report(self.recovery.recover(scheduler_output, error)))
             return self._after_commit()
         except BaseException:  # KeyboardInterrupt and the like: undo, never bisect
-            self.scheduler.transaction.rollback(scheduler_output.written_blocks(self.config.block_size))
+            self.scheduler.rollback_step(scheduler_output)
             raise
-        self.scheduler.transaction.commit()  # the forward succeeded: the plan's reservations are final
+        self.scheduler.commit_step()  # the forward succeeded: the plan's reservations are final
         committed = self.scheduler.update_from_output(scheduler_output, runner_output)
         published = self._publish(committed)
         outputs.extend(published)

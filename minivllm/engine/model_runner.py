@@ -41,7 +41,7 @@ from minivllm.engine.cuda_graphs import Capture, CUDAGraphRunner, cuda_graph_cap
 from minivllm.engine.kv_cache import allocate_kv_cache
 from minivllm.engine.sampling_metadata import SamplingBatch, gather_logprobs
 from minivllm.engine.spec_decode.rejection_sampler import RejectionSampler, TritonRejectionSampler, verify_drafts
-from minivllm.engine.state_pool import StatePool
+from minivllm.engine.state_tensors import StateTensors
 from minivllm.engine.step_inputs import StepInputs, linear_attn_slots, sliding_metadata
 from minivllm.engine.step_types import ModelRunnerOutput, PromptLogprob, RowGroupOutput, SchedulerOutput
 from minivllm.engine.warmup import measure_cpu_kernels, warmup_batch
@@ -71,12 +71,12 @@ class StepBatch(NamedTuple):
 class ModelRunner:
     def __init__(self, model: CausalLM, spec: ModelSpec, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, num_sliding_blocks: int = 0, dtype: torch.dtype, device: torch.device,
-                 eos_token_ids: frozenset[int] = frozenset(), state_pool: StatePool | None = None,
+                 eos_token_ids: frozenset[int] = frozenset(), state_tensors: StateTensors | None = None,
                  one_rank: bool = True) -> None:
         self.model, self.spec, self.backend = model, spec, backend  # spec: this rank's view (its heads)
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
-        self.state_pool = state_pool  # hybrid models only (engine/state_pool.py)
+        self.state_tensors = state_tensors  # hybrid models only: their states, beside kv_cache
         # A compiled model has graphs for a few token counts only; each step is padded up to one of them
         # (models/compiled_forward.py). Padding rows store their K/V in one extra block, `scratch_block`,
         # which the block manager never hands out (it knows `num_blocks` blocks).
@@ -98,7 +98,7 @@ class ModelRunner:
         # On a GPU, compiled decode steps of one rank replay CUDA graphs (engine/cuda_graphs.py); None: no graphs.
         self.one_rank = one_rank
         self.cuda_graphs: CUDAGraphRunner | None = None
-        if self.compile_sizes and device.type == "cuda" and backend.supports_cuda_graphs and state_pool is None \
+        if self.compile_sizes and device.type == "cuda" and backend.supports_cuda_graphs and state_tensors is None \
                 and one_rank:
             self.enable_cuda_graphs(cuda_graph_capture(torch.cuda.graph_pool_handle()))
 
@@ -106,7 +106,7 @@ class ModelRunner:
         """Decode steps of the compiled sizes run as recorded graphs from now on (`capture` records one;
         tests on CPU pass `cuda_graphs.replay_by_rerun`). Needs the scratch block of a compiled model."""
         if (self.scratch_block is None or not self.backend.supports_cuda_graphs or not self.one_rank
-                or self.state_pool is not None):
+                or self.state_tensors is not None):
             raise ValueError("CUDA graphs need the compiled forward (enforce_eager=False), the Triton attention "
                              "backend, one rank and a model without linear-attention layers")
         max_blocks = min(self.num_blocks, -(-self.spec.max_position_embeddings // self.block_size))
@@ -123,6 +123,8 @@ class ModelRunner:
         executor's sends `inputs` to the workers, which run the same forward; None: this rank alone)."""
         batch = self.prepare_inputs(plan)
         result = [RowGroupOutput() for _ in plan.scheduled]
+        if self.state_tensors is not None:  # rows admitted with a prefix hit start from their snapshot
+            self.state_tensors.load([s.state for s in plan.scheduled])
         t0 = time.perf_counter()
         with on_every_rank(batch.inputs) if on_every_rank is not None else nullcontext():
             logits = self.forward(batch.inputs, partial(_record_prompt_logprobs, batch.sampling_batch, result))
@@ -130,6 +132,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         forward_s = time.perf_counter() - t0
         self.sample(batch, logits, result)
+        if self.state_tensors is not None:  # a verification publishes the state after its accepted drafts
+            self.state_tensors.keep_accepted(plan.scheduled, result)
         return ModelRunnerOutput(result, forward_s)
 
     # --- 1. pack ---------------------------------------------------------------------------------
@@ -190,7 +194,7 @@ class ModelRunner:
             positions=torch.frombuffer(positions, dtype=torch.int64).to(dev), attn_metadata=meta,
             logits_indices=torch.tensor(sb.logits_indices + sb.prompt_indices, dtype=torch.int64, device=dev),
             num_sampled=len(sb.sampled),
-            linear_attn=linear_attn_slots(plan.scheduled, self.state_pool, dev) if self.state_pool else None)
+            linear_attn=linear_attn_slots(plan.scheduled, dev) if self.state_tensors else None)
         sampling = SamplingTensors.from_params(sb.rows, self.spec.vocab_size, dev) if sb.rows else None
         return StepBatch(inputs, sb, sampling)
 
@@ -206,13 +210,12 @@ class ModelRunner:
         self.backend.prepare(meta)
         if meta.sliding is not None:
             self.backend.prepare(meta.sliding)
-        if self.state_pool is not None:  # hybrid: linear-attention layers read/write state slots
-            slots, cache = inputs.linear_attn, self.state_pool.cache
-            state = LinearAttnMetadata(slots.state_slots, slots.has_initial_state, self.state_pool.conv_pools,
-                                       self.state_pool.recurrent_pools, slots.write_slots,
+        if self.state_tensors is not None:  # hybrid: linear-attention layers read/write state slots
+            slots, st = inputs.linear_attn, self.state_tensors
+            state = LinearAttnMetadata(slots.state_slots, slots.has_initial_state, st.conv_pools,
+                                       st.recurrent_pools, slots.write_slots,
                                        [list(o) for o in slots.kept_offsets], slots.to_cache, slots.cache_slots,
-                                       slots.candidate_slots, cache.conv_pools if cache else [],
-                                       cache.recurrent_pools if cache else [])
+                                       slots.candidate_slots, st.snapshot_conv_pools, st.snapshot_recurrent_pools)
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches, self.backend, state)
         elif self.cuda_graphs is not None and self.cuda_graphs.can_run(len(inputs.input_ids), meta):
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, meta, self._forward)  # a decode replayed
@@ -268,7 +271,7 @@ class ModelRunner:
         pool = min(self.num_blocks, self.num_sliding_blocks) if self.num_sliding_blocks else self.num_blocks
         return [SchedulerOutput(warmup_batch(min(n, pool * self.block_size), self.block_size,
                                              pool, self.spec.max_position_embeddings,
-                                             hybrid=self.state_pool is not None, sliding=bool(self.num_sliding_blocks)))
+                                             hybrid=self.state_tensors is not None, sliding=bool(self.num_sliding_blocks)))
                 for n in self.compile_sizes or (num_tokens,)]
 
 

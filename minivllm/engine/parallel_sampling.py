@@ -13,9 +13,12 @@ learns that they belong together. What they share, they share through mechanisms
 Why not fork one sequence inside the core, after its prompt? A fork needs copy-on-write of the last
 block, seats held for children that do not exist yet, a block copy after the commit with a failure
 path of its own, and a hybrid model's state copied: one more mechanism in every component. The
-fan-out costs each child its partial last block (fewer than `block_size` prompt tokens) and nothing else;
-`docs/guides/benchmarks.md` has the measured prompt cost. Beam search shares its beams' prompts the same
-way (minivllm/beam_search.py).
+fan-out costs each child its partial last block (fewer than `block_size` prompt tokens; a prompt of at
+most one block, all of it); `docs/guides/benchmarks.md` has the measured prompt cost. Beam search shares
+its beams' prompts the same way (minivllm/beam_search.py). A hybrid model costs more: a child needs the
+linear-attention state at the end of what it skips, and a snapshot joins the cache only at a commit and
+at stride positions (engine/state_cache.py), so children admitted beside the first one compute their
+prompt from the last snapshot an earlier request left (or from the start).
 
 Seeds: child i draws with `seed + i` (vLLM's rule with a seed); without one, the engine gives the request
 a seed of its own (`LLMEngine.enqueue`) and child i draws with that plus i: its own random stream, the

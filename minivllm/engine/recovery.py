@@ -26,21 +26,20 @@ from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
 
 
 class StepRecovery:
-    def __init__(self, scheduler: Scheduler, executor: Executor, block_size: int) -> None:
-        self.scheduler, self.executor, self.block_size = scheduler, executor, block_size
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+        self.scheduler, self.executor = scheduler, executor
 
     def recover(self, plan: SchedulerOutput, error: Exception) -> list[str]:
         """Roll the failed step back and finish its culprits; returns their requests' ids. Raises `error`
         again when no single request reproduces it; `EngineDeadError` when it is fatal."""
-        written = plan.written_blocks(self.block_size)  # the trial runs write only these slots too
         if isinstance(error, RequestsFailedError):
-            return self._finish_named(plan, error, written)
+            return self._finish_named(plan, error)
         try:
             if is_fatal(error):
                 raise dead(error) from error
             culprits = self._blame(plan.scheduled)
         finally:
-            self.scheduler.transaction.rollback(written)
+            self.scheduler.rollback_step(plan)  # the trial runs write only the plan's slots too
         if not culprits:
             raise error
         for sched, err in culprits:
@@ -48,8 +47,8 @@ class StepRecovery:
                                   error=f"this request made the step fail on its own: {type(err).__name__}: {err}")
         return list(dict.fromkeys(sched.seq.group_id for sched, _ in culprits))
 
-    def _finish_named(self, plan: SchedulerOutput, error: RequestsFailedError, written: set[int]) -> list[str]:
-        self.scheduler.transaction.rollback(written)
+    def _finish_named(self, plan: SchedulerOutput, error: RequestsFailedError) -> list[str]:
+        self.scheduler.rollback_step(plan)
         named = [s.seq for s in plan.scheduled if s.seq.request_id in error.culprits and not s.seq.is_finished]
         if not named:  # not this plan's requests: nobody to blame
             raise error

@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from minivllm.config import EngineConfig
 from minivllm.engine.loading import resolve_device, resolve_dtype
 from minivllm.engine.spec_decode.config import SpeculativeConfig
-from minivllm.engine.state_cache import StateCacheConfig, resolve_state_cache
+from minivllm.engine.state_layout import StateCacheConfig, resolve_state_cache
 from minivllm.models.hf_config import ModelSpec
 from minivllm.reasoning import ReasoningConfig
 

@@ -88,8 +88,37 @@ class Scheduler(StepCommit):
     def live_sequences(self) -> list[Sequence]:
         return [*self.running, *self.waiting]
 
+    # --- the step's transaction (engine/undo_log.py) ------------------------------------------------
+    def begin_step(self) -> None:
+        """From here on, what planning (and a failed run) changes can be undone: blocks, queues, sequences."""
+        self.transaction.begin()
+
+    def commit_step(self) -> None:
+        """The forward succeeded: the plan's reservations are final (`update_from_output` then applies it)."""
+        self.transaction.commit()
+
+    def rollback_step(self, plan: SchedulerOutput | None = None) -> list[Sequence]:
+        """Back to where `begin_step` found everything, except what the failed run of `plan` (None: nothing
+        ran) may have written: a preemption whose blocks another sequence took stands (the victim is
+        preempted again), and blocks it may have written, free again, lose their hashes. Returns the victims."""
+        written = plan.written_blocks(self.block_manager.block_size) if plan is not None else set()
+        reused = self.transaction.rollback(written)
+        for seq in reused.victims:  # outside the transaction now: this stands
+            self.preempt(seq)
+        self.block_manager.forget_overwritten(reused.blocks, reused.sliding_blocks)
+        return reused.victims
+
     # --- the plan --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The step's plan: running requests first, then admissions (module docstring). A hybrid model's rows
+        also get their state slots (`StatePool.plan_rows`): integers, which the runner's tensors follow."""
+        loads: dict[str, int] = {}  # hybrid: admitted with a prefix hit -> the snapshot slot to start from
+        out = self._plan(loads)
+        if self.state_pool is not None:
+            out.scheduled = self.state_pool.plan_rows(out.scheduled, loads)
+        return out
+
+    def _plan(self, loads: dict[str, int]) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
@@ -139,8 +168,9 @@ class Scheduler(StepCommit):
                 still_waiting.append(seq)
                 continue
             bm.allocate(seq, n, prefix)
-            if self.state_pool is not None:
-                self.state_pool.allocate(seq)
+            load = self.state_pool.allocate(seq) if self.state_pool is not None else None
+            if load is not None:
+                loads[seq.request_id] = load
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = prefix.num_tokens
             seq.status = SequenceStatus.RUNNING

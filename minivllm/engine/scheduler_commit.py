@@ -108,8 +108,8 @@ class StepCommit:
         """What the forward computed is the sequence's now: K/V (and a hybrid model's state) up to the
         verified tokens, prompt logprobs recorded; its drafts are used up."""
         seq = sched.seq
-        if self.state_pool is not None:  # after a verification: the state after the accepted drafts
-            self.state_pool.publish(seq, sched.num_spec_tokens, max(0, len(out.tokens) - 1))
+        if self.state_pool is not None:  # the staging slot (after a verification: the accepted drafts' state)
+            self.state_pool.publish(seq)
         seq.num_computed_tokens = sched.start + sched.num_new_tokens - sched.num_spec_tokens
         seq.clear_drafts()
         seq.prompt_logprobs.extend(out.prompt_logprobs)

@@ -4,8 +4,8 @@
     attn_metadata                   where their K/V go and what each row attends to (layers/attention_interface.py)
     logits_indices         (S + P,) the hidden rows that get logits: the S sampled rows, then the P
                                     prompt rows whose logprobs were asked (engine/sampling_metadata.py)
-    linear_attn            hybrid models: each row group's state slots (engine/state_pool.py) and the
-                           snapshots the step keeps (engine/state_cache.py)
+    linear_attn            hybrid models: each row group's state slots and the states the step keeps,
+                           as its plan's rows say (`StateRow`: engine/step_types.py, engine/state_pool.py)
     attn_metadata.sliding  models with sliding-window layers: their group's slots and tables
                                     (`sliding_metadata`, engine/kv_cache_groups.py)
 
@@ -28,21 +28,20 @@ import torch
 from minivllm.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from minivllm.engine.state_pool import StatePool
     from minivllm.engine.step_types import ScheduledSequence
 
 
 class LinearAttnSlots(NamedTuple):
     """Which state slots each row group of a hybrid model reads and writes (the pools stay on the rank),
     and which states after some of its rows the step keeps: a stride position of its prompt (prefix
-    caching, engine/state_cache.py) or every draft row of a verification (engine/state_pool.py)."""
+    caching) or every draft row of a verification (speculative decoding). All from the plan's `StateRow`s."""
 
     state_slots: torch.Tensor  # (B,) int64: the published slot it reads
     has_initial_state: torch.Tensor  # (B,) bool: False where the request starts now (nothing to read)
     write_slots: torch.Tensor  # (B,) int64: the staging slot its new state goes to
     kept_offsets: tuple[tuple[int, ...], ...]  # per row group: the row counts after which a state is kept
     to_cache: torch.Tensor  # (K,) bool: kept state k goes to the state cache (else: a candidate slot)
-    cache_slots: torch.Tensor  # (K1,) int64: the state cache's staging slots, in order
+    cache_slots: torch.Tensor  # (K1,) int64: the snapshot slots the plan took for them, in order
     candidate_slots: torch.Tensor  # (K2,) int64: the state pool's candidate slots, in order
 
     def to(self, device: torch.device) -> "LinearAttnSlots":
@@ -50,25 +49,20 @@ class LinearAttnSlots(NamedTuple):
                                 if isinstance(getattr(self, name), torch.Tensor)})
 
 
-def linear_attn_slots(scheduled: Sequence[ScheduledSequence], pool: StatePool, device: torch.device
-                      ) -> LinearAttnSlots:
-    """A hybrid step's slots: each row group's pair, and where the states it keeps go. A row group keeps
-    either prompt snapshots (a prefill chunk) or candidates (a verification: after rows 1 .. d)."""
-    seqs = [s.seq for s in scheduled]
-    offsets, cache_slots = pool.cache.step_snapshots(scheduled) if pool.cache else ([() for _ in seqs], [])
-    offsets, candidates = list(offsets), []
-    for i, s in enumerate(scheduled):
-        if s.num_spec_tokens:  # a verification is past the prompt (no snapshot): it keeps a candidate after each row
-            offsets[i] = tuple(range(1, s.num_new_tokens))
-            candidates += [pool.candidate_slot(s.seq, j) for j in range(1, s.num_new_tokens)]
-    to_cache = [not scheduled[i].num_spec_tokens for i, offs in enumerate(offsets) for _ in offs]
+def linear_attn_slots(scheduled: Sequence[ScheduledSequence], device: torch.device) -> LinearAttnSlots:
+    """A hybrid step's slots, from its rows' `StateRow`s: each row group's read and staging slot, and where
+    the states it keeps go — prompt snapshots (a prefill chunk) or candidates (a verification)."""
+    rows = [s.state for s in scheduled]
+    kept = [(slot, r.kept_are_snapshots) for r in rows for slot in r.kept_slots]
     return LinearAttnSlots(
-        state_slots=torch.tensor([pool.read_slot(s) for s in seqs], dtype=torch.int64, device=device),
+        state_slots=torch.tensor([r.read_slot for r in rows], dtype=torch.int64, device=device),
         has_initial_state=torch.tensor([s.start > 0 for s in scheduled], device=device),
-        write_slots=torch.tensor([pool.write_slot(s) for s in seqs], dtype=torch.int64, device=device),
-        kept_offsets=tuple(offsets), to_cache=torch.tensor(to_cache, dtype=torch.bool, device=device),
-        cache_slots=torch.tensor(cache_slots, dtype=torch.int64, device=device),
-        candidate_slots=torch.tensor(candidates, dtype=torch.int64, device=device))
+        write_slots=torch.tensor([r.write_slot for r in rows], dtype=torch.int64, device=device),
+        kept_offsets=tuple(r.kept_offsets for r in rows),
+        to_cache=torch.tensor([to_cache for _, to_cache in kept], dtype=torch.bool, device=device),
+        cache_slots=torch.tensor([slot for slot, to_cache in kept if to_cache], dtype=torch.int64, device=device),
+        candidate_slots=torch.tensor([slot for slot, to_cache in kept if not to_cache], dtype=torch.int64,
+                                     device=device))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,18 @@ if TYPE_CHECKING:
     import torch
 
 
+class StateRow(NamedTuple):
+    """A hybrid model's row group: which state slots it reads, writes and keeps (engine/state_layout.py). The
+    scheduler decides them (integers); the runner's tensors follow (engine/state_tensors.py)."""
+
+    read_slot: int  # the published state it starts from (not read when the sequence starts now)
+    write_slot: int  # the staging slot its state after all its rows goes to; the commit publishes it
+    load_from: int | None = None  # a snapshot slot copied into read_slot before the forward (a prefix hit)
+    kept_offsets: tuple[int, ...] = ()  # the row counts after which a state is kept ...
+    kept_slots: tuple[int, ...] = ()  # ... and where: snapshot slots (a prompt chunk) or candidate slots
+    kept_are_snapshots: bool = True  # snapshots for prefix caching (else a verification's candidates)
+
+
 @dataclass(frozen=True)
 class ScheduledSequence:
     """One row group of the step: `seq` computes positions [start, start + num_new_tokens). The last
@@ -36,6 +48,7 @@ class ScheduledSequence:
     start: int
     num_new_tokens: int
     num_spec_tokens: int = 0
+    state: StateRow | None = None  # a hybrid model's state slots for this row group
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -15,14 +15,15 @@ old value here; a rollback writes those values back, a commit just drops the log
 Only the FIRST record of each thing in a step is kept: that is the value to go back to.
 
 `StepTransaction` opens a log for the scheduler, the block manager and the state pool together
-(`begin`), and drops it (`commit`) or writes it back (`rollback`).
+(`begin`), and drops it (`commit`) or writes it back (`rollback`); the scheduler's `begin_step` /
+`commit_step` / `rollback_step` are what the engine calls.
 
 One thing a rollback cannot write back: K/V. A preemption frees its victim's blocks so that another
 sequence can take them in the same step, and that step's forward writes the taker's K/V into them. If
 the step then fails, giving the victim its blocks back would hand it (and the prefix cache, through
 their hashes) someone else's K/V. So the log finds such victims before it is written back
-(`UndoLog.reused`), and the rollback keeps their preemption: they recompute, and the reused blocks, free
-again, lose their hashes. Every other change is undone exactly.
+(`UndoLog.reused`), and the scheduler preempts them again after the rollback (`Scheduler.rollback_step`):
+they recompute, and the reused blocks, free again, lose their hashes. Every other change is undone exactly.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class StepTransaction:
     """The step's transaction over the scheduler's queues, the block manager and the state pool."""
 
     def __init__(self, owner: object, block_manager: KVBlockManager, state_pool: StatePool | None) -> None:
-        self.owner = owner  # the scheduler: its queues and counters are recorded at `begin`
+        self.owner = owner  # the scheduler: its queues and counters are recorded at `begin` (never written here)
         self.block_manager = block_manager
         self.state_pool = state_pool
         self.log: UndoLog | None = None  # the open step's log
@@ -161,29 +162,27 @@ class StepTransaction:
             self.log.record_attr(self.owner, name)
         self.block_manager.begin(self.log)
         if self.state_pool is not None:
-            self.state_pool.undo = self.log
+            self.state_pool.begin(self.log)
 
     def commit(self) -> None:
         """The step succeeded: forget its log."""
         self.log = None
         self.block_manager.commit()
         if self.state_pool is not None:
-            self.state_pool.undo = None
+            self.state_pool.end()
 
-    def rollback(self, written_blocks: set[int] = frozenset()) -> list[Sequence]:
-        """Undo everything since `begin()` (see `BlockManager.rollback` for `written_blocks`), except a
-        preemption whose blocks another sequence took (module docstring); returns those victims, preempted."""
+    def rollback(self, written_blocks: set[int] = frozenset()) -> Reused:
+        """Undo everything since `begin()` (see `BlockManager.rollback` for `written_blocks`). Returns the
+        preemptions whose blocks another sequence took (module docstring): the scheduler preempts those
+        victims again, outside the transaction, and their reused blocks then lose their hashes."""
         assert self.log is not None, "no transaction is open"
         log, self.log = self.log, None
         reused = log.reused() if written_blocks else Reused([], set(), set())  # nothing ran: nothing written
-        self.block_manager.rollback(written_blocks)  # also restores the sequences and the state pool's list
+        self.block_manager.rollback(written_blocks)  # also restores the sequences and the state pool's lists
         if self.state_pool is not None:
-            self.state_pool.undo = None
-        for seq in reused.victims:  # outside the transaction now: this stands
-            self.owner.preempt(seq)
-        self.block_manager.forget_overwritten(reused.blocks, reused.sliding_blocks)
+            self.state_pool.end()
         self.kept_preemptions = reused.victims
-        return reused.victims
+        return reused
 
     def record_seq(self, seq: Sequence) -> None:
         if self.log is not None:

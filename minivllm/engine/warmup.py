@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.step_types import ScheduledSequence
+from minivllm.engine.step_types import ScheduledSequence, StateRow
 from minivllm.cpu.attach import NormRopeSizes, attach_cpu_kernels
 from minivllm.cpu.decode_kernels import choose_decode_kernel, choose_greedy_kernel
 from minivllm.cpu.tuner import Tuning
@@ -67,9 +67,9 @@ def warmup_batch(n: int, block_size: int, num_blocks: int, max_positions: int,
         seq.block_table = list(range(first_block, first_block + -(-length // block_size)))
         if sliding:  # the same block ids in the sliding-window group's pool (`num_blocks` fits both)
             seq.sliding_block_table = list(seq.block_table)
-        if hybrid:
-            seq.state_slots = [0]  # reads nothing (start 0), writes a staging slot that is never published
-        batch.append(ScheduledSequence(seq, 0, length))
+        # a hybrid's row reads nothing (start 0) and writes pair 0's staging slot, never published
+        state = StateRow(read_slot=0, write_slot=1) if hybrid else None
+        batch.append(ScheduledSequence(seq, 0, length, state=state))
         first_block, n = first_block + len(seq.block_table), n - length
         if hybrid:
             break  # one staging slot: one sequence (hybrid models are not compiled anyway)

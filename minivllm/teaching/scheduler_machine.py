@@ -126,9 +126,9 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
                 return seqs, list(bm.ref_counts), list(bm.free_blocks), dict(bm.hash_to_block), list(bm.block_hash)
 
             before = snapshot()
-            self.sched.transaction.begin()
+            self.sched.begin_step()
             self.sched.schedule()
-            self.sched.transaction.rollback()
+            self.sched.rollback_step()
             assert snapshot() == before, "a rolled-back step must leave the scheduler exactly as it was"
 
         @invariant()

@@ -56,7 +56,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from minivllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from minivllm.beam_search import BeamSearch, new_search, step_sampling_params
 from minivllm.engine.kv_cache_groups import KVCacheCoordinator
-from minivllm.engine.state_cache import StateCache, snapshot_bytes
+from minivllm.engine.state_cache import StateCache
+from minivllm.engine.state_layout import snapshot_bytes
 from minivllm.models.hf_config import load_model_spec
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.layers.logits_processors import unpack_bitmask
@@ -447,8 +448,10 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                 out = r.finals[0]
                 reasons = [c.finish_reason for c in out.outputs]
                 if r.poisoned:  # blamed alone: never ran a token (or aborted, or refused, first)
-                    assert len(reasons) == 1 and reasons[0] in ("error", "abort") and not out.outputs[0].token_ids
-                    assert r.aborted or reasons == ["error"], (rid, reasons, out.error)
+                    # (n > 1: every one of its n sequences carries the poison, each blamed alone)
+                    assert len(reasons) == r.params.n and set(reasons) <= {"error", "abort"} \
+                        and not any(c.token_ids for c in out.outputs)
+                    assert r.aborted or set(reasons) == {"error"}, (rid, reasons, out.error)
                     continue
                 for c in out.outputs:
                     if c.finish_reason == "error" or (r.aborted and c.finish_reason == "abort"):
@@ -458,7 +461,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                     if c.finish_reason != "stop":  # "stop": the grammar is complete (checked by _grammar_masks)
                         assert c.finish_reason == "length" and len(c.token_ids) == min(r.params.max_tokens, room), \
                             (rid, c)
-                    if r.params.allowed_token_ids is not None:  # masks reach every path (drafts, forks, recomputes)
+                    if r.params.allowed_token_ids is not None:  # masks reach every path (drafts, n > 1, recomputes)
                         assert set(c.token_ids) <= set(ALLOWED), (rid, c.token_ids)
                     if r.params.temperature == 0:
                         assert_hf_greedy(hf, r.prompt, c.token_ids, allowed=allowed)
@@ -537,7 +540,8 @@ def _cache_state(cache: StateCache | None) -> tuple | None:
     """What a failed step must leave as it was in a hybrid's state cache."""
     if cache is None:
         return None
-    return {k: (e.slot, e.last_used) for k, e in cache.entries.items()}, list(cache.free), cache.clock, cache.num_hits
+    return ({k: (e.slot, e.last_used) for k, e in cache.entries.items()}, sorted(cache.free + cache.reserved),
+            cache.clock, cache.num_hits)
 
 
 @pytest.fixture(scope="module")

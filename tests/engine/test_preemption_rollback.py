@@ -23,9 +23,9 @@ def scheduler(num_blocks: int) -> Scheduler:
 
 
 def committed_step(sched: Scheduler) -> None:
-    sched.transaction.begin()
+    sched.begin_step()
     out = sched.schedule()
-    sched.transaction.commit()
+    sched.commit_step()
     sched.update_from_output(out, ModelRunnerOutput.from_token_ids([7 if s.samples else None for s in out.scheduled]))
 
 
@@ -44,13 +44,13 @@ def test_a_victim_never_gets_back_blocks_the_failed_step_wrote():
     cached = dict(sched.block_manager.hash_to_block)
     assert set(cached.values()) & set(c.block_table)  # c's full blocks are findable
 
-    sched.transaction.begin()
+    sched.begin_step()
     plan = sched.schedule()  # a needs a third block: c (the newest) is preempted, a takes c's freed blocks
     assert plan.preempted == [c] and [s.seq for s in plan.scheduled] == [a]
     written = plan.written_blocks(B)
     stolen = written & set(sched.transaction.log.seqs[id(c)].block_table)
     assert stolen  # the block a writes was c's a moment ago
-    sched.transaction.rollback(written)  # the forward failed after writing a's K/V
+    sched.rollback_step(plan)  # the forward failed after writing a's K/V
 
     sched.block_manager.check_invariants(sched.live_sequences)
     assert not computed_blocks(c) & stolen, c  # c holds no computed K/V that the failed step overwrote...
@@ -70,8 +70,8 @@ def test_a_failed_step_without_reuse_still_changes_nothing():
     sched.add_sequence(a)
     committed_step(sched)
     before = (list(a.block_table), a.num_computed_tokens, list(sched.block_manager.ref_counts))
-    sched.transaction.begin()
+    sched.begin_step()
     plan = sched.schedule()
-    sched.transaction.rollback(plan.written_blocks(B))
+    sched.rollback_step(plan)
     assert (list(a.block_table), a.num_computed_tokens, list(sched.block_manager.ref_counts)) == before
     assert a.status is SequenceStatus.RUNNING and sched.num_preemptions == 0
