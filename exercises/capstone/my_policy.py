@@ -8,17 +8,17 @@ Write ONE of these (or another idea your teacher agrees to):
   * fair share: treat `seq.priority` as a tenant id; admit the request of the tenant that has been
     served least so far first, and preempt from the tenant that holds the most running requests.
 
-The seam (minivllm/engine/scheduling_policy.py) asks your policy two questions in each step:
+The seam (`SchedulingPolicy`, minivllm/seams.py) asks your policy two questions in each step:
 
   admission_order(waiting)    every waiting request exactly once, most urgent first
   choose_victim(candidates)   one of `candidates`: whom to preempt when the KV pool runs out
 
 Everything else stays in the Scheduler and holds for any policy: the token budget, chunked
 prefill, the anti-starvation hold, never preempting a request already scheduled in the step.
-Read `FCFSPolicy` and `PriorityPolicy` there first: each is four lines. The hold only stops
-admission BEHIND a request that was passed over too often; it never moves a request forward in
-your order. So if your order keeps a request at the back (a stream of more urgent arrivals), it
-waits forever: bounded waiting is your policy's job.
+Read `FCFSPolicy` and `PriorityPolicy` first (minivllm/engine/scheduling_policy.py): each is four
+lines. The hold only stops admission BEHIND a request that was passed over too often; it never
+moves a request forward in your order. So if your order keeps a request at the back (a stream of
+more urgent arrivals), it waits forever: bounded waiting is your policy's job.
 
 What the grader checks beyond the contract (minivllm/teaching/policy_behaviour.py), with new
 requests arriving while others run:

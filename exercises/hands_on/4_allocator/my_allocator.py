@@ -14,8 +14,9 @@ The calls (each with a `stamp`, when the block was freed: a clock that only goes
                            free again WITH THEIR OLD STAMPS (so each returns to its place)
   len(), iter()            how many are free; each free block once, the next to be taken first
 
-Read `BlockAllocator` and `LRUAllocator` in minivllm/engine/block_allocator.py (the seam), but write
-yours without copying the OrderedDict: a dict of stamps and a `min` is a fine first version.
+Read `BlockAllocator` in minivllm/seams.py (the seam) and `LRUAllocator` in
+minivllm/engine/block_allocator.py (the default), but write yours without copying the OrderedDict: a
+dict of stamps and a `min` is a fine first version.
 
 Grade:  python -m minivllm.teaching.grade_hands_on allocator exercises/hands_on/4_allocator/my_allocator.py
         (1: random call traces, call by call against the engine's LRU, then the scheduler's state machine
