@@ -236,14 +236,15 @@ def test_a_grammar_that_can_only_end_lifts_the_eos_hold(allowed, held_after, dra
     """A row holding EOS / stop ids off until min_tokens, whose grammar allows only those: EOS's hold is lifted
     (else the row has nothing to draw and the request fails), never the client's stop_token_ids (lifting
     those ended `x;y` with stop `;` at "x;", before min_tokens); where the grammar allows more, it holds."""
-    from minivllm.engine.grammar_fill import GrammarRows
+    from minivllm.engine.grammar_fill import GrammarRows, fill_bitmask
     from minivllm.engine.sampling_metadata import SamplingBatch
+    from minivllm.engine.step_types import GrammarBitmask
     from minivllm.layers.logits_processors import RowProcessing, apply_logits_processing, rows_without_choice
 
     V, held = 70, [2, 31, 63]  # EOS 2 and 63, stop id 31; 31 and 63 are bit 31 of their words (the sign bit)
-    batch = SamplingBatch(processing=[RowProcessing(held_token_ids=held)],
-                          grammar_rows=[GrammarRows("r", _EndOnlyMatcher(allowed, V), [])], grammar_targets=[[[0]]])
-    batch.fill_grammar_bitmasks(V, frozenset({2, 63}))
+    step = fill_bitmask([GrammarRows("r", _EndOnlyMatcher(allowed, V), [])], V)  # as the scheduler fills it
+    batch = SamplingBatch(processing=[RowProcessing(held_token_ids=held)], grammar_targets={"r": [[0]]})
+    batch.apply_grammar_bitmask(GrammarBitmask({"r": [step.bitmask[0]]}, {}), frozenset({2, 63}))
     row = batch.processing[0]
     assert row.held_token_ids == held_after
     logits = apply_logits_processing(torch.zeros(1, V), [row])

@@ -7,7 +7,7 @@
                the culprit; requests that were not to blame are unaffected.
     fatal      `EngineDeadError`: a device error (CUDA) or a failed collective. The device state can
                no longer be trusted, so nothing is retried or bisected; the engine must be rebuilt.
-    named      `RequestsFailedError`: the step found, before its forward, the requests that cannot go on
+    named      `RequestsFailedError`: the plan found, before any forward, the requests that cannot go on
                (a structured-outputs grammar over its mask budget, or failing: engine/grammar_fill.py).
                The step is rolled back and exactly those finish with their messages; no bisection.
     raised     `StepFailedError`: a step failed but no single request reproduces the failure (e.g.

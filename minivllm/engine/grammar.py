@@ -5,7 +5,7 @@
         limits, its first mask computed and timed; invalid, failing, over the mask budget, or able to
         write nothing but EOS -> ValueError (a 400 on the server) with a short message
     grammar ──GrammarCompiler.matcher──> GrammarMatcher, owned by the Sequence
-    each step, every sampled row at once:  engine/grammar_fill.py fill_bitmask(matchers) ──> (R, V/32) int32,
+    each step, the scheduler, for its plan:  engine/grammar_fill.py fill_bitmask(matchers) ──> (R, V/32) int32,
         bit t = token t allowed; a request over its mask budget fails alone (finish_reason "error")
         applied as the LAST logits-processing stage (layers/logits_processors.py), so both samplers and
         draft verification draw only allowed tokens; logprobs are taken before, from the raw logits

@@ -14,13 +14,16 @@ its matcher's `mask_budget_ms` a mask (EngineConfig.grammar_mask_budget_ms), or 
 llguidance limit hit mid-output, a draft it refused), is a failure of its own: the caller ends it with
 finish_reason "error" and the message, and the others go on with exactly their tokens.
 
-It reads the matchers and writes the tensor, nothing else (drafts are consumed and rolled back): the
-model runner calls it once a step, after packing (engine/sampling_metadata.py), and the scheduler side
-could call it unchanged, before the forward, as vLLM's scheduler fills its grammar bitmask.
+It reads the matchers and writes the tensor, nothing else (drafts are consumed and rolled back). The
+scheduler calls it once a step, for its plan (`grammar_bitmask`, vLLM's `get_grammar_bitmask`): the
+masks travel in the `SchedulerOutput`, and the model runner only applies them to the rows it packs
+(engine/sampling_metadata.py). A failure found here ends its request before anything runs
+(`LLMEngine.step`).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -28,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from minivllm.engine.grammar import GrammarMatcher, bitmask_width, short_error
+from minivllm.engine.step_types import GrammarBitmask, ScheduledSequence
 
 
 class GrammarRows(NamedTuple):
@@ -51,7 +55,19 @@ class StepBitmask:
 
 
 def fill_bitmask(requests: list[GrammarRows], vocab_size: int) -> StepBitmask:
-    """Every row of every request, each request timed against its own budget (see the module docstring)."""
+    """Every row of every request, each request timed against its own budget (see the module docstring).
+    Python's garbage collector is paused meanwhile: a full collection it sets off (a few hundred ms on a
+    large heap) would be charged to whichever request was being timed."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _fill(requests, vocab_size)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _fill(requests: list[GrammarRows], vocab_size: int) -> StepBitmask:
     num_rows = sum(1 + len(r.drafts) for r in requests)
     bitmask = torch.zeros(num_rows, bitmask_width(vocab_size), dtype=torch.int32)  # (R, W)
     out = StepBitmask(bitmask, [])
@@ -78,3 +94,17 @@ def fill_bitmask(requests: list[GrammarRows], vocab_size: int) -> StepBitmask:
         out.rows.append([first + j if m is not None else None for j, m in enumerate(masks)])
         first += n
     return out
+
+
+def grammar_bitmask(scheduled: list[ScheduledSequence]) -> GrammarBitmask | None:
+    """The plan's masks: every structured request that samples in this step, its 1 + d masks (d: the drafts
+    it verifies), filled in one call; None when no row needs one."""
+    rows = [GrammarRows(s.seq.request_id, s.seq.grammar, s.seq.spec_token_ids[:s.num_spec_tokens])
+            for s in scheduled if s.seq.grammar is not None and s.samples]
+    if not rows:
+        return None
+    step = fill_bitmask(rows, rows[0].matcher.vocab_size)
+    failures = {f.request_id: f.message for f in step.failures}
+    masks = {r.request_id: [None if i is None else step.bitmask[i] for i in index]  # (W,) each
+             for r, index in zip(rows, step.rows) if r.request_id not in failures}
+    return GrammarBitmask(masks, failures)

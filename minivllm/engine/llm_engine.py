@@ -39,6 +39,7 @@ from minivllm.engine.input_processor import PromptType, Unservable
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.output_processor import RequestState
 from minivllm.engine.parallel_sampling import fan_out
+from minivllm.engine.errors import RequestsFailedError
 from minivllm.engine.recovery import StepRecovery
 from minivllm.engine.sequence import FinishReason, Sequence
 from minivllm.engine.stats import EngineCounters, EngineStats, engine_stats
@@ -182,6 +183,11 @@ class LLMEngine:
             raise
         if scheduler_output.is_empty:  # nothing could run (every candidate preempted or waiting): no forward
             self.scheduler.commit_step()
+            return self._after_commit()
+        masks = scheduler_output.grammar_bitmask
+        if masks is not None and masks.failures:  # a grammar failed or ran over its budget while planning:
+            failed = RequestsFailedError(dict(masks.failures))  # those end, rolled back, nothing runs
+            outputs.extend(self._report(self.recovery.recover(scheduler_output, failed)))
             return self._after_commit()
         try:
             runner_output = self.executor.execute_model(scheduler_output)

@@ -166,7 +166,7 @@ class ModelRunner:
                 sb.add_verification(i, seq, row - 1 - spec, spec, self.eos_token_ids)
             elif start + n == seq.num_tokens:  # the chunk reaches the end: sample its last row
                 sb.add_sampled(i, seq, row - 1, self.eos_token_ids)
-        sb.fill_grammar_bitmasks(self.spec.vocab_size, self.eos_token_ids)  # all rows at once; a request over its budget raises
+        sb.apply_grammar_bitmask(plan.grammar_bitmask, self.eos_token_ids)  # the scheduler filled them
         dev = self.device
         num_padding = padded_num_tokens(self.compile_sizes, row) - row if self.compile_sizes else 0
         if num_padding:  # token 0 at position 0, K/V to slot 0 of the scratch block (see __init__)

@@ -22,7 +22,7 @@ from minivllm.engine.errors import EngineDeadError, RequestsFailedError, is_fata
 from minivllm.engine.executor.abstract import Executor
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import FinishReason
-from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
+from minivllm.engine.step_types import GrammarBitmask, ScheduledSequence, SchedulerOutput
 
 
 class StepRecovery:
@@ -37,7 +37,7 @@ class StepRecovery:
         try:
             if is_fatal(error):
                 raise dead(error) from error
-            culprits = self._blame(plan.scheduled)
+            culprits = self._blame(plan.scheduled, plan.grammar_bitmask)
         finally:
             self.scheduler.rollback_step(plan)  # the trial runs write only the plan's slots too
         if not culprits:
@@ -56,12 +56,13 @@ class StepRecovery:
             self.scheduler.finish(seq, FinishReason.ERROR, error=error.culprits[seq.request_id])
         return list(dict.fromkeys(seq.group_id for seq in named))
 
-    def _blame(self, group: list[ScheduledSequence]) -> list[tuple[ScheduledSequence, Exception]]:
+    def _blame(self, group: list[ScheduledSequence], masks: GrammarBitmask | None
+               ) -> list[tuple[ScheduledSequence, Exception]]:
         """Re-run `group` (a part of the failed plan); if it fails, re-run each half, down to single requests."""
         if not group:
             return []
         try:
-            self.executor.execute_model(SchedulerOutput(list(group)))
+            self.executor.execute_model(SchedulerOutput(list(group), grammar_bitmask=masks))  # the plan's masks, by request
             return []
         except Exception as error:
             if is_fatal(error):
@@ -69,7 +70,7 @@ class StepRecovery:
             if len(group) == 1:
                 return [(group[0], error)]
         mid = len(group) // 2
-        return self._blame(group[:mid]) + self._blame(group[mid:])
+        return self._blame(group[:mid], masks) + self._blame(group[mid:], masks)
 
 
 def dead(error: Exception) -> EngineDeadError:

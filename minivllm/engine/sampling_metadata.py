@@ -9,9 +9,9 @@ Which hidden rows get logits (the LM head runs on these rows only):
 Per sampled row, what the request asks of the logits (`RowProcessing`: masks, biases, penalties
 with the output so far, its grammar's bitmask) and of the draw (`SamplingRow`) travel as typed records, never tuples.
 
-Grammar masks are filled once a step, for every row at once (`fill_grammar_bitmasks`, after the rows are
-packed: engine/grammar_fill.py); a request whose grammar fails or runs over its mask budget makes the step
-raise `RequestsFailedError` naming it, before the forward, and the recovery finishes exactly it.
+Grammar masks come with the plan: the scheduler fills them once a step (engine/grammar_fill.py, where a
+request whose grammar fails or runs over its mask budget is found, and ends before anything runs); the
+packing applies them to their rows (`apply_grammar_bitmask`).
 
 The grammar's end wins over `min_tokens`: a row that holds EOS and stop ids off until min_tokens, whose
 grammar allows nothing else (the output is complete, only EOS may follow), has EOS's hold lifted; the
@@ -28,10 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from minivllm.engine.errors import RequestsFailedError
-from minivllm.engine.grammar_fill import GrammarRows, fill_bitmask
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.step_types import SampledToken
+from minivllm.engine.step_types import GrammarBitmask, SampledToken
 from minivllm.layers.logits_processors import RowProcessing
 from minivllm.layers.sampler import SamplingRow
 
@@ -66,16 +64,14 @@ class SamplingBatch:
     prompt_indices: list[int] = field(default_factory=list)  # hidden rows for prompt logprobs
     prompt_rows: list[PromptRow] = field(default_factory=list)
     spec_groups: list[SpecGroup] = field(default_factory=list)
-    # grammar rows to fill: each request's matcher and drafts, and for each of its 1 + d masks the sampled
-    # rows that take it
-    grammar_rows: list[GrammarRows] = field(default_factory=list)
-    grammar_targets: list[list[list[int]]] = field(default_factory=list)
+    # structured requests: for each of a request's 1 + d masks, the sampled rows that take it
+    grammar_targets: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def add_sampled(self, entry: int, seq: Sequence, hidden_row: int, eos_token_ids: frozenset[int]) -> None:
         """The sampled row of a chunk that reaches the end of `seq`."""
         sp = seq.sampling_params
         if seq.grammar is not None:
-            self._add_grammar(seq, [], [[len(self.sampled)]])
+            self.grammar_targets[seq.request_id] = [[len(self.sampled)]]
         self.logits_indices.append(hidden_row)
         self.sampled.append(SampledRow(entry, sp.logprobs))
         self.rows.append(SamplingRow(0.0 if sp.greedy else sp.temperature, sp.top_k, sp.top_p, sp.min_p, seq.seed,
@@ -91,7 +87,7 @@ class SamplingBatch:
         probs = seq.draft_probs[:num_drafts] if seq.draft_probs is not None else None
         self.spec_groups.append(SpecGroup(entry, len(self.sampled), drafts, probs))
         if seq.grammar is not None:
-            self._add_grammar(seq, drafts, [[len(self.sampled) + j] for j in range(len(drafts) + 1)])
+            self.grammar_targets[seq.request_id] = [[len(self.sampled) + j] for j in range(len(drafts) + 1)]
         for j in range(len(drafts) + 1):
             self.logits_indices.append(hidden_row + j)
             self.sampled.append(SampledRow(entry, sp.logprobs))
@@ -99,23 +95,17 @@ class SamplingBatch:
                                          seq.num_tokens + j))
             self.processing.append(row_processing(seq, eos_token_ids, drafts[:j]))
 
-    def _add_grammar(self, seq: Sequence, drafts: list[int], targets: list[list[int]]) -> None:
-        self.grammar_rows.append(GrammarRows(seq.request_id, seq.grammar, list(drafts)))
-        self.grammar_targets.append(targets)
-
-    def fill_grammar_bitmasks(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        """Every grammar row's mask, in one call for the step (engine/grammar_fill.py), into the rows'
-        processing (the model's `eos_token_ids`: the only hold a grammar's end may lift); raises RequestsFailedError naming the requests whose grammar failed or ran over budget."""
-        if not self.grammar_rows:
-            return
-        step = fill_bitmask(self.grammar_rows, vocab_size)
-        if step.failures:
-            raise RequestsFailedError({f.request_id: f.message for f in step.failures})
-        for rows, targets in zip(step.rows, self.grammar_targets, strict=True):
-            for mask_row, sampled_rows in zip(rows, targets, strict=True):
-                if mask_row is None:  # inside reasoning: unconstrained
+    def apply_grammar_bitmask(self, bitmask: GrammarBitmask | None, eos_token_ids: frozenset[int]) -> None:
+        """The plan's masks into their rows' processing (the model's `eos_token_ids`: the only hold a
+        grammar's end may lift). Every structured row must have its masks in the plan."""
+        for request_id, targets in self.grammar_targets.items():
+            masks = bitmask.masks.get(request_id) if bitmask is not None else None
+            if masks is None:
+                raise ValueError(f"{request_id!r} is a structured request, but the plan has no grammar mask for it "
+                                 "(SchedulerOutput.grammar_bitmask, filled by Scheduler.schedule)")
+            for mask, sampled_rows in zip(masks, targets, strict=True):  # mask: (W,)
+                if mask is None:  # inside reasoning: unconstrained
                     continue
-                mask = step.bitmask[mask_row]  # (W,)
                 for i in sampled_rows:
                     held = self.processing[i].held_token_ids
                     if held and only_allows(mask, held):  # the grammar can only end: min_tokens yields EOS,
@@ -140,7 +130,7 @@ NO_PROCESSING = RowProcessing()  # what a row that asks for nothing gets (shared
 
 def row_processing(seq: Sequence, eos_token_ids: frozenset[int], drafts: list[int] = ()) -> RowProcessing:
     """What `seq` asks the logits processors to do at its next token (after `drafts`, if any); its grammar's
-    mask is added for the whole step at once (`SamplingBatch.fill_grammar_bitmasks`)."""
+    mask comes with the plan (`SamplingBatch.apply_grammar_bitmask`)."""
     sp = seq.sampling_params
     before_min_tokens = seq.num_output_tokens + len(drafts) < sp.min_tokens
     if not before_min_tokens and not sp.needs_logits_processing:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from minivllm.engine.grammar_fill import grammar_bitmask
 from minivllm.engine.kv_cache_groups import KVBlockManager
 from minivllm.engine.scheduler_commit import StepCommit
 from minivllm.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
@@ -111,11 +112,13 @@ class Scheduler(StepCommit):
     # --- the plan --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """The step's plan: running requests first, then admissions (module docstring). A hybrid model's rows
-        also get their state slots (`StatePool.plan_rows`): integers, which the runner's tensors follow."""
+        also get their state slots (`StatePool.plan_rows`): integers, which the runner's tensors follow;
+        structured requests that sample get their grammar masks (engine/grammar_fill.py)."""
         loads: dict[str, int] = {}  # hybrid: admitted with a prefix hit -> the snapshot slot to start from
         out = self._plan(loads)
         if self.state_pool is not None:
             out.scheduled = self.state_pool.plan_rows(out.scheduled, loads)
+        out.grammar_bitmask = grammar_bitmask(out.scheduled)  # structured rows' masks (vLLM: get_grammar_bitmask)
         return out
 
     def _plan(self, loads: dict[str, int]) -> SchedulerOutput:

@@ -64,12 +64,23 @@ class ScheduledSequence:
         return not (self.num_new_tokens - self.num_spec_tokens == 1 and self.start >= self.seq.num_prompt_tokens)
 
 
+class GrammarBitmask(NamedTuple):
+    """A step's structured-output masks, computed by the scheduler for its plan (vLLM's grammar bitmask,
+    engine/grammar_fill.py): per request id, one (W,) int32 mask per sampled row, 1 + its drafts (None:
+    unconstrained, inside reasoning); and the requests whose grammar cannot go on, each with its message."""
+
+    masks: dict[str, list[torch.Tensor | None]]
+    failures: dict[str, str]
+
+
 @dataclass
 class SchedulerOutput:
-    """The plan of one step: the row groups to run, in batch order, and who was preempted for them."""
+    """The plan of one step: the row groups to run, in batch order, who was preempted for them, and the
+    masks of its structured requests' sampled rows."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_batched_tokens(self) -> int:

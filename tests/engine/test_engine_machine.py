@@ -24,8 +24,8 @@ configuration and a sequence of actions:
     over budget
                a structured request's masks go over its budget once it has k tokens (k = 0 or 2; drawn
                with the request, so no rule's share of the search shrinks): engine/grammar_fill.py's real
-               check, its budget made negative. The step's one fill names it, the recovery finishes it
-               with "error" and that message in that step, re-running nothing (no bisection)
+               check, its budget made negative. The plan's one fill names it, the engine finishes it
+               with "error" and that message in that step, running nothing (no forward, no bisection)
     abort      a live request
     beam       a beam search (minivllm/beam_search.py): each step's beams join the load as one-token
                requests; a step whose beam failed or was aborted ends the search and aborts its siblings
@@ -349,10 +349,10 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                     self.requests[out.request_id].finals.append(out)
                 if out.error is not None and "grammar_mask_budget_ms" in out.error:  # never one that was not armed
                     assert any(g == out.request_id for g, _ in self.over_budget), (out.request_id, out.error)
-            for seq in marked:  # over budget in this step: named by its one fill, finished, nothing re-run
+            for seq in marked:  # over budget in this step: named by the plan's fill, finished, nothing run
                 if seq.is_finished and "grammar_mask_budget_ms" in (seq.error or ""):
                     reach["grammar over budget"] += 1
-                    assert self.num_executes - executes == 1, "a request the fill named was bisected"
+                    assert self.num_executes == executes, "a step whose plan named a request ran (or was bisected)"
             self._arm_over_budget()
             self._drive_beams()
 
