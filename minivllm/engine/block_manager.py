@@ -125,8 +125,9 @@ class BlockManager(BlockTransactions):
         return -(-num_tokens // self.block_size)  # ceil
 
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The chained hashes of `seq`'s first `num_blocks` full blocks. Tokens are append-only, so
-        they are computed once per block and kept on the sequence (even across preemption)."""
+        """The chained hashes of (at least) `seq`'s first `num_blocks` full blocks: the list kept on the
+        sequence, which may hold more. Tokens are append-only, so they are computed once per block and kept
+        on the sequence (even across preemption)."""
         hashes, B = seq.block_hashes, self.block_size
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
@@ -139,7 +140,10 @@ class BlockManager(BlockTransactions):
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return PrefixMatch([], 0)  # prompt logprobs need logits at every prompt position
         blocks: list[int] = []
-        hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)  # leave >= 1 token
+        # Leave >= 1 token. The sequence may know more hashes than that (its last block, hashed when a
+        # step that was then rolled back allocated it): never use them here.
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(seq, num_blocks)[:num_blocks]
         for h in hashes:
             block = self.hash_to_block.get(h)
             if block is None:

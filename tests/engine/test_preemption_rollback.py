@@ -75,3 +75,26 @@ def test_a_failed_step_without_reuse_still_changes_nothing():
     sched.rollback_step(plan)
     assert (list(a.block_table), a.num_computed_tokens, list(sched.block_manager.ref_counts)) == before
     assert a.status is SequenceStatus.RUNNING and sched.num_preemptions == 0
+
+
+def test_a_rolled_back_admission_still_leaves_its_prompt_a_token_to_compute():
+    """Blocks are hashed when allocated, so a rolled-back admission leaves its sequence knowing the hash of
+    its prompt's last block. If an earlier request cached that whole block, the retry must still compute
+    the prompt's last token (its logits are what the first token is drawn from), never hit everything."""
+    sched = scheduler(num_blocks=16)
+    prompt = list(range(10, 18))  # 2 full blocks
+    first = Sequence("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True), arrival_index=0)
+    sched.add_sequence(first)
+    while not sched.is_finished():  # computes both prompt blocks (and caches them)
+        committed_step(sched)
+    again = Sequence("b", prompt, SamplingParams(max_tokens=3, ignore_eos=True), arrival_index=1)
+    sched.add_sequence(again)
+    sched.begin_step()
+    plan = sched.schedule()
+    assert [(s.start, s.num_new_tokens) for s in plan.scheduled] == [(4, 4)]
+    assert len(again.block_hashes) == 2  # both blocks hashed at allocation
+    sched.rollback_step(plan)  # the forward failed
+    sched.begin_step()
+    retry = sched.schedule()
+    sched.commit_step()
+    assert [(s.start, s.num_new_tokens) for s in retry.scheduled] == [(4, 4)]
