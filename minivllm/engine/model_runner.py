@@ -271,7 +271,8 @@ class ModelRunner:
         pool = min(self.num_blocks, self.num_sliding_blocks) if self.num_sliding_blocks else self.num_blocks
         return [SchedulerOutput(warmup_batch(min(n, pool * self.block_size), self.block_size,
                                              pool, self.spec.max_position_embeddings,
-                                             hybrid=self.state_tensors is not None, sliding=bool(self.num_sliding_blocks)))
+                                             hybrid=self.state_tensors is not None,
+                                             sliding=bool(self.num_sliding_blocks)))
                 for n in self.compile_sizes or (num_tokens,)]
 
 

@@ -62,7 +62,7 @@ class StepRecovery:
         if not group:
             return []
         try:
-            self.executor.execute_model(SchedulerOutput(list(group), grammar_bitmask=masks))  # the plan's masks, by request
+            self.executor.execute_model(SchedulerOutput(list(group), grammar_bitmask=masks))  # masks: by request
             return []
         except Exception as error:
             if is_fatal(error):

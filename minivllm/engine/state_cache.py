@@ -138,5 +138,6 @@ class StateCache:
         held = [e.slot for e in self.entries.values()]
         assert len(set(held)) == len(held), "two snapshots share a slot"
         assert not set(held) & set(self.free) and len(set(self.free)) == len(self.free), "a slot is free and held"
-        assert sorted(held + self.free + self.reserved) == list(range(self.cfg.num_snapshots)), "a snapshot slot is lost"
+        accounted = sorted(held + self.free + self.reserved)
+        assert accounted == list(range(self.cfg.num_snapshots)), "a snapshot slot is lost"
         assert all(k == e.key for k, e in self.entries.items())
