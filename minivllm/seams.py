@@ -104,7 +104,7 @@ class BlockAllocator(abc.ABC):
 
     A free block may still hold a cached prefix (its hash stays findable until the block is reused), so
     choosing the block to reuse IS choosing which cached prefix to evict. The block manager keeps the
-    mechanics (ref counts, hashes, block tables, the undo log) and asks its allocator five things:
+    mechanics (ref counts, hashes, block tables, the step's journal) and asks its allocator five things:
 
         reset(num_blocks)        every block 0 .. num_blocks-1 is free; block b was freed at time b
         take() -> block          remove and return the free block to reuse now (its cached prefix is evicted)
@@ -112,8 +112,8 @@ class BlockAllocator(abc.ABC):
         revive(block)            remove this free block: a prefix-cache hit took it, or a rollback undoes a free
         len() / iter()           how many blocks are free; each of them once, the next to be taken first
 
-    Rollback. A failed step is undone by the block manager's undo log, which records each block's stamp.
-    It calls `revive` for the blocks freed during the step, then `restore([(block, stamp), ...])` for the
+    Rollback. A failed step is undone by the step's journal (engine/journal.py): the block manager holds
+    its allocator in a `JournaledAllocator`, which keeps each free block's stamp. It calls `revive` for the blocks freed during the step, then `restore([(block, stamp), ...])` for the
     blocks that were free before it, oldest first. The default `restore` gives each back with its old
     stamp: exact for an allocator whose choice depends only on which blocks are free and their stamps
     (LRU, MRU, lowest id first, ...). One whose state has a history of its own (a random generator) must

@@ -1,6 +1,6 @@
 """Prefix caching for a hybrid model (Qwen3.5): KV blocks plus state snapshots every `stride` prompt
 tokens (engine/state_cache.py). Same tokens as with caching off and as HF, a shared system prompt
-computed once, the snapshot cache under the step's undo log and under budget pressure."""
+computed once, the snapshot cache under the step's journal and under budget pressure."""
 
 from __future__ import annotations
 
@@ -95,14 +95,14 @@ def test_a_failed_step_leaves_the_state_cache_unchanged(hybrid_dir):
     pools = tensors.snapshot_recurrent_pools + tensors.snapshot_conv_pools
 
     def state():  # the books, and what every entry's slot holds (a failed step may write free slots only)
-        return ({k: (e.slot, e.last_used) for k, e in cache.entries.items()}, sorted(cache.free + cache.reserved),
-                cache.clock, cache.num_hits, {k: [p[e.slot].clone() for p in pools] for k, e in cache.entries.items()})
+        return ({k: (slot, cache.last_used[k]) for k, slot in cache.entries.items()}, sorted(cache.free + cache.reserved),
+                cache.clock, cache.num_hits, {k: [p[slot].clone() for p in pools] for k, slot in cache.entries.items()})
 
     def unchanged(before):
         entries, free, clock, hits, held = before
-        assert ({k: (e.slot, e.last_used) for k, e in cache.entries.items()}, sorted(cache.free + cache.reserved),
+        assert ({k: (slot, cache.last_used[k]) for k, slot in cache.entries.items()}, sorted(cache.free + cache.reserved),
                 cache.clock, cache.num_hits) == (entries, free, clock, hits)
-        assert all(torch.equal(a, p[cache.entries[k].slot]) for k, saved in held.items() for a, p in zip(saved, pools))
+        assert all(torch.equal(a, p[cache.entries[k]]) for k, saved in held.items() for a, p in zip(saved, pools))
 
     requests = {f"r{i}": (p, sp) for i, p in enumerate(prompts)}
     finals, failures = run_with_flaky_sampler(engine, requests, every=3, phase=2, before_step=state,

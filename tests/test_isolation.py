@@ -297,20 +297,21 @@ def test_stop_string_completed_by_the_max_tokens_token(model_factory):
 
 
 # --- bookkeeping costs what the step touches ------------------------------------------------------
-def test_undo_log_does_not_grow_with_the_pool(model_factory):
+def test_the_journal_does_not_grow_with_the_pool(model_factory):
     sizes = []
     for num_blocks in (64, 65536):
         engine = tiny(model_factory, num_kv_blocks=num_blocks).llm_engine
         for i in range(4):
             engine.add_request(f"r{i}", {"prompt_token_ids": [3, 4, 5 + i] * 3}, SamplingParams(max_tokens=4))
         touched = []
-        original = engine.scheduler.transaction.commit
+        journal = engine.scheduler.journal
+        original = journal.commit
 
         def commit():
-            touched.append(engine.scheduler.transaction.log.size)
+            touched.append(journal.size)
             original()
 
-        engine.scheduler.transaction.commit = commit
+        journal.commit = commit
         run(engine, {})
         sizes.append(touched)
     assert sizes[0] == sizes[1]

@@ -123,8 +123,8 @@ def test_distributed_layers_and_models_import_nothing_from_the_engine():
     assert [v for v in found if not v.startswith("distributed/__main__.py:")] == []
 
 
-SCHEDULER_SIDE = ("scheduler", "scheduler_commit", "block_manager", "scheduling_policy", "stop_checker", "undo_log",
-                  "state_pool", "state_cache")
+SCHEDULER_SIDE = ("scheduler", "scheduler_commit", "block_manager", "scheduling_policy", "stop_checker", "journal",
+                  "overwritten", "state_pool", "state_cache")
 RUNNER_SIDE = ("model_runner", "step_inputs", "sampling_metadata", "state_tensors", "warmup", "cuda_graphs", "executor")
 
 

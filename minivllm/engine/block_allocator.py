@@ -11,6 +11,11 @@ used a moment ago outlives one unused for long. Write your own by subclassing `B
 (`LLM(model, block_allocator=MyAllocator())`); the engine wraps it in `CheckedAllocator`, which refuses
 (`AllocatorContractError`, naming the rule) a `take()` of a block that is not free and a count that
 disagrees with the blocks given and taken.
+
+`JournaledAllocator` is how an allocator joins a step's transaction (engine/journal.py): the block manager
+holds every allocator in one. It notes, per block, whether the block was free when the step began and with
+which stamp; a rollback takes out the blocks free now that were not (`revive`) and gives back the others
+in stamp order (`restore`), so any allocator, yours included, is undone through its own five calls.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
+from minivllm.engine.journal import JournaledContainer
 from minivllm.seams import BlockAllocator
 
 # BlockAllocator is re-exported: the path tests, exercises and notebooks import it by.
-__all__ = ["AllocatorContractError", "BlockAllocator", "CheckedAllocator", "LRUAllocator", "get_allocator"]
+__all__ = ["AllocatorContractError", "BlockAllocator", "CheckedAllocator", "JournaledAllocator", "LRUAllocator",
+           "get_allocator"]
 
 
 class LRUAllocator(BlockAllocator):
@@ -141,3 +148,65 @@ def get_allocator(allocator: BlockAllocator | None) -> BlockAllocator:
         raise ValueError(f"block_allocator={allocator!r} is not a BlockAllocator: subclass "
                          "minivllm.seams.BlockAllocator, or pass None for LRU")
     return allocator if isinstance(allocator, CheckedAllocator) else CheckedAllocator(allocator)
+
+
+class JournaledAllocator(JournaledContainer, BlockAllocator):
+    """An allocator whose calls a step's rollback undoes (module docstring). It keeps each free block's
+    stamp (when it was freed): what the allocator orders by, and what a rollback gives it back."""
+
+    def __init__(self, inner: BlockAllocator) -> None:
+        self.inner, self.name = inner, inner.name
+        self.stamps: dict[int, int] = {}  # free block -> its stamp
+        self._step: list | None = None  # the open step's notes this allocator has joined
+        self._before: dict[int, int | None] = {}  # block -> its stamp when the step began (None: not free)
+
+    def _note(self, block: int) -> None:
+        notes = self._notes()
+        if notes is None:
+            return
+        if self._step is not notes:  # the first call of this step: one note undoes all of them
+            self._step, self._before = notes, {}
+            notes.append((JournaledAllocator._undo, self, self._before))
+        self._before.setdefault(block, self.stamps.get(block))
+
+    def _undo(self, before: dict[int, int | None]) -> None:
+        for block in before:
+            if block in self.stamps:  # free now: out (back below if it was free then)
+                del self.stamps[block]
+                self.inner.revive(block)
+        back = sorted(((b, stamp) for b, stamp in before.items() if stamp is not None), key=lambda item: item[1])
+        self.inner.restore(back)  # oldest first
+        self.stamps.update(back)
+
+    def reset(self, num_blocks: int) -> None:
+        self.inner.reset(num_blocks)
+        self.stamps = {b: b for b in range(num_blocks)}
+
+    def take(self) -> int:
+        block = self.inner.take()
+        self._note(block)
+        del self.stamps[block]
+        return block
+
+    def give_back(self, block: int, stamp: int) -> None:
+        self._note(block)
+        self.inner.give_back(block, stamp)
+        self.stamps[block] = stamp
+
+    def revive(self, block: int) -> None:
+        self._note(block)
+        self.inner.revive(block)
+        del self.stamps[block]
+
+    def restore(self, blocks: list[tuple[int, int]]) -> None:
+        raise NotImplementedError("a JournaledAllocator is restored by its journal's rollback")
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.inner)
+
+    def check_invariants(self) -> None:
+        assert set(self.stamps) == set(self.inner), "the stamps and the allocator disagree on what is free"
+        self.inner.check_invariants()

@@ -32,12 +32,10 @@ batch's K/V into the cache before any of its rows read it, so the sharer reads w
 the same forward. Only tokens count, never drafts: a draft's block is cached once the draft is verified
 and the next step allocates past it. A failed step's registrations are undone with the rest of it.
 
-Transactions (engine/block_transactions.py). While a step is planned and run, every change goes
-through the step's `UndoLog` (`begin` / `commit` / `rollback`): the first time a block, a hash entry or
-a sequence is touched, its old value is recorded. A rollback therefore costs what the step touched,
-not the size of the pool.
-Each block's `free_stamp` (when it was last freed, from `_clock`) is recorded with it, so a rollback can
-hand the allocator back the blocks that were free with the stamps they had (`BlockAllocator.restore`).
+Transactions (engine/journal.py). A step that fails is undone, yet nothing here records anything: the
+per-block lists and the prefix-cache map are journaled containers and the manager a `Journaled` object, so
+while the scheduler has a step open each write notes what it replaced, and a rollback costs what the step
+touched, not the size of the pool. The allocator is wrapped the same way (`JournaledAllocator`).
 """
 
 from __future__ import annotations
@@ -45,10 +43,9 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, NamedTuple
 
-from minivllm.engine.block_allocator import BlockAllocator, get_allocator
+from minivllm.engine.block_allocator import BlockAllocator, JournaledAllocator, get_allocator
+from minivllm.engine.journal import Journaled, JournaledDict, JournaledList
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.block_transactions import BlockTransactions
-from minivllm.engine.undo_log import UndoLog
 
 if TYPE_CHECKING:
     from minivllm.engine.state_cache import StateCache
@@ -78,33 +75,28 @@ class PoolShortfall(NamedTuple):
     available: int
 
 
-class BlockManager(BlockTransactions):
+class BlockManager(Journaled):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  allocator: BlockAllocator | None = None, state_cache: StateCache | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts: list[int] = [0] * num_blocks
-        self.free_blocks: BlockAllocator = get_allocator(allocator)  # None: LRU; yours is checked
+        self.ref_counts: list[int] = JournaledList([0] * num_blocks)
+        # The allocator (None: LRU; yours is checked), in the wrapper that lets a rollback undo its calls.
+        self.free_blocks = JournaledAllocator(get_allocator(allocator))
         self.free_blocks.reset(num_blocks)
-        # When each block was last freed: what the allocator orders by, and what a rollback gives it back.
-        self.free_stamp: list[int] = list(range(num_blocks))
-        self._clock = num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks  # hash of a full, computed block
-        self.hash_to_block: dict[bytes, int] = {}  # the findable copy of each cached prefix block
+        self._clock = num_blocks  # stamps each freed block: the allocator's order (LRU: oldest first)
+        self.block_hash: list[bytes | None] = JournaledList([None] * num_blocks)  # hash of a full, computed block
+        self.hash_to_block: dict[bytes, int] = JournaledDict()  # the findable copy of each cached prefix block
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of which found cached
-        self.undo: UndoLog | None = None  # the open step's log (None outside a transaction)
         self.state_cache = state_cache  # a hybrid model's snapshot books: a hit needs a state snapshot too
 
     # --- which table of a sequence this manager keeps (a KV-cache group's: engine/kv_cache_groups.py) ---
     def table(self, seq: Sequence) -> list[int]:
         """The block table this manager owns on `seq` (the full-attention group's: `seq.block_table`)."""
         return seq.block_table
-
-    def set_table(self, seq: Sequence, table: list[int]) -> None:
-        seq.block_table = table
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -167,18 +159,15 @@ class BlockManager(BlockTransactions):
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch) -> None:
         """Admit `seq`: share its cached prefix blocks and take fresh ones for `num_new_tokens`."""
         assert not self.table(seq), f"{seq.request_id} already holds blocks"
-        self._record_seq(seq)
         for b in prefix.blocks:
             if b == NULL_BLOCK:  # before a sliding window: never read, not held
                 continue
-            self._record_block(b)
             if self.ref_counts[b] == 0:
                 self.free_blocks.revive(b)  # a hit on a freed-but-cached block revives it
             self.ref_counts[b] += 1
-        self.set_table(seq, list(prefix.blocks))
+        self.table(seq).extend(prefix.blocks)
         seq.num_computed_tokens = prefix.num_tokens
         if self.enable_prefix_caching:
-            self._record_attrs("num_queried_tokens", "num_hit_tokens")
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += prefix.num_tokens
         self.append_slots(seq, num_new_tokens)
@@ -188,8 +177,6 @@ class BlockManager(BlockTransactions):
         publish the blocks this step fills (caching at allocation; drafts excluded: `seq.num_tokens`
         counts tokens only). A new block is needed exactly when the tokens run past the last block's end."""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(self.table(seq))
-        if needed > 0:
-            self._record_seq(seq)
         for _ in range(needed):
             self.table(seq).append(self._take_free_block())
         self.cache_blocks(seq, min(seq.num_computed_tokens + num_new_tokens, seq.num_tokens))
@@ -210,8 +197,6 @@ class BlockManager(BlockTransactions):
 
     def _release(self, seq: Sequence, keep: int) -> None:
         """Drop `seq`'s references to its blocks from index `keep` on, last block first."""
-        self._record_seq(seq)
-        self._record_attrs("_clock")
         table = self.table(seq)
         for b in reversed(table[keep:]):
             if b != NULL_BLOCK:  # (a sliding window's block that was already given back)
@@ -220,11 +205,9 @@ class BlockManager(BlockTransactions):
 
     def _unref(self, b: int) -> None:
         """One table lets go of block `b`; its last owner gives it back to the allocator, stamped now."""
-        self._record_block(b)
         self.ref_counts[b] -= 1
         assert self.ref_counts[b] >= 0
         if self.ref_counts[b] == 0:
-            self.free_stamp[b] = self._clock
             self.free_blocks.give_back(b, self._clock)
             self._clock += 1
 
@@ -244,16 +227,13 @@ class BlockManager(BlockTransactions):
             b = table[i]
             if b == NULL_BLOCK:
                 continue
-            self._record_block(b)
             self.block_hash[b] = hashes[i]
             # Two requests may compute the same block at once; the first stays the findable copy.
             if hashes[i] not in self.hash_to_block:
-                self._record_hash(hashes[i])
                 self.hash_to_block[hashes[i]] = b
 
     def _take_free_block(self) -> int:
         b = self.free_blocks.take()  # the allocator's choice (LRU: the least recently freed)
-        self._record_block(b)  # nothing of ours has changed yet: recorded as it was, free
         self._forget_hash(b)  # evict: its old content is about to be overwritten
         self.ref_counts[b] = 1
         return b
@@ -262,9 +242,15 @@ class BlockManager(BlockTransactions):
         h = self.block_hash[b]
         if h is not None:
             if self.hash_to_block.get(h) == b:
-                self._record_hash(h)
                 del self.hash_to_block[h]
             self.block_hash[b] = None
+
+    def forget_overwritten(self, blocks: set[int], sliding_blocks: set[int] = frozenset()) -> None:
+        """After a failed step: blocks whose K/V it may have overwritten lose their hash if free, so they are
+        never served from the prefix cache. (`sliding_blocks`: another group's, for the coordinator.)"""
+        for b in blocks:
+            if self.block_hash[b] is not None and self.ref_counts[b] == 0:
+                self._forget_hash(b)
 
     # --- proof ---------------------------------------------------------------------------------
     def check_invariants(self, live_seqs: list[Sequence]) -> None:

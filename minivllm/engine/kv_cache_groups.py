@@ -14,7 +14,7 @@ One pool per kind, not one shared pool of equal pages. vLLM shares one pool: a p
 layer of each group, so groups must have equally many layers, and layers are regrouped to make it so
 (Gemma 3 1B: one full group of 4 layers, several sliding groups of 4). Its win is that memory moves
 between kinds as the load changes. Here each kind has its own tensors and its own `BlockManager`:
-  * each group keeps the block manager as it is (ref counts, prefix cache, undo log, allocator): the
+  * each group keeps the block manager as it is (ref counts, prefix cache, journal, allocator): the
     sliding group is a subclass that gives back blocks leaving the window (engine/sliding_window.py);
   * the sliding pool's need is bounded, so its size is a calculation, not a guess: max_num_seqs
     requests of ceil(W/B) + 2 blocks, plus a step's new tokens (`sliding_pool_blocks`, with the pools'
@@ -38,9 +38,9 @@ import enum
 from typing import NamedTuple
 
 from minivllm.engine.block_manager import BlockManager, PoolShortfall, PrefixMatch
+from minivllm.engine.journal import Journaled
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.sliding_window import SlidingWindowBlockManager
-from minivllm.engine.undo_log import UndoLog
 
 
 class KVCacheKind(enum.StrEnum):
@@ -61,7 +61,7 @@ class GroupPrefixMatch(NamedTuple):
         return self.full.num_tokens
 
 
-class KVCacheCoordinator:
+class KVCacheCoordinator(Journaled):
     """The scheduler's block manager for a model with a full-attention and a sliding-window group."""
 
     def __init__(self, full: BlockManager, sliding: SlidingWindowBlockManager) -> None:
@@ -130,21 +130,7 @@ class KVCacheCoordinator:
         for g in self.groups.values():
             g.trim(seq, num_tokens)
 
-    # --- transactions: one undo log for every group ------------------------------------------------
-    def begin(self, undo: UndoLog) -> None:
-        """Each group records into its own log (block ids repeat across pools); the sequences and the
-        scheduler's fields go to the step's log, which the full group writes back."""
-        self.full.begin(undo)
-        self.sliding.begin(UndoLog())
-
-    def commit(self) -> None:
-        for g in self.groups.values():
-            g.commit()
-
-    def rollback(self, written_blocks: set[int] = frozenset()) -> None:
-        self.sliding.rollback()  # its log holds its blocks and hashes only
-        self.full.rollback(written_blocks)  # the step's log: blocks, sequences (both tables), the queues
-
+    # --- after a failed step (engine/journal.py undoes the rest: both groups are under the step's journal) ---
     def forget_overwritten(self, blocks: set[int], sliding_blocks: set[int] = frozenset()) -> None:
         self.full.forget_overwritten(blocks)
         self.sliding.forget_overwritten(sliding_blocks)

@@ -6,8 +6,8 @@
              scheduler.update_from_output(...)          -> the one commit: tokens, stop rules, frees
              then: RequestOutputs for what changed, drafts proposed for the next step
 
-The step is a transaction (engine/undo_log.py): it begins before `schedule()`, which reserves blocks
-and may preempt, recording every change. If `execute_model` raises, the step is rolled back to where
+The step is a transaction (engine/journal.py): it begins before `schedule()`, which reserves blocks
+and may preempt, each write noting what it replaced. If `execute_model` raises, the step is rolled back to where
 it was before planning and bisected to find the request to blame (engine/recovery.py); a plug-in's
 failure in `schedule()` (a scheduling policy) is rolled back and raised. Once `execute_model` has
 returned, the transaction commits: the plan's reservations are final, and `update_from_output` applies

@@ -1,7 +1,7 @@
 """A failed step: roll it back, find the request to blame, finish it with the error.
 
     rollback      the scheduler and the block manager go back to where they were before `schedule()`
-                  (the step's undo log); a free cached block the failed step may have written loses its
+                  (the step's journal); a free cached block the failed step may have written loses its
                   hash, so a half-written block is never served from the prefix cache
     bisection     the step is re-run in halves, down to single row groups: a request whose failure
                   reproduces when it runs alone is to blame. O(culprits x log(batch)) extra forwards,

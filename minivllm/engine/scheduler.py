@@ -43,17 +43,18 @@ from __future__ import annotations
 from collections import deque
 
 from minivllm.engine.grammar_fill import grammar_bitmask
+from minivllm.engine.journal import Journal, Journaled, JournaledDeque, JournaledList
 from minivllm.engine.kv_cache_groups import KVBlockManager
+from minivllm.engine.overwritten import overwritten, planned_tables
 from minivllm.engine.scheduler_commit import StepCommit
 from minivllm.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
 from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.engine.state_pool import StatePool
 from minivllm.engine.step_types import DraftTokenIds, ScheduledSequence, SchedulerOutput
 from minivllm.engine.stop_checker import StopChecker
-from minivllm.engine.undo_log import StepTransaction
 
 
-class Scheduler(StepCommit):
+class Scheduler(StepCommit, Journaled):
     def __init__(self, block_manager: KVBlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: frozenset[int] = frozenset(), enable_chunked_prefill: bool = True,
                  max_admission_skips: int = 8, state_pool: StatePool | None = None,
@@ -68,18 +69,21 @@ class Scheduler(StepCommit):
         self.policy = policy or FCFSPolicy()  # which waiting request to try first, whom to preempt
         self.stop_checker = StopChecker(eos_token_ids, max_model_len)
         # Ids of the sequences that gave their blocks back (finished, aborted, failed, preempted) since the
-        # engine last took them (`take_released`): a proposer with a cache of its own forgets them. A list
-        # the step's transaction restores, so a preemption that a failed step undoes is never reported.
-        self.released: list[str] = []
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: running[-1] is the newest
+        # engine last took them (`take_released`): a proposer with a cache of its own forgets them. Journaled
+        # like the queues, so a preemption that a failed step undoes is never reported.
+        self.released: list[str] = JournaledList()
+        self.waiting: deque[Sequence] = JournaledDeque()
+        self.running: list[Sequence] = JournaledList()  # in admission order: running[-1] is the newest
         self.num_preemptions = 0
-        # The step's transaction over the queues, the blocks and the state pool: begin / commit / rollback
-        self.transaction = StepTransaction(self, block_manager, state_pool)
+        # The step's transaction (engine/journal.py): the queues, the block manager, the state pool and every
+        # sequence given to the scheduler note their writes in it while a step is open.
+        self.journal = Journal()
+        self.journal.watch(self)
 
     # --- queues --------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING
+        self.journal.watch(seq)
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -89,25 +93,29 @@ class Scheduler(StepCommit):
     def live_sequences(self) -> list[Sequence]:
         return [*self.running, *self.waiting]
 
-    # --- the step's transaction (engine/undo_log.py) ------------------------------------------------
+    # --- the step's transaction (engine/journal.py) ------------------------------------------------------
     def begin_step(self) -> None:
         """From here on, what planning (and a failed run) changes can be undone: blocks, queues, sequences."""
-        self.transaction.begin()
+        self.journal.begin()
 
     def commit_step(self) -> None:
         """The forward succeeded: the plan's reservations are final (`update_from_output` then applies it)."""
-        self.transaction.commit()
+        self.journal.commit()
 
     def rollback_step(self, plan: SchedulerOutput | None = None) -> list[Sequence]:
         """Back to where `begin_step` found everything, except what the failed run of `plan` (None: nothing
-        ran) may have written: a preemption whose blocks another sequence took stands (the victim is
-        preempted again), and blocks it may have written, free again, lose their hashes. Returns the victims."""
-        written = plan.written_blocks(self.block_manager.block_size) if plan is not None else set()
-        reused = self.transaction.rollback(written)
-        for seq in reused.victims:  # outside the transaction now: this stands
+        ran) may have overwritten (engine/overwritten.py): a preemption whose blocks another sequence took
+        stands (the victim is preempted again), and blocks it may have written, free again, lose their
+        hashes. Returns the victims."""
+        planned = planned_tables(self.live_sequences) if plan is not None else None
+        self.journal.rollback()
+        if planned is None:
+            return []
+        lost = overwritten(plan, planned, self.block_manager.block_size)
+        for seq in lost.victims:  # outside the transaction now: this stands
             self.preempt(seq)
-        self.block_manager.forget_overwritten(reused.blocks, reused.sliding_blocks)
-        return reused.victims
+        self.block_manager.forget_overwritten(lost.blocks, lost.sliding_blocks)
+        return lost.victims
 
     # --- the plan --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -152,7 +160,7 @@ class Scheduler(StepCommit):
         # 2. admit waiting requests with what is left (not under memory pressure).
         if out.preempted:
             return out
-        still_waiting: deque[Sequence] = deque()
+        still_waiting: deque[Sequence] = JournaledDeque()
         hold = False  # set once a starving request must be served before anyone behind it
         seats = self.max_num_seqs - len(self.running)
         for seq in self.policy.admission_order(self.waiting):
@@ -163,7 +171,6 @@ class Scheduler(StepCommit):
             n = seq.num_tokens - prefix.num_tokens
             fits_budget = n <= budget or self.enable_chunked_prefill
             n = min(n, budget)
-            self.transaction.record_seq(seq)
             no_state = self.state_pool is not None and not self.state_pool.can_allocate(seq)
             if not fits_budget or no_state or not bm.can_allocate(seq, n, prefix):
                 seq.num_admission_skips += 1
@@ -204,7 +211,6 @@ class Scheduler(StepCommit):
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, forget the K/V and drafts, back to the front of WAITING."""
-        self.transaction.record_seq(seq)
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
@@ -219,7 +225,6 @@ class Scheduler(StepCommit):
         if seq.is_finished:  # e.g. a stop string completed by the token that hit max_tokens: the reason changes
             seq.finish(reason, stop_reason, error)
             return
-        self.transaction.record_seq(seq)
         # By membership, not status: if `_release` raised, the retry (the commit's `fail`) finds the sequence
         # out of both queues but not finished, and gives back what it still holds.
         if seq in self.running:
@@ -234,11 +239,11 @@ class Scheduler(StepCommit):
         self.block_manager.free(seq)
         if self.state_pool is not None:  # the state is recomputed from scratch with the prompt
             self.state_pool.release(seq)
-        self.transaction.record_attr(self, "released")
         self.released.append(seq.request_id)
 
     def take_released(self) -> list[str]:
-        released, self.released = self.released, []  # the ids released since the last call
+        released = list(self.released)  # the ids released since the last call
+        self.released.clear()
         return released
 
     def fail(self, seq: Sequence, error: str) -> None:  # a commit that raised: unless finished, it ends so

@@ -14,6 +14,10 @@ A request with `n > 1` is n sequences from its arrival (engine/parallel_sampling
 the scheduler, sharing the request's `group_id` (the user's request id), each with its own `request_id`
 (`"{index}_{group_id}"` for index >= 1, as vLLM names them), tokens, blocks and seed. They share the
 prompt's K/V through the prefix cache, not through anything of their own.
+
+A `Sequence` is `Journaled` (engine/journal.py): once the scheduler is given it, each field a step changes
+(status, computed tokens, the block tables, drafts, state slots) notes its old value while the step is
+open, so a failed step is undone without the code that changes it recording anything.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from array import array
 from collections.abc import Sequence as SequenceABC
 from typing import TYPE_CHECKING
 
+from minivllm.engine.journal import Journaled, JournaledList
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,7 +63,7 @@ def as_token_array(token_ids: SequenceABC[int]) -> array:
     return array("i", token_ids)
 
 
-class Sequence:
+class Sequence(Journaled):
     def __init__(
         self,
         request_id: str,
@@ -82,9 +87,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (first) admission
-        self.block_table: list[int] = []
+        self.block_table: list[int] = JournaledList()
         # A model with sliding-window layers: that group's table (engine/sliding_window.py); else empty.
-        self.sliding_block_table: list[int] = []
+        self.sliding_block_table: list[int] = JournaledList()
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of full blocks (BlockManager.block_hashes)
         self.num_admission_skips = 0  # times admission passed over this request (anti-starvation)
         self.finish_reason: FinishReason | None = None

@@ -19,7 +19,7 @@ ceil((W - 1) / B) + 1 <= ceil(W / B) + 1 blocks of this group, whatever its leng
 tokens holds the blocks of its own tokens too (its first query still reads W - 1 keys before it).
 
 Everything else is the `BlockManager`'s, on the sequence's other table (`seq.sliding_block_table`):
-ref counts, the allocator (its own pool: engine/kv_cache_groups.py says why), the undo log. A block
+ref counts, the allocator (its own pool: engine/kv_cache_groups.py says why), the journal. A block
 given back keeps its hash, so it stays findable in the prefix cache until it is reused.
 
 Prefix caching (vLLM's rule). A hit of h tokens is usable only if this group still has every block
@@ -48,9 +48,6 @@ class SlidingWindowBlockManager(BlockManager):
     def table(self, seq: Sequence) -> list[int]:
         return seq.sliding_block_table
 
-    def set_table(self, seq: Sequence, table: list[int]) -> None:
-        seq.sliding_block_table = table
-
     def first_needed_block(self, position: int) -> int:
         """The first logical block the query at `position` reads: the one holding key position - W + 1."""
         return max(0, position - self.sliding_window + 1) // self.block_size
@@ -77,10 +74,6 @@ class SlidingWindowBlockManager(BlockManager):
 
     def free_outside_window(self, seq: Sequence) -> None:
         outside = self._outside(seq)
-        if not outside:
-            return
-        self._record_seq(seq)
-        self._record_attrs("_clock")
         table = self.table(seq)
         for i in outside:
             self._unref(table[i])
@@ -113,9 +106,3 @@ class SlidingWindowBlockManager(BlockManager):
                 return PrefixMatch(blocks, k * self.block_size)
             k = missing[-1]  # a hit past block m would read block m: try ending just before it
         return PrefixMatch([], 0)
-
-    def rollback(self, written_blocks: set[int] = frozenset()) -> None:
-        """As `BlockManager.rollback`; this group's written blocks are not listed by the plan, so every
-        block the step touched counts as written (a free one loses its hash: a cache entry, never K/V)."""
-        assert self.undo is not None, "no transaction is open"
-        super().rollback(set(self.undo.blocks) | set(written_blocks))

@@ -14,8 +14,8 @@ tokens (a multiple of the block size and of the chunked rule's chunk), in a pool
     a new prompt sharing 150 tokens: KV hit 144 tokens, snapshot hit at 128 -> resumes at 128
 
 Entries. A snapshot is keyed by the chained hash of the block that ends at its position (so equal keys
-mean equal whole prefixes, as for blocks) and lives in one slot of the cache's pools. Eviction is LRU
-by `last_used`; a scan of the entries at commit (there are a few hundred at most).
+mean equal whole prefixes, as for blocks) and lives in one slot of the cache's pools (`entries`: key ->
+slot). Eviction is LRU by `last_used` (key -> clock); a scan of the entries at commit (a few hundred at most).
 
 These are the scheduler's books: keys, slot numbers and LRU marks, never a tensor. The snapshots
 themselves live on the runner side (engine/state_tensors.py), which is told what to copy and where to
@@ -28,44 +28,31 @@ Transactions. The books change in three places:
     free ones only, so a failed step writes no slot an entry holds;
   * the commit: each written slot becomes the entry of its prefix's key (`register`), then the least
     recently used entries are evicted until a step's worth of slots is free again (`keep_free`).
-A failed step is rolled back with the rest and leaves no trace: it wrote only free slots.
+A failed step is rolled back with the rest (engine/journal.py: the lists a step changes are journaled) and
+leaves no trace: it wrote only free slots.
 
 Sizing: engine/state_layout.py (`resolve_state_cache`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
+from minivllm.engine.journal import Journaled, JournaledDict, JournaledList
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.state_layout import StateCacheConfig
 
-if TYPE_CHECKING:
-    from minivllm.engine.undo_log import UndoLog
 
-
-@dataclass(slots=True)
-class Snapshot:
-    """One entry: where it lives, its key, when it was last used (what the undo log records)."""
-
-    slot: int
-    key: bytes
-    last_used: int
-
-
-class StateCache:
+class StateCache(Journaled):
     def __init__(self, cfg: StateCacheConfig, block_size: int) -> None:
         self.cfg, self.stride, self.block_size = cfg, cfg.stride, block_size
-        self.entries: dict[bytes, Snapshot] = {}
-        self.free: list[int] = list(range(cfg.num_snapshots - 1, -1, -1))  # a stack: slot 0 first
+        self.entries: dict[bytes, int] = {}  # key -> the slot holding its snapshot (changed at commits only)
+        self.last_used: dict[bytes, int] = JournaledDict()  # key -> clock at its last hit or registration
+        self.free: list[int] = JournaledList(range(cfg.num_snapshots - 1, -1, -1))  # a stack: slot 0 first
         self.clock = 0
         self.num_hits = 0  # requests that resumed from a snapshot
         self.num_evictions = 0
         # Slots taken for the last step's snapshots and not registered yet: a commit whose tail failed
         # never registers them, so the next step takes them back (`reclaim`) instead of losing them.
-        self.reserved: list[int] = []
-        self.undo: UndoLog | None = None  # the scheduler's open transaction, if any
+        self.reserved: list[int] = JournaledList()
 
     # --- admission and planning (inside the step's transaction) ------------------------------------
     def hit_tokens(self, hashes: list[bytes], num_kv_tokens: int) -> int:
@@ -77,13 +64,10 @@ class StateCache:
 
     def use(self, seq: Sequence) -> int:
         """`seq` was admitted with a prefix hit: mark the snapshot at its end used; its slot, to load from."""
-        entry = self.entries[seq.block_hashes[seq.num_computed_tokens // self.block_size - 1]]
-        self._record("clock", "num_hits")
-        if self.undo is not None:
-            self.undo.record_attr(entry, "last_used")
+        key = seq.block_hashes[seq.num_computed_tokens // self.block_size - 1]
         self.clock += 1
-        entry.last_used, self.num_hits = self.clock, self.num_hits + 1
-        return entry.slot
+        self.last_used[key], self.num_hits = self.clock, self.num_hits + 1
+        return self.entries[key]
 
     def positions(self, start: int, num_new_tokens: int, num_prompt_tokens: int) -> list[int]:
         """The prompt positions, multiples of the stride, that a chunk [start, start + num_new_tokens) reaches."""
@@ -95,7 +79,6 @@ class StateCache:
         count = min(count, len(self.free))
         if not count:
             return []
-        self._record("free", "reserved")
         slots = [self.free.pop() for _ in range(count)]
         self.reserved.extend(slots)
         return slots
@@ -103,12 +86,7 @@ class StateCache:
     def reclaim(self) -> None:
         """Before a step: slots a step took and never registered (its commit's tail failed) are free again."""
         self.free.extend(self.reserved)
-        self.reserved = []
-
-    def _record(self, *names: str) -> None:
-        if self.undo is not None:
-            for name in names:
-                self.undo.record_attr(self, name)
+        self.reserved.clear()
 
     # --- the commit, and after a rollback ------------------------------------------------------------
     def register(self, key: bytes | None, slot: int) -> None:
@@ -116,28 +94,28 @@ class StateCache:
         were never hashed, it finished first). An equal key already cached stays; the slot goes back."""
         self.clock += 1
         self.reserved.remove(slot)
-        if key is not None and key not in self.entries:
-            self.entries[key] = Snapshot(slot, key, self.clock)
-            return
         if key is not None:
-            self.entries[key].last_used = self.clock
+            self.last_used[key] = self.clock
+            if key not in self.entries:
+                self.entries[key] = slot
+                return
         self.free.append(slot)
 
     def keep_free(self) -> None:
         """After the commit registered its snapshots: evict the least recently used entries until the next
         step's snapshots find free slots (a scan of the entries: a few hundred at most)."""
         while len(self.free) < self.cfg.max_per_step and self.entries:
-            victim = min(self.entries.values(), key=lambda e: e.last_used)
-            del self.entries[victim.key]
-            self.free.append(victim.slot)
+            victim = min(self.entries, key=self.last_used.__getitem__)
+            self.free.append(self.entries.pop(victim))
+            del self.last_used[victim]
             self.num_evictions += 1
 
     # --- proof ---------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Every slot is free or holds exactly one entry; entries are findable under their own key."""
-        held = [e.slot for e in self.entries.values()]
+        held = list(self.entries.values())
         assert len(set(held)) == len(held), "two snapshots share a slot"
         assert not set(held) & set(self.free) and len(set(self.free)) == len(self.free), "a slot is free and held"
         accounted = sorted(held + self.free + self.reserved)
         assert accounted == list(range(self.cfg.num_snapshots)), "a snapshot slot is lost"
-        assert all(k == e.key for k, e in self.entries.items())
+        assert self.entries.keys() == self.last_used.keys(), "an entry without its LRU mark, or a mark without one"

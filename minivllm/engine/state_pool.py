@@ -19,8 +19,8 @@ not appended to, and is ~1 MB per layer per request: copying it aside every step
 than the step. So each request owns a PAIR of physical slots and a bit saying which holds its
 published state. The forward reads the published slot and writes its new state into the other one
 (out of place); the commit flips the bit. A failed step flips nothing: every published state is as
-it was, and the retry reads it again. Allocating and freeing pairs (admission, finish, preemption)
-goes through the step's undo log like the blocks.
+it was, and the retry reads it again. Allocating and freeing pairs (admission, finish, preemption) is
+undone with the blocks: the free list is a journaled container (engine/journal.py).
 
 Speculative decoding. A verification step feeds a request's last token and d drafts, d + 1 rows; if
 only a drafts are accepted, the state to publish is the one after 1 + a rows, not after all of them.
@@ -39,36 +39,23 @@ from __future__ import annotations
 
 import dataclasses
 
+from minivllm.engine.journal import Journaled, JournaledList
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.state_cache import StateCache
 from minivllm.engine.state_layout import candidate_slot, pair_slots
 from minivllm.engine.step_types import ScheduledSequence, StateRow
-from minivllm.engine.undo_log import UndoLog
 
 
-class StatePool:
+class StatePool(Journaled):
     def __init__(self, num_pairs: int, num_speculative_tokens: int = 0, cache: StateCache | None = None) -> None:
         self.num_pairs, self.num_speculative_tokens = num_pairs, num_speculative_tokens
         self.current = [0] * num_pairs  # which slot of each pair holds the published state
-        self.free: list[int] = list(range(num_pairs - 1, -1, -1))  # a stack: pop() takes pair 0 first
-        self.undo: UndoLog | None = None  # the scheduler's open transaction, if any
+        self.free: list[int] = JournaledList(range(num_pairs - 1, -1, -1))  # a stack: pop() takes pair 0 first
         self.cache = cache  # prefix caching's snapshot books (None: prefix caching off)
 
     @property
     def num_free(self) -> int:
         return len(self.free)
-
-    def begin(self, undo: UndoLog) -> None:
-        """A step's transaction opens: what follows is recorded in `undo`."""
-        if self.cache is not None:
-            self.cache.reclaim()
-            self.cache.undo = undo
-        self.undo = undo
-
-    def end(self) -> None:
-        self.undo = None
-        if self.cache is not None:
-            self.cache.undo = None
 
     # --- ownership (inside the step's transaction) -----------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
@@ -78,7 +65,6 @@ class StatePool:
         """Give `seq` its pair. After a prefix hit, the snapshot slot its state starts from (else None)."""
         if seq.state_slots is not None:
             return None
-        self._record(seq)
         seq.state_slots = [self.free.pop()]
         if seq.num_computed_tokens:  # a prefix hit (the block manager checked a snapshot is there)
             return self.cache.use(seq)
@@ -87,14 +73,8 @@ class StatePool:
     def release(self, seq: Sequence) -> None:
         if seq.state_slots is None:
             return
-        self._record(seq)
         self.free.extend(reversed(seq.state_slots))
         seq.state_slots = None
-
-    def _record(self, seq: Sequence) -> None:
-        if self.undo is not None:
-            self.undo.record_attr(self, "free")  # a list of at most max_num_seqs ints
-            self.undo.record_seq(seq)
 
     # --- the plan: each row group's slots ----------------------------------------------------------
     def read_slot(self, seq: Sequence) -> int:
@@ -110,6 +90,8 @@ class StatePool:
         id: admitted with a prefix hit), and the states kept — a verification's candidates after rows
         1 .. d, or a prompt chunk's snapshots at stride positions (at most the cache's max_per_step a step)."""
         rows, budget = [], self.cache.cfg.max_per_step if self.cache is not None else 0
+        if self.cache is not None:
+            self.cache.reclaim()  # slots of a step whose commit failed before registering them
         for s in scheduled:
             seq = s.seq
             row = StateRow(self.read_slot(seq), self.write_slot(seq), loads.get(seq.request_id))

@@ -14,7 +14,7 @@ from minivllm.engine.block_allocator import AllocatorContractError, BlockAllocat
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.undo_log import UndoLog
+from minivllm.engine.journal import Journal
 from minivllm.teaching.scheduler_machine import scheduler_machine
 
 
@@ -107,16 +107,19 @@ def test_a_rollback_puts_every_block_back_where_it_was(make):
     for s in [prefilled(bm, name, list(range(start, start + 9))) for name, start in (("x", 100), ("a", 0), ("y", 200))]:
         bm.free(s)  # 9 of the 10 blocks free, a's 2 full ones cached, in the allocator's order
     keep = prefilled(bm, "k", list(range(300, 306)))
-    before = (list(bm.free_blocks), list(bm.ref_counts), dict(bm.hash_to_block), list(bm.free_stamp))
-    bm.begin(UndoLog())
+    before = (list(bm.free_blocks), list(bm.ref_counts), dict(bm.hash_to_block), dict(bm.free_blocks.stamps))
+    journal = Journal()
+    journal.watch(bm)
+    journal.watch(keep)
+    journal.begin()
     hit = Sequence("b", list(range(9)) + [50, 51, 52, 53], SamplingParams())
     prefix = bm.get_computed_blocks(hit)
     assert prefix.num_tokens == 8 and all(bm.ref_counts[b] == 0 for b in prefix.blocks)  # a's, free and cached
     bm.allocate(hit, hit.num_tokens - 8, prefix)  # revives them (from anywhere in the allocator), takes 2 more
     bm.free(keep)
     assert list(bm.free_blocks) != before[0]
-    bm.rollback()
-    assert (list(bm.free_blocks), list(bm.ref_counts), dict(bm.hash_to_block), list(bm.free_stamp)) == before
+    journal.rollback()
+    assert (list(bm.free_blocks), list(bm.ref_counts), dict(bm.hash_to_block), dict(bm.free_blocks.stamps)) == before
     bm.check_invariants([keep])
 
 
@@ -154,9 +157,9 @@ def test_an_allocator_that_breaks_a_rule_is_named_with_the_rule():
 
 
 def test_the_default_is_lru_and_yours_is_checked():
-    assert isinstance(BlockManager(4, 2).free_blocks, LRUAllocator)
+    assert isinstance(BlockManager(4, 2).free_blocks.inner, LRUAllocator)  # (in the journal's wrapper)
     mine = LowestFirst()
-    checked = BlockManager(4, 2, allocator=mine).free_blocks
+    checked = BlockManager(4, 2, allocator=mine).free_blocks.inner
     assert isinstance(checked, CheckedAllocator) and checked.inner is mine and len(mine) == 4
     with pytest.raises(ValueError, match="block_allocator='lru' is not a BlockAllocator"):
         EngineConfig(model="m", block_allocator="lru")
@@ -180,7 +183,7 @@ def run(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[list[in
 
 def test_an_allocator_that_re_derives_lru_makes_the_same_choices(model_factory):
     lru, mine = tiny(model_factory), tiny(model_factory, block_allocator=PlainLRU())
-    assert mine.llm_engine.block_manager.free_blocks.inner is mine.llm_engine.config.block_allocator
+    assert mine.llm_engine.block_manager.free_blocks.inner.inner is mine.llm_engine.config.block_allocator
     for params in (GREEDY, SAMPLED, GREEDY):  # the third run finds the first run's prefixes, or not
         assert run(mine, params) == run(lru, params)
         assert list(mine.llm_engine.block_manager.free_blocks) == list(lru.llm_engine.block_manager.free_blocks)

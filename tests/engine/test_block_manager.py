@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.undo_log import UndoLog
+from minivllm.engine.journal import Journal
 from minivllm.sampling_params import SamplingParams
 
 
@@ -99,11 +99,14 @@ def test_rollback_is_exact():
     run_prefill(bm, a)
     state = (list(bm.ref_counts), list(bm.free_blocks), dict(bm.hash_to_block), list(bm.block_hash),
              list(a.block_table), a.num_computed_tokens)
-    bm.begin(UndoLog())
+    journal = Journal()
+    journal.watch(bm)
+    journal.watch(a)
+    journal.begin()
     b = seq("b", list(range(9)))
     run_prefill(bm, b)  # takes free blocks from the head of the queue, publishes hashes
     bm.free(a)
-    bm.rollback()
+    journal.rollback()
     assert (list(bm.ref_counts), list(bm.free_blocks), dict(bm.hash_to_block), list(bm.block_hash),
             list(a.block_table), a.num_computed_tokens) == state
     bm.check_invariants([a])
@@ -117,13 +120,15 @@ def test_rollback_puts_a_revived_cached_block_back_in_its_place():
         run_prefill(bm, s)
         bm.free(s)
     queue = list(bm.free_blocks)
-    bm.begin(UndoLog())
+    journal = Journal()
+    journal.watch(bm)
+    journal.begin()
     hit = seq("b", list(range(9)))
     prefix = bm.get_computed_blocks(hit)
     assert prefix.num_tokens == 8
     bm.allocate(hit, 1, prefix)
     assert list(bm.free_blocks) != queue
-    bm.rollback()
+    journal.rollback()
     assert list(bm.free_blocks) == queue
     bm.check_invariants([])
 

@@ -326,6 +326,13 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                 return
             before, executes = self._snapshot(), self.num_executes
             marked = [s for s in self.over_budget.values() if not s.is_finished]
+            sched, victims = self.engine.scheduler, []
+
+            def rollback_step(plan=None):  # the preemptions a rollback keeps (engine/overwritten.py)
+                victims.extend(type(sched).rollback_step(sched, plan))
+                return victims
+
+            sched.rollback_step = rollback_step
             try:
                 outs = self.engine.step()
             except ProposerFailed:  # after the commit: the step stands, its outputs come with the next step
@@ -334,8 +341,8 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             except Injected:
                 reach["rolled back"] += 1
                 after = self._snapshot()  # rolled back: nothing moved but an overwritten cached block's hash
-                kept = {s.request_id for s in self.engine.scheduler.transaction.kept_preemptions}
-                if kept:  # a preemption whose blocks the failed step gave another sequence stands (undo_log.py)
+                kept = {s.request_id for s in victims}
+                if kept:  # a preemption whose blocks the failed step gave another sequence stands (overwritten.py)
                     reach["preemption kept"] += 1
                     assert all(s[1:4] == (SequenceStatus.WAITING, 0, []) for s in after[0] if s[0] in kept), after[0]
                     before, after = ([s for s in x[0] if s[0] not in kept] for x in (before, after))
@@ -395,7 +402,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                 state = engine.requests.get(seq.group_id)
                 assert state is not None and any(s is seq for s in state.seqs), f"{seq} belongs to no live request"
             engine.block_manager.check_invariants(live)
-            assert sched.transaction.log is None, "a step's transaction was left open"
+            assert not sched.journal.is_open, "a step's transaction was left open"
             assert len(sched.running) <= engine.config.max_num_seqs, \
                 f"{len(sched.running)} sequences for max_num_seqs={engine.config.max_num_seqs}"
             pool = engine.state_pool
@@ -540,7 +547,7 @@ def _cache_state(cache: StateCache | None) -> tuple | None:
     """What a failed step must leave as it was in a hybrid's state cache."""
     if cache is None:
         return None
-    return ({k: (e.slot, e.last_used) for k, e in cache.entries.items()}, sorted(cache.free + cache.reserved),
+    return ({k: (slot, cache.last_used[k]) for k, slot in cache.entries.items()}, sorted(cache.free + cache.reserved),
             cache.clock, cache.num_hits)
 
 

@@ -11,7 +11,7 @@ from minivllm.engine.kv_cache import sliding_pool_blocks
 from minivllm.engine.kv_cache_groups import KVCacheCoordinator
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.sliding_window import SlidingWindowBlockManager
-from minivllm.engine.undo_log import UndoLog
+from minivllm.engine.journal import Journal
 from minivllm.sampling_params import SamplingParams
 
 B, W = 4, 8
@@ -146,12 +146,14 @@ def test_a_rollback_restores_both_pools_and_both_tables():
     kv.trim(s, s.num_tokens)  # the commit's part (caching: at allocation)
     before = (list(s.block_table), list(s.sliding_block_table), list(kv.full.free_blocks),
               list(kv.sliding.free_blocks), list(kv.sliding.ref_counts))
-    undo = UndoLog()
-    kv.begin(undo)
+    journal = Journal()
+    journal.watch(kv)
+    journal.watch(s)
+    journal.begin()
     s.append_token(5)
     kv.append_slots(s, 6)  # frees blocks that left the window, takes new ones in both pools
     assert s.sliding_block_table != before[1]
-    kv.rollback()
+    journal.rollback()
     after = (list(s.block_table), list(s.sliding_block_table), list(kv.full.free_blocks),
              list(kv.sliding.free_blocks), list(kv.sliding.ref_counts))
     assert after == before
