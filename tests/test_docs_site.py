@@ -99,7 +99,7 @@ def test_figures_are_readable_at_the_site_width():
         "static": lambda: viz.plot_static_batches([3, 7, 2, 5, 4], 2),
         "slots": lambda: viz.plot_slot_map([12, 13, 36], [0, 1, 8], [2, 1], ["a", "b"], 16, 4),
         "tables": lambda: viz.plot_block_tables([Seq("p", [7, 2, 9], 11), Seq("c", [7, 2, 4], 11)],
-                                                [0, 0, 2, 0, 1, 0, 0, 2, 0, 1], 4, {4: 9}),
+                                                [0, 0, 2, 0, 1, 0, 0, 2, 0, 1], 4),
         "distributions": lambda: viz.plot_distributions({"p": [0.5, 0.5], "q": [0.9, 0.1]}, ["x", "y"]),
         "shards": lambda: viz.plot_weight_shards(  # by rows, by columns, and a replicated KV head
             {"q": (8, 4), "k": (2, 4), "o": (4, 8)},

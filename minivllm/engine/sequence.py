@@ -161,7 +161,8 @@ class Sequence(Journaled):
             self.cumulative_logprob = sum(t.logprob for t in self.logprobs)
 
     def clear_drafts(self) -> None:
-        self.spec_token_ids, self.draft_probs = [], None
+        if self.spec_token_ids or self.draft_probs is not None:  # (each write is journaled: skip a no-op)
+            self.spec_token_ids, self.draft_probs = [], None
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

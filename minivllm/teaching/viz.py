@@ -162,13 +162,12 @@ def plot_slot_map(slot_mapping: Sequence[int], positions: Sequence[int], query_l
     return ax
 
 
-def plot_block_tables(seqs: Sequence[Any], ref_counts: Sequence[int], block_size: int,
-                      copies: Mapping[int, int] | None = None, ax: Any = None, title: str | None = None) -> Any:
+def plot_block_tables(seqs: Sequence[Any], ref_counts: Sequence[int], block_size: int, ax: Any = None,
+                      title: str | None = None) -> Any:
     """Each sequence's block table as a row of physical blocks. Gold = shared (ref count > 1, shown
-    under the block), coloured = the sequence's own. The bar inside a block shows how many of its slots
-    hold tokens. `copies` (new block -> the block it copies) hatches blocks copied from another, for a
-    design that copies them (copy-on-write forks; minivllm's n > 1 shares through the prefix cache)."""
-    copies = dict(copies or {})
+    under the block: the prefix cache shares a prompt's full blocks, as between the n sequences of an
+    n > 1 request), coloured = the sequence's own. The bar inside a block shows how many of its slots
+    hold tokens."""
     width = max(len(s.block_table) for s in seqs)
     ax = _axes(ax, (WIDTH, 0.9 + 0.85 * len(seqs)))
     for r, seq in enumerate(seqs):
@@ -176,20 +175,17 @@ def plot_block_tables(seqs: Sequence[Any], ref_counts: Sequence[int], block_size
         for j, b in enumerate(seq.block_table):
             shared = ref_counts[b] > 1
             face = "gold" if shared else _TAB10[(r + 1) % 10]
-            ax.add_patch(_patch(face, (j * 1.6, y), 1.4, 0.9, edgecolor="0.3", hatch="//" if b in copies else None,
-                                alpha=0.9))
+            ax.add_patch(_patch(face, (j * 1.6, y), 1.4, 0.9, edgecolor="0.3", alpha=0.9))
             filled = min(block_size, max(0, seq.num_tokens - j * block_size))
             ax.add_patch(_patch("0.2", (j * 1.6, y + 0.78), 1.4 * filled / block_size, 0.12, edgecolor="none"))
             ax.text(j * 1.6 + 0.7, y + 0.4, str(b), ha="center", va="center", fontsize=12, fontweight="bold")
-            note = f"ref {ref_counts[b]}" if shared else (f"copy of {copies[b]}" if b in copies else "own")
+            note = f"ref {ref_counts[b]}" if shared else "own"
             ax.text(j * 1.6 + 0.7, y + 1.08, f"{note} · {filled}/{block_size}", ha="center", va="center",
                     fontsize=8.5)
         ax.text(-0.2, y + 0.45, seq.request_id, ha="right", va="center", fontsize=10)
     ax.set(xlim=(-2.6, width * 1.6), ylim=(len(seqs) * 1.3, -0.2))
     ax.set_axis_off()
     keys = [(_patch("gold"), "shared block (ref count > 1)"), (_patch("0.2"), "slots holding tokens")]
-    if copies:
-        keys.insert(1, (_patch("white", hatch="//"), "copied block (copy-on-write)"))
     ax.legend(*zip(*keys), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=9, frameon=False)
     ax.set_title(title or "block tables (number = physical block id)", fontsize=11)
     return ax
