@@ -14,6 +14,10 @@ Unknown fields cost one log line per request, however many there are: the count 
 names. The names are the client's own text, so each is escaped and cut short (`log_safe`): a name
 holding a newline must not be able to start a forged line in the server's log.
 
+The tokenization endpoints (/tokenize, /detokenize) are stricter: `refuse_undeclared` answers any field
+they do not declare with a 400 naming it (their requests are small and new, with no older clients
+sending extras to keep working).
+
 Invariant: no name here is declared on a request model (a declared field never reaches
 `model_extra`, so a policy for it would never run).
 """
@@ -50,7 +54,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logits_processors": ((), "custom logits processors cannot be sent to this server"),
     "lora_request": ((), "LoRA adapters are not implemented"),
     "spaces_between_special_tokens": ((True,), "the detokenizer always decodes as the tokenizer does"),
-    "truncation_side": (("left",), "truncate_prompt_tokens keeps the prompt's last tokens only"),
     "cache_salt": ((), "prefix-cache isolation between users is not implemented"),
     "kv_transfer_params": ((), "disaggregated prefill (KV transfer) is not implemented"),
     "vllm_xargs": ((), "this server takes no custom sampling extensions"),
@@ -90,6 +93,21 @@ def check_undeclared(extra: Mapping[str, Any]) -> None:
         more = f" and {len(unknown) - _LOGGED_NAMES} more" if len(unknown) > _LOGGED_NAMES else ""
         log.warning("ignored request fields that are not in OpenAI's or vLLM's API (%d): %s%s",
                     len(unknown), shown, more)
+
+
+def refuse_undeclared(extra: Mapping[str, Any], endpoint: str, declared: list[str]) -> None:
+    """Refuse every field `endpoint` does not declare (RequestError naming the first; the message names
+    up to five). A REFUSED name keeps its own reason; None stands for "not sent", as above."""
+    sent = [name for name, value in extra.items() if not (value is None and name in REFUSED)]
+    if not sent:
+        return
+    first = sent[0]
+    if first in REFUSED:
+        raise RequestError(first, f"not supported by this server: {REFUSED[first][1]}; leave it out")
+    shown = ", ".join(log_safe(name, _NAME_CHARS) for name in sent[:_LOGGED_NAMES])
+    more = f" and {len(sent) - _LOGGED_NAMES} more" if len(sent) > _LOGGED_NAMES else ""
+    raise RequestError(first[:_NAME_CHARS], f"{endpoint} has no field{'s' if len(sent) > 1 else ''} {shown}{more}; "
+                                            f"its fields are {', '.join(declared)}")
 
 
 def log_safe(text: str, limit: int = 64) -> str:

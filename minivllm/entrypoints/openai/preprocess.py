@@ -5,7 +5,10 @@
       ├─ req.check_fields(): refused and unknown fields (field_policy.py)    400
       └─ worker thread:
            req.sampling_params(): values SamplingParams refuses, logprobs cap   400
-           render (chat template + tokenize, once), request prepared and fits?  400 (context_length_exceeded:
+           render (chat template + tokenize, once)
+           cut to truncate_prompt_tokens (the end truncation_side says);
+           every id in the vocabulary?                                          400 "out of vocabulary" (vLLM's)
+           request prepared and fits?                                           400 (context_length_exceeded:
                                                    the prompt, or prompt + max_tokens, past max_model_len)
            a grammar that does not compile or cannot run                        400 naming the field sent:
                                                                                 structured_outputs, response_format
@@ -14,8 +17,9 @@
 
 Rendering costs time in the prompt's length, and preparing a request's lists (allowed ids, bad
 words) in theirs, so both run once per request, in a worker thread (`asyncio.to_thread`), never on
-the event loop nor on the engine's thread (which reuses the prepared lists: `InputProcessor.logit_rules`). The result is a prompt the engine never
-re-tokenizes: {"prompt": text, "prompt_token_ids": ids}, which `LLMEngine.tokenize` takes as is.
+the event loop nor on the engine's thread (which reuses the prepared lists: `InputProcessor.logit_rules`).
+The result is a prompt the engine never re-tokenizes: {"prompt": text, "prompt_token_ids": ids}, which
+`LLMEngine.tokenize` takes as is.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class ServingContext:
     def _prepare(self, req: Request, render: Callable[[], list[TokensPrompt]], limits: Limits,
                  param: str) -> tuple[list[TokensPrompt], SamplingParams]:
         sp = req.sampling_params(self.defaults, limits)
-        return render_and_check(self.engine, render, sp, param), sp
+        return render_and_check(self.engine, render, sp, param, req.truncation_side), sp
 
 
 def _constraint_error(req: Request, error: ApiError) -> ApiError:
@@ -108,6 +112,12 @@ def completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[Toke
 
 
 def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> TokensPrompt:
+    # The template already wrote the special tokens (BOS, role markers): add none twice by default.
+    return _tokenized(ctx, chat_text(ctx, req), req)
+
+
+def chat_text(ctx: ServingContext, req: ChatCompletionRequest) -> str:
+    """The messages (and tools) through the model's chat template: the prompt's text (/tokenize's too)."""
     conversation, tools = req.conversation(), req.tool_plan().tools
     options = dict(tokenize=False, add_generation_prompt=req.add_generation_prompt,
                    continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
@@ -116,8 +126,7 @@ def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> TokensPrompt
         with_tools = ctx.tokenizer.apply_chat_template(conversation, tools=tools, **options)
         text = with_tools if with_tools != text else ctx.tokenizer.apply_chat_template(
             with_tools_in_system(conversation, tools), **options)
-    # The template already wrote the special tokens (BOS, role markers): add none twice by default.
-    return _tokenized(ctx, text, req)
+    return text
 
 
 def _tokenized(ctx: ServingContext, text: str, req: Request) -> TokensPrompt:
@@ -128,16 +137,19 @@ def _tokenized(ctx: ServingContext, text: str, req: Request) -> TokensPrompt:
     except PromptTooLong as e:
         raise ApiError(400, str(e), "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                        "context_length_exceeded") from e
-    return {"prompt": text, "prompt_token_ids": ctx.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids}
+    ids = ctx.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
+    return {"prompt": text, "prompt_token_ids": ids}
 
 
 def render_and_check(engine: AsyncLLMEngine, render: Callable[[], list[TokensPrompt]], sp: SamplingParams,
-                     param: str) -> list[TokensPrompt]:
-    """The prompts `render` builds, each checked to fit (a 400 now, rather than a stream that
-    would fail after its 200 was sent)."""
-    prompts = render()
+                     param: str, truncation_side: str | None = None) -> list[TokensPrompt]:
+    """The prompts `render` builds, cut to `sp.truncate_prompt_tokens` here (the engine's own cut, the last
+    k, then keeps them all), each checked to fit (a 400 now, rather than a stream that would fail after its
+    200 was sent)."""
+    prompts = [_truncated(p, sp.truncate_prompt_tokens, truncation_side) for p in render()]
     max_model_len = engine.engine.config.max_model_len
     for p in prompts:
+        check_in_vocabulary(p["prompt_token_ids"], engine.engine.spec.vocab_size, param)
         reason = engine.check_request(p, sp)
         if reason is not None:  # a field that can never be served (n), or the prompt's length
             raise ApiError(400, reason.message, reason.field or param,
@@ -150,3 +162,21 @@ def render_and_check(engine: AsyncLLMEngine, render: Callable[[], list[TokensPro
                                 "completion). Please reduce the length of the prompt or max_tokens.",
                            "max_tokens", "context_length_exceeded")
     return prompts
+
+
+def _truncated(prompt: TokensPrompt, k: int | None, side: str | None) -> TokensPrompt:
+    """vLLM's truncation_side: "right" keeps the first k tokens, "left" (the default) the last k. The text stays
+    whole, as the engine keeps it (an echo decodes the ids kept)."""
+    ids = prompt["prompt_token_ids"]
+    if k is None or k < 1 or len(ids) <= k:  # k < 1: SamplingParams refuses it, naming the field
+        return prompt
+    return {**prompt, "prompt_token_ids": ids[:k] if side == "right" else ids[-k:]}
+
+
+def check_in_vocabulary(ids: list[int], vocab_size: int, param: str) -> None:
+    """A 400 in vLLM's words ("Token id N is out of vocabulary") for an id the model has no embedding for;
+    the engine would refuse it too, in words a client looking for vLLM's would not find."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"Token id {bad} is out of vocabulary: this model's token ids are 0 to {vocab_size - 1}",
+                       param)

@@ -8,15 +8,15 @@ ignored and logged, by field_policy.py. vLLM's extras (`top_k`, `min_p`, `repeti
 Fields left out fall back to the model's `generation_config.json` (temperature, top_p, top_k, min_p,
 repetition_penalty), then to OpenAI's defaults. Types are strict (pydantic's strict mode): an integer field refuses
 `true` and `2.0`, a boolean refuses `"yes"` and `1`, a number refuses `"0.5"` (an integer is a number); nothing is
-coerced, so a client's mistake is a 400 naming the field, not a different request. Numbers must be finite (NaN and
-±inf are refused, naming the field). What pydantic cannot check raises `RequestError` naming the field (400).
+coerced, so a client's mistake is a 400 naming the field, not a different request. Numbers must be finite (NaN, ±inf
+are refused, naming the field). What pydantic cannot check raises `RequestError` naming the field (400).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,8 +33,7 @@ from minivllm.structured_outputs import StructuredOutputsParams
 _TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                   "chat_template", "tools", "documents", "return_dict"}
 _INT64 = 2**63
-# use_beam_search ranks beams by the model's own logprobs: these sampling fields would do nothing.
-# field -> the values that mean "not asked for"
+# use_beam_search ranks beams by the model's own logprobs: these sampling fields would do nothing (field -> not asked)
 _NOT_WITH_BEAMS = {"temperature": (None, 0), "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0),
                    "seed": (None,), "stop": (None, [], ""), "stop_token_ids": (None, []), "presence_penalty": (0,),
                    "frequency_penalty": (0,), "repetition_penalty": (None, 1), "logit_bias": (None, {}),
@@ -71,7 +70,7 @@ class _Common(BaseModel):
     n: int = 1
     best_of: int | None = None  # accepted when it equals n (no server-side ranking)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
+    seed: int | None = Field(default=None, ge=-_INT64, le=_INT64 - 1)  # vLLM's bounds (a torch.long)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -87,7 +86,8 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    truncate_prompt_tokens: int | None = None  # keep only k prompt tokens, at the end truncation_side says:
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "left" (None) the last k, "right" the first
     prompt_logprobs: int | None = None
     echo: bool = False
     return_token_ids: bool = False  # add the prompt's and each choice's token ids to the answer
@@ -203,12 +203,12 @@ class CompletionRequest(_Common):
         """One engine prompt per completion: a str, or {"prompt_token_ids": [...]}."""
         p = self.prompt
         if isinstance(p, str):
-            return [_encodable(p, "prompt")]
+            return [encodable(p, "prompt")]
         if not p:
             raise RequestError("prompt", "the list is empty; send a string, token ids, or a list of them")
         if all(isinstance(x, int) for x in p):
             return [{"prompt_token_ids": list(p)}]
-        return [_encodable(x, f"prompt[{i}]") if isinstance(x, str) else {"prompt_token_ids": list(x)}
+        return [encodable(x, f"prompt[{i}]") if isinstance(x, str) else {"prompt_token_ids": list(x)}
                 for i, x in enumerate(p)]
 
 
@@ -223,7 +223,7 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             content = "".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
-        content = _encodable(content or "", f"{where}.content")
+        content = encodable(content or "", f"{where}.content")
         role = "system" if self.role == "developer" else self.role  # OpenAI's new name for system
         check_history_calls((self.model_extra or {}).get("tool_calls"), where)  # before any template sees them
         return {**(self.model_extra or {}), "role": role, "content": content}
@@ -239,7 +239,7 @@ def _part_text(part: dict[str, Any], where: str) -> str:
     return part["text"]
 
 
-def _encodable(text: str, where: str) -> str:
+def encodable(text: str, where: str) -> str:
     """JSON can carry a lone UTF-16 surrogate ("\\ud800"); no tokenizer can encode it."""
     try:
         text.encode("utf-8")

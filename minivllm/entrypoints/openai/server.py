@@ -1,11 +1,12 @@
 """The OpenAI-compatible API over an `AsyncLLMEngine`.
 
-    GET  /health                 200 {"status": "ok"}; 503 with an error body once the engine is dead
+    GET  /health, GET|POST /ping 200 {"status": "ok"}; 503 with an error body once the engine is dead
     GET  /version                {"version": ...}
     GET  /v1/models              the one served model; /v1/models/{id} that model, or 404
     GET  /metrics                Prometheus text, vLLM's metric names (see metrics.py)
     POST /v1/completions         prompt: str | [str] | [int] | [[int]]; stream or not (serving_completion.py)
     POST /v1/chat/completions    messages through the tokenizer's chat template (serving_chat.py)
+    POST /tokenize, /detokenize  vLLM's: a prompt's or messages' token ids; ids' text (serving_tokenization.py)
 
 A request's way in:
 
@@ -37,7 +38,7 @@ import os
 import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -53,6 +54,7 @@ from minivllm.entrypoints.openai.preprocess import ServingContext
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now
 from minivllm.entrypoints.openai.serving_chat import create_chat_completion
 from minivllm.entrypoints.openai.serving_completion import create_completion
+from minivllm.entrypoints.openai.serving_tokenization import create_detokenize, create_tokenize
 
 # A 2048-token prompt is ~8 KB of English, ~15 KB as JSON token ids, and under 100 KB even as
 # \u-escaped text of long tokens; 1 MiB leaves room for 32k-token contexts and batched prompts,
@@ -83,6 +85,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, defaults: dict[str, Any] 
     _error_handlers(app)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's: what SageMaker-style load balancers poll
     async def health() -> Any:
         try:
             engine.check_health()
@@ -127,6 +130,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, defaults: dict[str, Any] 
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         return await create_chat_completion(ctx, req, raw, metrics)
 
+    @app.post("/tokenize")  # a JSON object, read as one of two requests (serving_tokenization.py)
+    async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        return await create_tokenize(ctx, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        return await create_detokenize(ctx, body)
+
     return app
 
 
@@ -134,6 +145,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, defaults: dict[str, Any] 
 # field missing. Any other names a field whose value is bad (400): the wrong type (strict: `"n": true`),
 # out of range, not finite.
 _MALFORMED = ("json_invalid", "missing")
+# Out of range: the message ends with pydantic's type too, which vLLM's answer carries and its clients match
+# ("seed: Input should be less than or equal to 9223372036854775807 (less_than_equal)").
+_RANGE = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -154,6 +168,8 @@ def _error_handlers(app: FastAPI) -> None:
         # A union (prompt: str | [str] | [int] | [[int]]) fails once per form: say so, not just the first.
         same = [err.get("msg", "") for err in errors if _where(err.get("loc", ())) == where]
         message = same[0] if len(same) == 1 else "matches none of the accepted forms: " + "; ".join(dict.fromkeys(same))
+        if len(same) == 1 and first.get("type") in _RANGE:
+            message += f" ({first['type']})"
         status = 422 if not where or first.get("type") in _MALFORMED else 400
         return JSONResponse(error_body(f"{where or 'body'}: {message or 'invalid request'}", param=where or None),
                             status_code=status)

@@ -44,15 +44,18 @@ def raise_if_failed(out: RequestOutput) -> None:
 def usage(outputs: list[RequestOutput], *, generated: bool = True, details: bool = True) -> dict[str, Any]:
     """OpenAI's usage of these requests (one per prompt): each prompt counted once, and every
     completion's tokens, unless nothing generated is shown (`generated=False`: echo with max_tokens=0,
-    whose one computed token is dropped). `details`: vLLM's `prompt_tokens_details.cached_tokens`, the
-    prompt tokens the prefix cache served. vLLM puts it (with --enable-prompt-tokens-details, which
-    minivllm always behaves as) on a request's usage, not on the running usage of each stream chunk."""
+    whose one computed token is dropped). `details`: vLLM's `prompt_tokens_details`, on a request's usage
+    (not on the running usage of each stream chunk): {"cached_tokens": n} when the prefix cache served n > 0
+    of the prompt's tokens, else null, as vLLM with --enable-prompt-tokens-details (which minivllm always
+    behaves as) writes it (`if enable_prompt_tokens_details and num_cached_tokens`, serving_chat.py and
+    serving_completion.py)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
     answer: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                               "total_tokens": prompt + completion}
     if details:
-        answer["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}
+        cached = sum(o.num_cached_tokens for o in outputs)
+        answer["prompt_tokens_details"] = {"cached_tokens": cached} if cached else None
     return answer
 
 
