@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine import model_runner
+from minivllm.engine import sampling_metadata
 from minivllm.sampling_params import MAX_BAD_WORDS, MAX_STOP_STRINGS
 
 
@@ -111,7 +111,7 @@ def test_prompt_logprobs_are_computed_a_chunk_at_a_time(model_factory, monkeypat
     prompt = {"prompt_token_ids": list(range(5, 75))}
     sp = SamplingParams(max_tokens=1, prompt_logprobs=5)
     whole = tiny(model_factory, max_num_batched_tokens=128).generate(prompt, sp, use_tqdm=False)[0].prompt_logprobs
-    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 7)
+    monkeypatch.setattr(sampling_metadata, "PROMPT_LOGPROBS_CHUNK", 7)
     chunked = tiny(model_factory, max_num_batched_tokens=128).generate(prompt, sp, use_tqdm=False)[0].prompt_logprobs
     assert len(chunked) == 70 and chunked[0] is None
     for a, b in zip(whole[1:], chunked[1:]):

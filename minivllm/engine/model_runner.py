@@ -37,27 +37,26 @@ from typing import NamedTuple
 
 import torch
 
-from minivllm.engine.cuda_graphs import Capture, CUDAGraphRunner, cuda_graph_capture
+from minivllm.engine.cuda_graphs import CUDAGraphRunner
+from minivllm.engine.hybrid_inputs import linear_attn_metadata, linear_attn_slots
 from minivllm.engine.kv_cache import allocate_kv_cache
-from minivllm.engine.sampling_metadata import SamplingBatch, gather_logprobs
-from minivllm.engine.spec_decode.rejection_sampler import RejectionSampler, TritonRejectionSampler, verify_drafts
+from minivllm.engine.loading import RankModel
+from minivllm.engine.sampling_metadata import (OnPromptLogits, SamplingBatch, gather_logprobs, prompt_logits,
+                                               record_prompt_logprobs)
+from minivllm.engine.sliding_inputs import sliding_metadata
+from minivllm.engine.spec_decode.rejection_sampler import Verifier, verify_drafts
 from minivllm.engine.state_tensors import StateTensors
-from minivllm.engine.step_inputs import StepInputs, linear_attn_slots, sliding_metadata
-from minivllm.engine.step_types import ModelRunnerOutput, PromptLogprob, RowGroupOutput, SchedulerOutput
-from minivllm.engine.warmup import measure_cpu_kernels, warmup_batch
-from minivllm.layers.attention import AttentionBackend, AttentionMetadata
-from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
+from minivllm.engine.step_inputs import StepInputs
+from minivllm.engine.step_types import ModelRunnerOutput, RowGroupOutput, SchedulerOutput
+from minivllm.engine.warmup import measure_cpu_kernels
+from minivllm.layers.attention import AttentionMetadata
 from minivllm.layers.logits_processors import apply_logits_processing, rows_without_choice
 from minivllm.layers.sampler import Sampler, SamplingTensors, TritonSampler
 from minivllm.models.compiled_forward import padded_num_tokens
-from minivllm.models.hf_config import ModelSpec
 from minivllm.cpu.tuner import Tuning
-from minivllm.models.interface import CausalLM
 
-PROMPT_LOGPROBS_CHUNK = 256  # prompt rows whose logits and log-softmax exist at once (prompt_logprobs)
 NO_ALLOWED_TOKEN = ("no token is allowed here: the request's rules together forbid every token (its structured_outputs "
                     "grammar, allowed_token_ids, bad_words, or min_tokens, which bans EOS and stop tokens); relax one")
-OnPromptLogits = Callable[[int, torch.Tensor], None]  # (first prompt row, its chunk's logits (R, V))
 
 
 class StepBatch(NamedTuple):
@@ -69,11 +68,15 @@ class StepBatch(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, spec: ModelSpec, backend: AttentionBackend, *, num_blocks: int,
-                 block_size: int, num_sliding_blocks: int = 0, dtype: torch.dtype, device: torch.device,
+    """Built by `build_model_runner` (engine/runner_builder.py), the one place that loads the model, picks
+    the samplers and turns CUDA graphs on; `rank` is what engine/loading.py loaded for this rank."""
+
+    def __init__(self, rank: RankModel, *, block_size: int, dtype: torch.dtype, device: torch.device,
+                 sampler: Sampler | TritonSampler, rejection_sampler: Verifier,
                  eos_token_ids: frozenset[int] = frozenset(), state_tensors: StateTensors | None = None,
                  one_rank: bool = True) -> None:
-        self.model, self.spec, self.backend = model, spec, backend  # spec: this rank's view (its heads)
+        model, spec, num_blocks, num_sliding_blocks = rank.model, rank.spec, rank.num_blocks, rank.num_sliding_blocks
+        self.model, self.spec, self.backend = model, spec, rank.backend  # spec: this rank's view (its heads)
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
         self.state_tensors = state_tensors  # hybrid models only: their states, beside kv_cache
@@ -92,27 +95,10 @@ class ModelRunner:
             self.sliding_kv_cache = allocate_kv_cache(spec, num_sliding_blocks, block_size, dtype, device, len(sliding))
             full, window = iter(self.kv_caches), iter(self.sliding_kv_cache.unbind(0))
             self.kv_caches = [next(window) if i in sliding else next(full) for i in spec.attention_layers]
-        triton = backend.name == "triton"
-        self.sampler = TritonSampler() if triton else Sampler()
-        self.rejection_sampler = TritonRejectionSampler() if triton else RejectionSampler()
-        # On a GPU, compiled decode steps of one rank replay CUDA graphs (engine/cuda_graphs.py); None: no graphs.
+        self.sampler, self.rejection_sampler = sampler, rejection_sampler  # chosen by the backend's type
         self.one_rank = one_rank
-        self.cuda_graphs: CUDAGraphRunner | None = None
-        if self.compile_sizes and device.type == "cuda" and backend.supports_cuda_graphs and state_tensors is None \
-                and one_rank:
-            self.enable_cuda_graphs(cuda_graph_capture(torch.cuda.graph_pool_handle()))
-
-    def enable_cuda_graphs(self, capture: Capture) -> None:
-        """Decode steps of the compiled sizes run as recorded graphs from now on (`capture` records one;
-        tests on CPU pass `cuda_graphs.replay_by_rerun`). Needs the scratch block of a compiled model."""
-        if (self.scratch_block is None or not self.backend.supports_cuda_graphs or not self.one_rank
-                or self.state_tensors is not None):
-            raise ValueError("CUDA graphs need the compiled forward (enforce_eager=False), the Triton attention "
-                             "backend, one rank and a model without linear-attention layers")
-        max_blocks = min(self.num_blocks, -(-self.spec.max_position_embeddings // self.block_size))
-        self.cuda_graphs = CUDAGraphRunner(self.compile_sizes, max_blocks_per_seq=max_blocks,
-                                           scratch_block=self.scratch_block, block_size=self.block_size,
-                                           backend=self.backend, device=self.device, capture=capture)
+        # On a GPU, compiled decode steps of one rank replay CUDA graphs (engine/cuda_graphs.py); None: no graphs.
+        self.cuda_graphs: CUDAGraphRunner | None = None  # set by runner_builder.enable_cuda_graphs
 
     # --- one step on one rank, or on every rank inside `on_every_rank` --------------------------
     @torch.inference_mode()
@@ -127,7 +113,7 @@ class ModelRunner:
             self.state_tensors.load([s.state for s in plan.scheduled])
         t0 = time.perf_counter()
         with on_every_rank(batch.inputs) if on_every_rank is not None else nullcontext():
-            logits = self.forward(batch.inputs, partial(_record_prompt_logprobs, batch.sampling_batch, result))
+            logits = self.forward(batch.inputs, partial(record_prompt_logprobs, batch.sampling_batch, result))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         forward_s = time.perf_counter() - t0
@@ -202,20 +188,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, on_prompt_logits: OnPromptLogits | None = None) -> torch.Tensor | None:
         """The model over a packed step; returns the sampled rows' logits (S, V), in the model's dtype, on
-        rank 0 (None on a tensor-parallel worker). Prompt rows' logits (prompt logprobs) follow, a chunk
-        of PROMPT_LOGPROBS_CHUNK rows at a time, each handed to `on_prompt_logits`: a 2,048-token chunk's
-        float32 log-softmax over a 49k vocabulary would take 400 MB at once (and its logits as much again)."""
+        rank 0 (None on a tensor-parallel worker). Prompt rows' logits (prompt logprobs) follow, a chunk at
+        a time, each handed to `on_prompt_logits` (engine/sampling_metadata.py `prompt_logits`)."""
         inputs = inputs.to(self.device)
         meta = inputs.attn_metadata
         self.backend.prepare(meta)
         if meta.sliding is not None:
             self.backend.prepare(meta.sliding)
         if self.state_tensors is not None:  # hybrid: linear-attention layers read/write state slots
-            slots, st = inputs.linear_attn, self.state_tensors
-            state = LinearAttnMetadata(slots.state_slots, slots.has_initial_state, st.conv_pools,
-                                       st.recurrent_pools, slots.write_slots,
-                                       [list(o) for o in slots.kept_offsets], slots.to_cache, slots.cache_slots,
-                                       slots.candidate_slots, st.snapshot_conv_pools, st.snapshot_recurrent_pools)
+            state = linear_attn_metadata(inputs.linear_attn, self.state_tensors)
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches, self.backend, state)
         elif self.cuda_graphs is not None and self.cuda_graphs.can_run(len(inputs.input_ids), meta):
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, meta, self._forward)  # a decode replayed
@@ -223,10 +204,7 @@ class ModelRunner:
             hidden = self._forward(inputs.input_ids, inputs.positions, meta)  # (T, hidden)
         rows, num_sampled = inputs.logits_indices, inputs.num_sampled
         logits = self.model.compute_logits(hidden[rows[:num_sampled]])  # (S, V); a collective under TP
-        for lo in range(num_sampled, len(rows), PROMPT_LOGPROBS_CHUNK):  # the same chunks on every rank
-            chunk = self.model.compute_logits(hidden[rows[lo:lo + PROMPT_LOGPROBS_CHUNK]])  # (R, V)
-            if on_prompt_logits is not None and chunk is not None:
-                on_prompt_logits(lo - num_sampled, chunk)
+        prompt_logits(self.model, hidden, rows[num_sampled:], on_prompt_logits)  # prompt_logprobs: every rank
         return logits
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -261,26 +239,6 @@ class ModelRunner:
 
     # --- around the step -------------------------------------------------------------------------
     def measure_cpu_kernels(self, tuning: Tuning = "cached") -> list[str]:
-        """Choose the CPU kernels on this machine (tuning cache or timing) and say what was chosen (engine/warmup.py)."""
+        """Choose the CPU kernels on this machine (tuning cache or timing); say what was chosen (engine/warmup.py)."""
         return measure_cpu_kernels(self.model, self.spec, self.backend, self.sampler, self.kv_cache.dtype,
                                    self.block_size, self.device, tuning)
-
-    def warmup_plans(self, num_tokens: int = 8) -> list[SchedulerOutput]:
-        """The steps warm-up runs: one small prefill through the whole stack (on free, uncached blocks), so
-        lazy initialisation happens before the first request is timed; a compiled model one of each size."""
-        pool = min(self.num_blocks, self.num_sliding_blocks) if self.num_sliding_blocks else self.num_blocks
-        return [SchedulerOutput(warmup_batch(min(n, pool * self.block_size), self.block_size,
-                                             pool, self.spec.max_position_embeddings,
-                                             hybrid=self.state_tensors is not None,
-                                             sliding=bool(self.num_sliding_blocks)))
-                for n in self.compile_sizes or (num_tokens,)]
-
-
-def _record_prompt_logprobs(sb: SamplingBatch, result: list[RowGroupOutput], first: int,
-                            logits: torch.Tensor) -> None:
-    """Prompt rows first .. first + len(logits): their logprobs, rank and top-N into `result`."""
-    part = sb.prompt_rows[first:first + len(logits)]
-    lp = logits.float().log_softmax(-1)  # (R, V)
-    toks = gather_logprobs(lp, [r.token_id for r in part], [r.num_logprobs for r in part])
-    for r, tok in zip(part, toks):
-        result[r.entry].prompt_logprobs.append(PromptLogprob(r.position, tok))

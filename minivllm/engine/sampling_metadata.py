@@ -18,20 +18,29 @@ grammar allows nothing else (the output is complete, only EOS may follow), has E
 request then ends "stop" with its complete output instead of failing on a row where nothing may be drawn.
 The client's stop_token_ids stay held: a grammar that can only go on with one (regex `x;y`, stop `;`) is a
 conflict, and the request fails with that message rather than ending before min_tokens.
+
+Prompt logprobs (`prompt_logits`, `record_prompt_logprobs`): the prompt rows' logits are made a chunk of
+PROMPT_LOGPROBS_CHUNK rows at a time, each turned into logprobs before the next: a 2,048-token chunk's
+float32 log-softmax over a 49k vocabulary would take 400 MB at once (and its logits as much again).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.step_types import GrammarBitmask, SampledToken
+from minivllm.engine.step_types import GrammarBitmask, PromptLogprob, RowGroupOutput, SampledToken
 from minivllm.layers.logits_processors import RowProcessing
 from minivllm.layers.sampler import SamplingRow
+from minivllm.models.interface import CausalLM
+
+PROMPT_LOGPROBS_CHUNK = 256  # prompt rows whose logits and log-softmax exist at once (prompt_logprobs)
+OnPromptLogits = Callable[[int, torch.Tensor], None]  # (first prompt row, its chunk's logits (R, V))
 
 
 class SampledRow(NamedTuple):
@@ -187,3 +196,24 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[
         pairs = tuple(zip(top_i[j][:n], top_v[j][:n])) if n else ()
         out[i] = SampledToken(token_ids[i], chosen_l[j], ranks_l[j], pairs)
     return out
+
+
+def prompt_logits(model: CausalLM, hidden: torch.Tensor, rows: torch.Tensor,
+                  on_prompt_logits: OnPromptLogits | None) -> None:
+    """The logits of the prompt rows `rows` of `hidden`, a chunk at a time, each handed to `on_prompt_logits`
+    with the index of its first row. Every rank runs the same chunks (the LM head is a collective under
+    tensor parallelism); only rank 0 gets logits back."""
+    for lo in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
+        chunk = model.compute_logits(hidden[rows[lo:lo + PROMPT_LOGPROBS_CHUNK]])  # (R, V)
+        if on_prompt_logits is not None and chunk is not None:
+            on_prompt_logits(lo, chunk)
+
+
+def record_prompt_logprobs(sb: SamplingBatch, result: list[RowGroupOutput], first: int,
+                           logits: torch.Tensor) -> None:
+    """Prompt rows first .. first + len(logits): their logprobs, rank and top-N into `result`."""
+    part = sb.prompt_rows[first:first + len(logits)]
+    lp = logits.float().log_softmax(-1)  # (R, V)
+    toks = gather_logprobs(lp, [r.token_id for r in part], [r.num_logprobs for r in part])
+    for r, tok in zip(part, toks):
+        result[r.entry].prompt_logprobs.append(PromptLogprob(r.position, tok))

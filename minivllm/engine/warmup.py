@@ -7,9 +7,10 @@
                           plain layers (cpu/attach.py), the attention backend and the sampler, which
                           hold the switches and choose nothing; say what was chosen and whether it was
                           cached or measured
-    warmup_batch          prompts on free, uncached blocks: one small prefill through the whole stack,
-                          so that lazy initialisation (allocators, kernels' first calls, a compiled
-                          model's graphs, one per size) happens before the first request is timed
+    warmup_plans          the steps warm-up runs (`Executor.warmup`), each a `warmup_batch` of prompts
+                          on free, uncached blocks: one small prefill through the whole stack, so that
+                          lazy initialisation (allocators, kernels' first calls, a compiled model's
+                          graphs, one per size) happens before the first request is timed
 
 Every rank measures its own kernels on its own shapes (a tensor-parallel worker too). A GPU, or a
 model, backend or sampler without the choice, keeps its defaults. In batch-invariant mode nothing is
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.step_types import ScheduledSequence, StateRow
+from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput, StateRow
 from minivllm.cpu.attach import NormRopeSizes, attach_cpu_kernels
 from minivllm.cpu.decode_kernels import choose_decode_kernel, choose_greedy_kernel
 from minivllm.cpu.tuner import Tuning
@@ -36,7 +37,8 @@ from minivllm.sampling_params import SamplingParams
 
 
 def measure_cpu_kernels(model: CausalLM, spec: ModelSpec, backend: AttentionBackend, sampler: Sampler | TritonSampler,
-                        kv_dtype: torch.dtype, block_size: int, device: torch.device, tuning: Tuning = "cached") -> list[str]:
+                        kv_dtype: torch.dtype, block_size: int, device: torch.device,
+                        tuning: Tuning = "cached") -> list[str]:
     """Choose each kernel on this machine for `model` (`spec`: this rank's view) and attach what was chosen;
     one line each of what was chosen (logged at INFO, and printed by `minivllm bench`). Idempotent for the
     matmuls."""
@@ -54,6 +56,16 @@ def measure_cpu_kernels(model: CausalLM, spec: ModelSpec, backend: AttentionBack
     if isinstance(sampler, Sampler):
         said.append(str(choose_greedy_kernel(sampler, spec.vocab_size, kv_dtype, tuning)))
     return said
+
+
+def warmup_plans(compile_sizes: tuple[int, ...], block_size: int, num_blocks: int, num_sliding_blocks: int,
+                 max_positions: int, hybrid: bool, num_tokens: int = 8) -> list[SchedulerOutput]:
+    """One plan of `num_tokens` prompt tokens, or a compiled model's one of each of its `compile_sizes`, on
+    the blocks both pools have (`num_sliding_blocks`: the sliding-window layers' pool; 0: none)."""
+    pool = min(num_blocks, num_sliding_blocks) if num_sliding_blocks else num_blocks
+    return [SchedulerOutput(warmup_batch(min(n, pool * block_size), block_size, pool, max_positions,
+                                         hybrid=hybrid, sliding=bool(num_sliding_blocks)))
+            for n in compile_sizes or (num_tokens,)]
 
 
 def warmup_batch(n: int, block_size: int, num_blocks: int, max_positions: int,

@@ -10,6 +10,7 @@ from helpers import varied_prompts
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.cuda_graphs import replay_by_rerun
+from minivllm.engine.runner_builder import enable_cuda_graphs
 from minivllm.teaching.hf_check import assert_hf_greedy
 
 SIZES = (1, 2, 4)
@@ -20,7 +21,7 @@ def graphed(model_factory):
     llm = LLM(model_factory("qwen3"), attention_backend="triton", enforce_eager=False, compile_sizes=SIZES,
               warmup=False, block_size=16, num_kv_blocks=32, max_num_batched_tokens=64)
     llm.llm_engine.model.compiled.runs = lambda num_tokens: False  # eager forward, padded to the sizes
-    llm.llm_engine.model_runner.enable_cuda_graphs(replay_by_rerun)
+    enable_cuda_graphs(llm.llm_engine.model_runner, replay_by_rerun)
     yield llm
     llm.shutdown()
 
@@ -68,7 +69,7 @@ def test_padding_rows_write_only_the_scratch_block(graphed):
 def test_graphs_need_a_compiled_triton_engine(model_factory):
     with LLM(model_factory("qwen3"), enforce_eager=True, num_kv_blocks=16) as llm:
         with pytest.raises(ValueError, match="CUDA graphs need the compiled forward"):
-            llm.llm_engine.model_runner.enable_cuda_graphs(replay_by_rerun)
+            enable_cuda_graphs(llm.llm_engine.model_runner, replay_by_rerun)
         assert llm.llm_engine.model_runner.cuda_graphs is None  # CPU: never on by itself
 
 
@@ -77,7 +78,7 @@ def test_compiled_forward_replays_without_compiling_again(model_factory, hf_fact
     pass its guards: buffers made outside inference mode failed them ("Recompilation triggered")."""
     with LLM(model_factory("qwen3"), attention_backend="triton", enforce_eager=False, compile_sizes=(1, 2),
              block_size=16, num_kv_blocks=32) as llm:
-        llm.llm_engine.model_runner.enable_cuda_graphs(replay_by_rerun)
+        enable_cuda_graphs(llm.llm_engine.model_runner, replay_by_rerun)
         graphs = llm.llm_engine.model_runner.cuda_graphs
         assert graphs.input_ids.is_inference() and graphs.block_tables.is_inference()
         prompts = [[3, 4, 5], [6, 7]]
@@ -122,7 +123,7 @@ def test_a_failed_recording_leaves_the_step_and_later_ones_running(model_factory
         raise RuntimeError("out of memory (a test)")
 
     with _padded_triton_llm(model_factory) as llm:
-        llm.llm_engine.model_runner.enable_cuda_graphs(failing)
+        enable_cuda_graphs(llm.llm_engine.model_runner, failing)
         graphs = llm.llm_engine.model_runner.cuda_graphs
         prompts = [[3, 4, 5], [6, 7, 8, 9]]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -6,7 +6,8 @@
     shutdown()                                             end the workers, if any
 
 `runner` is rank 0's `ModelRunner`: it packs and samples (the other ranks only run the forward).
-Every executor builds its ranks' models in its constructor, from the resolved config.
+Every executor builds its ranks' runners in its constructor, from the resolved config, each with
+`build_model_runner` (engine/runner_builder.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TypeVar
 
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
+from minivllm.engine.warmup import warmup_plans
 from minivllm.cpu.tuner import Tuning
 
 T = TypeVar("T")
@@ -37,9 +39,11 @@ class Executor(abc.ABC):
     def warmup(self, tuning: Tuning = "cached") -> None:
         """Choose the CPU kernels (cached, or by timing them; logged at INFO, printed by `minivllm bench`),
         then run the warm-up steps through the whole stack (engine/warmup.py)."""
-        for line in self.runner.measure_cpu_kernels(tuning):
+        r = self.runner
+        for line in r.measure_cpu_kernels(tuning):
             logging.getLogger("minivllm").info("%s", line)
-        for plan in self.runner.warmup_plans():
+        for plan in warmup_plans(r.compile_sizes, r.block_size, r.num_blocks, r.num_sliding_blocks,
+                                 r.spec.max_position_embeddings, hybrid=r.state_tensors is not None):
             self.execute_model(plan)
 
     def shutdown(self) -> None:

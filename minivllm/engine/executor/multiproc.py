@@ -50,9 +50,9 @@ from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.executor.abstract import Executor
 from minivllm.engine.executor.commands import CollectiveRpc, Shutdown, WorkerCommand, WorkerStart
 from minivllm.engine.executor.worker import WorkerLaunch, worker_main
-from minivllm.engine.loading import load_rank
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.resolved_config import ResolvedConfig
+from minivllm.engine.runner_builder import build_model_runner
 from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
 
 T = TypeVar("T")
@@ -123,13 +123,12 @@ class MultiprocExecutor(Executor):
         worker_config = config.replace(dtype=str(dtype).removeprefix("torch."), speculative_config=None,
                                        scheduling_policy="fcfs", sampling_filter=None, block_allocator=None)
         with self.run(WorkerStart(worker_config)):
-            rank = load_rank(config, resolved.spec, self.tp.device, dtype, self.tp)
+            runner = build_model_runner(config, resolved.spec, self.tp.device, dtype, self.tp,
+                                        eos_token_ids=resolved.eos_token_ids)
             # Wait (with the start-up bound, not a step's) until every worker has built its shard and warmed up,
             # however long that takes on a busy machine; then each waits for commands, which is no failure.
             self.tp.wait_for_every_rank()
-        return ModelRunner(rank.model, rank.spec, rank.backend, num_blocks=rank.num_blocks,
-                           block_size=config.block_size, dtype=dtype, device=self.tp.device,
-                           eos_token_ids=resolved.eos_token_ids, one_rank=False)
+        return runner
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output, on_every_rank=self.run)

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.engine.executor.abstract import Executor
-from minivllm.engine.loading import load_rank
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.resolved_config import ResolvedConfig
+from minivllm.engine.runner_builder import build_model_runner
 from minivllm.engine.state_tensors import StateTensors
 from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
 
@@ -18,11 +17,8 @@ T = TypeVar("T")
 
 class UniProcExecutor(Executor):
     def __init__(self, config: ResolvedConfig, state_tensors: StateTensors | None = None) -> None:
-        rank = load_rank(config.engine, config.spec, config.device, config.dtype, ParallelContext())
-        self.runner = ModelRunner(rank.model, rank.spec, rank.backend, num_blocks=rank.num_blocks,
-                                  num_sliding_blocks=rank.num_sliding_blocks,
-                                  block_size=config.engine.block_size, dtype=config.dtype, device=config.device,
-                                  eos_token_ids=config.eos_token_ids, state_tensors=state_tensors)
+        self.runner = build_model_runner(config.engine, config.spec, config.device, config.dtype,
+                                         eos_token_ids=config.eos_token_ids, state_tensors=state_tensors)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -4,7 +4,8 @@
                                     by `python -m minivllm.distributed` (`main` below)
       init_parallel_context         join the group: blocks until every rank has joined
       WorkerStart                   the engine's config, from rank 0
-      load_rank                     read only this rank's slices of the checkpoint; agree on the pool size
+      build_model_runner            read only this rank's slices of the checkpoint; agree on the pool size
+                                    (engine/runner_builder.py, as rank 0 does)
       warm-up, then meet rank 0     time the CPU kernels, as rank 0 does; rank 0 waits for that before
                                     anything else (parallel_state.py: the start-up group)
       loop over commands            StepInputs    -> `ModelRunner.forward`, the one forward path: the same
@@ -35,8 +36,8 @@ from minivllm.distributed.communication import CommandChannel
 from minivllm.distributed.parallel_state import (ParallelContext, Rendezvous, close_parallel_context,
                                                 init_parallel_context)
 from minivllm.engine.executor.commands import CollectiveRpc, Shutdown, WorkerStart
-from minivllm.engine.loading import load_rank, resolve_dtype
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.loading import resolve_dtype
+from minivllm.engine.runner_builder import build_model_runner
 from minivllm.engine.step_inputs import StepInputs
 from minivllm.models.hf_config import load_model_spec
 
@@ -60,12 +61,9 @@ class Worker:
     def __init__(self, tp: ParallelContext, config: EngineConfig) -> None:
         spec = load_model_spec(config.model)
         dtype = resolve_dtype(config, spec, tp.device)
-        rank = load_rank(config, spec, tp.device, dtype, tp)
         self.tp = tp
-        self.runner = ModelRunner(rank.model, rank.spec, rank.backend, num_blocks=rank.num_blocks,
-                                  block_size=config.block_size, dtype=dtype, device=tp.device, one_rank=False)
-        if config.warmup:  # as rank 0's warm-up does: time the CPU kernels on this rank's shapes
-            self.runner.measure_cpu_kernels(config.tuning)
+        # as rank 0's warm-up does: time the CPU kernels on this rank's shapes (before meeting rank 0)
+        self.runner = build_model_runner(config, spec, tp.device, dtype, tp, measure_kernels=config.warmup)
 
     @torch.inference_mode()
     def serve(self, channel: CommandChannel) -> None:

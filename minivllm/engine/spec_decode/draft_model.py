@@ -27,12 +27,11 @@ from pathlib import Path
 
 import torch
 
-from minivllm.engine.loading import build_model
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.config import EngineConfig
+from minivllm.engine.runner_builder import build_model_runner
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.spec_decode.proposer import Draft, DraftRequest, Proposer
 from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
-from minivllm.layers.attention import get_attention_backend
 from minivllm.layers.sampler import filtered_probs
 from minivllm.models.hf_config import ModelSpec, load_model_spec
 from minivllm.sampling_params import SamplingParams
@@ -57,14 +56,15 @@ class DraftModelProposer(Proposer):
         if spec.max_position_embeddings < max_model_len:
             raise ValueError(f"the draft model handles {spec.max_position_embeddings} positions but "
                              f"max_model_len={max_model_len}; lower max_model_len")
-        model = build_model(spec, Path(model_dir), device, dtype, max_model_len)
-        backend = get_attention_backend(attention_backend, device, spec.num_attention_heads,
-                                        spec.num_key_value_heads, spec.head_dim, block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_per_seq = -(-num_speculative_tokens // block_size) + 1
         scratch = max_num_seqs * self.scratch_per_seq
-        self.runner = ModelRunner(model, spec, backend, num_blocks=num_blocks + scratch, block_size=block_size,
-                                  dtype=dtype, device=device)
+        # The draft's own engine options: its checkpoint, the target's pool plus the scratch blocks, never compiled
+        # (nor quantized, nor batch-invariant: the defaults).
+        draft = EngineConfig(model=model_dir, dtype=str(dtype).removeprefix("torch."), block_size=block_size,
+                             max_model_len=max_model_len, attention_backend=attention_backend,
+                             num_kv_blocks=num_blocks + scratch, enforce_eager=True)
+        self.runner = build_model_runner(draft, spec, device, dtype)
         self.computed: dict[str, int] = {}  # published at commit
         self._reached: dict[str, int] = {}  # what this step's proposal computed
 
