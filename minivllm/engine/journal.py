@@ -62,11 +62,18 @@ class Journal:
         self.notes = None
 
     def rollback(self) -> None:
-        """Undo every write since `begin`, newest first."""
+        """Undo every write since `begin`, newest first. A note whose undo raises (a plug-in's allocator that
+        breaks its contract) does not stop the others: all are undone, then the first error is raised."""
         notes, self.notes = self.notes, None  # closed first: the undoing writes are not noted
         assert notes is not None, "no step is open"
+        error: BaseException | None = None
         for undo, *args in reversed(notes):
-            undo(*args)
+            try:
+                undo(*args)
+            except Exception as e:  # noqa: BLE001 -- raised below, once everything else is undone
+                error = error or e
+        if error is not None:
+            raise error
 
     def watch(self, obj: Journaled, _seen: set[int] | None = None) -> None:
         """Put `obj` under this journal, with the journaled objects and containers it holds (recursively)."""

@@ -136,3 +136,22 @@ def test_no_mutator_records_anything():
         assert not calls, f"{name} records its own writes: {calls}"
     scheduler = next(engine.rglob("scheduler.py")).read_text()
     assert re.findall(r"self\.journal\.(\w+)\(", scheduler) == ["watch", "watch", "begin", "commit", "rollback"]
+
+
+def test_an_undo_that_raises_stops_nothing_else():
+    """A plug-in (a student's allocator) that breaks its contract during a rollback: the rest is undone all the
+    same, then its error is raised."""
+    journal, books = Journal(), Books()
+    journal.watch(books)
+    before = state(books)
+    journal.begin()
+    books.items.append(7)
+    journal.notes.append((int, "not a number"))  # an undo that raises ValueError
+    books.count = 5
+    try:
+        journal.rollback()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the failing undo's error was swallowed")
+    assert state(books) == before and not journal.is_open
