@@ -26,7 +26,7 @@ candidates (ranks 1..N) plus the token actually there, whatever its rank.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from minivllm.outputs import Logprob
 
@@ -99,6 +99,33 @@ def chat_logprobs(token_ids: list[int], positions: list[Position], top_n: int, t
 
 def _chat_token(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": floor(logprob), "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+class LogprobsWriter(Protocol):
+    """A choice's new tokens' logprobs in one endpoint's shape (postprocess.py calls it once a delta)."""
+
+    def __call__(self, index: int, token_ids: list[int], positions: list[Position]) -> Any: ...
+
+
+class ChatLogprobs:
+    """Chat's shape ({"content": [...]}), the `top_n` most likely tokens at each position."""
+
+    def __init__(self, top_n: int, text: TokenText) -> None:
+        self.top_n, self.text = top_n, text
+
+    def __call__(self, index: int, token_ids: list[int], positions: list[Position]) -> dict[str, list]:
+        return chat_logprobs(token_ids, positions, self.top_n, self.text)
+
+
+class CompletionLogprobs:
+    """Completions' shape; remembers each choice's text offset, so a stream's offsets carry on."""
+
+    def __init__(self, text: TokenText) -> None:
+        self.text, self._offsets = text, {}  # choice index -> characters of token text written
+
+    def __call__(self, index: int, token_ids: list[int], positions: list[Position]) -> dict[str, list]:
+        out, self._offsets[index] = completion_logprobs(token_ids, positions, self.text, self._offsets.get(index, 0))
+        return out
 
 
 def prompt_logprobs(positions: list[Position]) -> list[dict[str, dict[str, Any]] | None]:

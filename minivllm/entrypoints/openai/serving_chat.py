@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the messages through the model's chat template, one engine request
-with n completions, one choice per completion.
+with n completions, one choice per completion. The two ends of the pipeline (pipeline.py): the messages
+rendered into a prompt (preprocess.chat_prompt), and each post-processed choice shaped as a message or a delta.
 
     choice = {"index", "message": {"role": "assistant", "content", "tool_calls"?}, "logprobs", "finish_reason",
               "stop_reason"}
@@ -31,69 +32,66 @@ from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
 from minivllm.entrypoints.openai import streams
-from minivllm.entrypoints.openai.beam_search import beam_search
 from minivllm.entrypoints.openai.errors import ApiError, api_error
-from minivllm.entrypoints.openai.logprobs import TokenText, chat_logprobs, prompt_logprobs
+from minivllm.entrypoints.openai.logprobs import ChatLogprobs, TokenText, prompt_logprobs
 from minivllm.entrypoints.openai.metrics import ServerMetrics
-from minivllm.entrypoints.openai.preprocess import ServingContext, chat_prompt
+from minivllm.entrypoints.openai.pipeline import Run
+from minivllm.entrypoints.openai.postprocess import Postprocessor, Processed, usage
+from minivllm.entrypoints.openai.preprocess import ServingContext, TokensPrompt, chat_prompt
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, new_id, now
 from minivllm.entrypoints.openai.reasoning import reasoning_fields
-from minivllm.entrypoints.openai.streams import ChoiceTracker, Delta, usage
-from minivllm.entrypoints.openai.tool_calls import ToolCallStream
 from minivllm.outputs import RequestOutput
-from minivllm.reasoning import ReasoningStream, split_reasoning
+from minivllm.sampling_params import SamplingParams
+
+
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, metrics: ServerMetrics, rid: str) -> Run:
+    """The chat front end (also /v1/responses'): checks, then the pipeline's stages 1-2 over the chat prompt."""
+    if getattr(ctx.tokenizer, "chat_template", None) is None:
+        raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    try:
+        req.check_reasoning(ctx.engine.engine.resolved.reasoning)
+    except ValueError as e:
+        raise api_error(e, "include_reasoning") from e
+
+    def postprocessor(prompts: list[TokensPrompt], sp: SamplingParams) -> Postprocessor:
+        reasoning = ctx.engine.engine.resolved.reasoning  # the reasoning parser, if the server has one
+        # Where the output starts (in reasoning or not), read from the prompt as the engine reads it.
+        phase = reasoning.prompt_phase(prompts[0]["prompt_token_ids"]) if reasoning is not None else None
+        return Postprocessor(stream=req.stream, phase=phase, plan=req.tool_plan(),
+                             logprobs=ChatLogprobs(sp.logprobs or 0, TokenText(ctx.tokenizer,
+                                                                               req.return_tokens_as_token_ids)))
+
+    return await Run.start(ctx, req, lambda: [chat_prompt(ctx, req)], metrics, rid, postprocessor)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request,
                                  metrics: ServerMetrics) -> Any:
-    if getattr(ctx.tokenizer, "chat_template", None) is None:
-        raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-    reasoning = ctx.engine.engine.resolved.reasoning  # the reasoning parser, if the server has one
-    try:
-        req.check_reasoning(reasoning)
-    except ValueError as e:
-        raise api_error(e, "include_reasoning") from e
-    [prompt], sp = await ctx.admit(req, lambda: [chat_prompt(ctx, req)])
-    # Where the output starts (in reasoning or not), read from the prompt as the engine reads it.
-    phase = reasoning.prompt_phase(prompt["prompt_token_ids"]) if reasoning is not None else None
     rid, created = new_id("chatcmpl", req.request_id), now()
-    beams = req.beam_search_params(ctx.limits)  # use_beam_search: n beams (entrypoints/openai/beam_search.py)
-    gen = metrics.track(beam_search(ctx.engine, prompt, beams, new_id(rid), req.priority) if beams is not None else
-                        ctx.engine.generate(prompt, sp, new_id(rid), req.priority), sp)  # id unique even if reused
-    text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
-    tracker, echoed = ChoiceTracker(sp.n), req.echoed()
+    run = await start_chat(ctx, req, metrics, rid)
+    sp, echoed, reasons = run.sp, req.echoed(), run.post.phase is not None
 
-    def logprobs(d: Delta) -> dict[str, list] | None:
-        return None if d.logprobs is None else chat_logprobs(d.token_ids, d.logprobs, sp.logprobs, text)
-
-    plan = req.tool_plan()
-
-    def whole_choice(d: Delta) -> dict[str, Any]:
-        thought, text = None, d.text
-        if phase is not None:
-            split = split_reasoning(d.text, phase)
-            thought, text = split.reasoning, split.content
-        message = {"role": "assistant", "content": echoed + text if text is not None or echoed else None}
-        finish = d.finish_reason
-        if plan.parses_calls and finish == "stop":  # tool calls (tool_calls.py), in the content alone
-            content, calls = plan.calls(text or "")
-            if calls:
-                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        if phase is not None:
-            message.update(reasoning_fields(thought, req.include_reasoning))
-        choice = {"index": d.index, "message": message, "logprobs": logprobs(d), "finish_reason": finish,
+    def whole_choice(p: Processed) -> dict[str, Any]:
+        d = p.delta
+        if p.tool_calls:  # the content outside the calls (echo is not repeated before calls)
+            message = {"role": "assistant", "content": p.content, "tool_calls": p.tool_calls}
+        else:
+            message = {"role": "assistant", "content": echoed + (p.content or "")
+                       if p.content is not None or echoed else None}
+        if reasons:
+            message.update(reasoning_fields(p.reasoning, req.include_reasoning))
+        choice = {"index": d.index, "message": message, "logprobs": p.logprobs, "finish_reason": p.finish_reason,
                   "stop_reason": d.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = d.token_ids
         return choice
 
     if not req.stream:
-        finals = await streams.finals([gen], raw)
-        if finals is None:
+        processed = await run.whole(raw)
+        if processed is None:
             return streams.client_left(rid)
-        out = finals[0]
+        out = run.latest[0]
         answer = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-                  "choices": [whole_choice(d) for d in tracker.deltas(0, out)], "usage": usage(finals),
+                  "choices": [whole_choice(p) for p in processed], "usage": run.usage(),
                   "prompt_logprobs": None if sp.prompt_logprobs is None else prompt_logprobs(out.prompt_logprobs)}
         if req.return_token_ids:
             answer["prompt_token_ids"] = out.prompt_token_ids
@@ -103,7 +101,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     options = req.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and bool(options.continuous_usage_stats)
-    num_prompt_tokens = len(prompt["prompt_token_ids"])  # before the first output: for continuous usage
+    num_prompt_tokens = len(run.prompts[0]["prompt_token_ids"])  # before the first output: for continuous usage
 
     def chunk(index: int, delta: dict[str, str], logprobs: Any = None, finish: str | None = None,
               extra: dict[str, Any] | None = None, out: RequestOutput | None = None) -> str:
@@ -119,42 +117,24 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             yield chunk(i, {"role": "assistant", "content": ""})
             if echoed:
                 yield chunk(i, {"content": echoed})
-        final = None
-        calls = [ToolCallStream(plan) for _ in range(sp.n)] if plan.parses_calls else None
-        thoughts = [ReasoningStream(phase) for _ in range(sp.n)] if phase is not None else None
-        async with aclosing(streams.merge([gen])) as outputs:
-            async for _, out in outputs:
-                final = out
-                for d in tracker.deltas(0, out):
+        async with aclosing(run.stream()) as steps:
+            async for out, processed in steps:
+                for p in processed:
+                    d = p.delta
                     extra = {"stop_reason": d.stop_reason} if d.finish_reason else {}
                     if req.return_token_ids:
                         extra["token_ids"] = d.token_ids
-                    thought, text = _split(thoughts[d.index], d) if thoughts is not None else ("", d.text)
-                    shown = reasoning_fields(thought, req.include_reasoning) if thought else {}
-                    if calls is None:
-                        yield chunk(d.index, _delta(shown, text), logprobs(d), d.finish_reason, extra, out)
-                        continue
-                    text, made, finish = calls[d.index].content(text), [], d.finish_reason
-                    if finish:  # the content held back, then the calls, each whole, as the last delta
-                        rest, made, finish = calls[d.index].finish(finish)
-                        text += rest
-                    yield chunk(d.index, _delta(shown, text), logprobs(d), None if made else finish, extra, out)
-                    if made:
-                        deltas = [{"index": k, **c} for k, c in enumerate(made)]
-                        yield chunk(d.index, {"tool_calls": deltas}, None, finish, extra, out)
+                    shown = reasoning_fields(p.reasoning, req.include_reasoning) if p.reasoning else {}
+                    # A choice's calls come whole, as its last delta, after the content held back.
+                    yield chunk(d.index, _delta(shown, p.content), p.logprobs,
+                                None if p.tool_calls else p.finish_reason, extra, out)
+                    if p.tool_calls:
+                        deltas = [{"index": k, **c} for k, c in enumerate(p.tool_calls)]
+                        yield chunk(d.index, {"tool_calls": deltas}, None, p.finish_reason, extra, out)
         if include_usage:
-            yield json.dumps({**head, "choices": [], "usage": usage([final])})
+            yield json.dumps({**head, "choices": [], "usage": run.usage()})
 
     return EventSourceResponse(streams.sse(rid, body()), ping=600)
-
-
-def _split(stream: ReasoningStream, d: Delta) -> tuple[str, str]:
-    """A choice's new text as (reasoning, content) that can be sent now; all of it when the choice ends."""
-    thought, text = stream.feed(d.text)
-    if d.finish_reason:
-        more = stream.finish()
-        thought, text = thought + more[0], text + more[1]
-    return thought, text
 
 
 def _delta(reasoning: dict[str, Any], text: str) -> dict[str, Any]:

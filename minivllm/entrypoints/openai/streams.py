@@ -1,5 +1,5 @@
-"""Consuming an HTTP request's engine outputs: to the end, interleaved, as server-sent events, as
-per-choice deltas, and as OpenAI's `usage`.
+"""The pipeline's third stage: an HTTP request's engine outputs, consumed to the end, interleaved, as
+per-choice deltas, and sent as server-sent events (pipeline.py has the whole path).
 
 The one rule: whatever ends the consumer (the client leaving, one of its requests failing, the
 handler being cancelled), every generator it holds is closed, and closing a generator aborts its
@@ -21,7 +21,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -39,24 +39,6 @@ def raise_if_failed(out: RequestOutput) -> None:
     """One failed completion fails the request: its answer would be incomplete."""
     if any(c.finish_reason == "error" for c in out.outputs):
         raise RequestFailed(out.error or "no reason was given")
-
-
-def usage(outputs: list[RequestOutput], *, generated: bool = True, details: bool = True) -> dict[str, Any]:
-    """OpenAI's usage of these requests (one per prompt): each prompt counted once, and every
-    completion's tokens, unless nothing generated is shown (`generated=False`: echo with max_tokens=0,
-    whose one computed token is dropped). `details`: vLLM's `prompt_tokens_details`, on a request's usage
-    (not on the running usage of each stream chunk): {"cached_tokens": n} when the prefix cache served n > 0
-    of the prompt's tokens, else null, as vLLM with --enable-prompt-tokens-details (which minivllm always
-    behaves as) writes it (`if enable_prompt_tokens_details and num_cached_tokens`, serving_chat.py and
-    serving_completion.py)."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
-    answer: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                              "total_tokens": prompt + completion}
-    if details:
-        cached = sum(o.num_cached_tokens for o in outputs)
-        answer["prompt_tokens_details"] = {"cached_tokens": cached} if cached else None
-    return answer
 
 
 class Delta(NamedTuple):
