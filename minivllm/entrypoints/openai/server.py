@@ -6,6 +6,7 @@
     GET  /metrics                Prometheus text, vLLM's metric names (see metrics.py)
     POST /v1/completions         prompt: str | [str] | [int] | [[int]]; stream or not (serving_completion.py)
     POST /v1/chat/completions    messages through the tokenizer's chat template (serving_chat.py)
+    POST /v1/responses           OpenAI's Responses API, read as a chat request (serving_responses.py)
     POST /tokenize, /detokenize  vLLM's: a prompt's or messages' token ids; ids' text (serving_tokenization.py)
 
 A request's way in:
@@ -52,8 +53,11 @@ from minivllm.entrypoints.openai.metrics import ServerMetrics
 from minivllm.entrypoints.openai.middleware import ApiKeyAuth, BodyLimits, HeaderDeadline
 from minivllm.entrypoints.openai.preprocess import ServingContext
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now
+from minivllm.entrypoints.openai.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from minivllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from minivllm.entrypoints.openai.serving_chat import create_chat_completion
 from minivllm.entrypoints.openai.serving_completion import create_completion
+from minivllm.entrypoints.openai.serving_responses import create_response
 from minivllm.entrypoints.openai.serving_tokenization import create_detokenize, create_tokenize
 
 # A 2048-token prompt is ~8 KB of English, ~15 KB as JSON token ids, and under 100 KB even as
@@ -74,14 +78,17 @@ log = logging.getLogger("minivllm.server")
 
 def build_app(engine: AsyncLLMEngine, model_name: str, defaults: dict[str, Any] | None = None, *,
               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, root: str | None = None) -> FastAPI:
-    """The app; `root` is the model card's (default: the engine's checkpoint)."""
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, root: str | None = None,
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+    """The app; `root` is the model card's (default: the engine's checkpoint); `max_stored_responses`: how many
+    /v1/responses answers previous_response_id can name (in memory, the oldest evicted first)."""
     app = FastAPI(title="minivllm", description="OpenAI-compatible API of a minivllm engine")
     app.add_middleware(BodyLimits, max_bytes=max_request_bytes, timeout_s=body_timeout_s)
     if api_key:  # added last = runs first: no body is read for a client without the key
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     metrics = ServerMetrics(engine, model_name)
     ctx = ServingContext(engine, model_name, defaults or {})
+    responses = ResponseStore(max_stored_responses)
     _error_handlers(app)
 
     @app.get("/health")
@@ -129,6 +136,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, defaults: dict[str, Any] 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         return await create_chat_completion(ctx, req, raw, metrics)
+
+    @app.post("/v1/responses")
+    async def create_responses(req: ResponsesRequest, raw: Request) -> Any:
+        return await create_response(ctx, req, raw, metrics, responses)
 
     @app.post("/tokenize")  # a JSON object, read as one of two requests (serving_tokenization.py)
     async def tokenize(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
