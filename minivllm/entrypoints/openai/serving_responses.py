@@ -45,7 +45,6 @@ from minivllm.entrypoints.openai import streams
 from minivllm.entrypoints.openai.errors import ApiError, api_error
 from minivllm.entrypoints.openai.field_policy import RequestError, log_safe
 from minivllm.entrypoints.openai.metrics import ServerMetrics
-from minivllm.entrypoints.openai.pipeline import Run
 from minivllm.entrypoints.openai.postprocess import Processed
 from minivllm.entrypoints.openai.preprocess import ServingContext
 from minivllm.entrypoints.openai.protocol import now
