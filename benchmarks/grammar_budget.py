@@ -2,7 +2,7 @@
 
     python benchmarks/grammar_budget.py [--model PATH] [--tokens 120] [--walks 3]
 
-Three measurements behind `EngineConfig.grammar_mask_budget_ms` and the mask fill (engine/grammar.py):
+Three measurements behind `EngineConfig.grammar_mask_budget_ms` and the mask fill (engine/structured_output/grammar.py):
   1. ordinary grammars (the server tests' person schema, a tool-call array, json_object, a date regex, a
      Lark sum, a choice): each walked `--walks` times for `--tokens` tokens, a pseudo-random allowed token
      at a time; the CPU time of every mask (`time.thread_time`, what the budget counts), its largest;
@@ -26,9 +26,9 @@ import time
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.engine.grammar import GrammarCompiler
+from minivllm.engine.processing.tokenizer import get_tokenizer
+from minivllm.engine.structured_output.grammar import GrammarCompiler
 from minivllm.structured_outputs import StructuredOutputsParams
-from minivllm.engine.tokenizer import get_tokenizer
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -47,9 +47,10 @@ COSTLY = {"choice_150k": dict(choice=["x" * 150_000]), "regex_1e6": dict(regex="
           "self_required": dict(json={"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})}
 FIRST_FILL = """
     import sys, time
-    t = time.perf_counter(); import minivllm; from minivllm.engine.grammar import GrammarCompiler
+    t = time.perf_counter(); import minivllm; from minivllm.engine.structured_output.grammar import GrammarCompiler
     imported = time.perf_counter() - t
-    from minivllm.structured_outputs import StructuredOutputsParams; from minivllm.engine.tokenizer import get_tokenizer
+    from minivllm.engine.processing.tokenizer import get_tokenizer
+    from minivllm.structured_outputs import StructuredOutputsParams
     tok = get_tokenizer({model!r}); vocab = len(tok)
     m = GrammarCompiler(tok, vocab, frozenset([tok.eos_token_id])).matcher(StructuredOutputsParams(regex="[0-9]{{3}}"))
     dynamo_before = "torch._dynamo" in sys.modules

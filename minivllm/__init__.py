@@ -16,7 +16,7 @@ try:
     from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.engine.stats import EngineStats
+    from minivllm.engine.metrics.stats import EngineStats
     from minivllm.llm import LLM
     from minivllm.outputs import CompletionOutput, RequestOutput
     from minivllm.sampling_params import RequestOutputKind, SamplingParams

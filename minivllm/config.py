@@ -9,7 +9,7 @@ KV-pool sizing when `num_kv_blocks` is None:
   * CUDA: `gpu_memory_utilization` (default 0.9) of the GPU's *free* memory after the weights are
     loaded, less a 10 % reserve for activations (so 81 % by default), is given to the KV cache.
   * CPU: a fixed byte budget, `cpu_kv_cache_bytes` (default 1 GiB); CPU memory is committed lazily
-    (engine/kv_cache.py), so an unused pool costs address space, not RAM.
+    (engine/worker/kv_cache.py), so an unused pool costs address space, not RAM.
 
 Four fields are seams that take an object of your own (docs/concepts/seams.md): `attention_backend`
 (an `AttentionBackend`), `scheduling_policy` (a `SchedulingPolicy`), `sampling_filter` (a
@@ -51,7 +51,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # Hybrid models' prefix caching (engine/state_cache.py): the linear-attention state is kept every
+    # Hybrid models' prefix caching (engine/core/state_cache.py): the linear-attention state is kept every
     # `state_cache_stride` prompt tokens (a multiple of block_size; None: the smallest multiple of
     # lcm(block_size, 64) whose snapshots of one max_model_len prompt fit), in at most
     # `state_cache_bytes` (and at most 1024 snapshots).
@@ -70,7 +70,7 @@ class EngineConfig:
     # {"model": draft_dir, "num_speculative_tokens": k}, or {"proposer": Proposer, ...}; None = off.
     speculative_config: dict | None = None
     # Which waiting request to admit first and whom to preempt: "fcfs" (default), "priority" (lower
-    # `priority` first; both in engine/scheduling_policy.py), or a SchedulingPolicy instance (minivllm/seams.py).
+    # `priority` first; both in engine/core/scheduling_policy.py), or a SchedulingPolicy instance (minivllm/seams.py).
     scheduling_policy: str | SchedulingPolicy = "fcfs"
     # The sampler's filter step (temperature-scaled logits -> logits with removed tokens at -inf): None =
     # top-k, top-p, min-p; or a SamplingFilter instance (layers/sampler.py). The PyTorch sampler only.
@@ -84,7 +84,7 @@ class EngineConfig:
     tokenizer: str | None = None
     # Run one tiny forward at start-up, then gc.freeze() the heap (as ATOM measured).
     warmup: bool = True
-    # Keep a per-step StepTrace (engine/trace.py) for pictures and teaching; costs a copy per step.
+    # Keep a per-step StepTrace (engine/metrics/trace.py) for pictures and teaching; costs a copy per step.
     record_trace: bool = False
     # Tensor parallelism: split every layer's weights over this many processes (rank 0 is the engine,
     # the others are workers it starts); see docs/concepts/tensor-parallelism.md.
@@ -97,7 +97,7 @@ class EngineConfig:
     quantization: str | None = None
     # False: the forward runs as one torch.compile graph per token count in compile_sizes, each step
     # padded up to the next size, attention kept opaque (models/compiled_forward.py); on CUDA, decode steps
-    # of those sizes also replay CUDA graphs (engine/cuda_graphs.py). True: every step runs eagerly, no
+    # of those sizes also replay CUDA graphs (engine/worker/cuda_graphs.py). True: every step runs eagerly, no
     # graphs (vLLM's name). None (default): compiled on CUDA; eager on CPU, where compiling costs
     # ~20 s a size of start-up on 2 cores (less once cached on disk) for a measured +5-30 % a step
     # on AMD EPYC, even with eager on a Xeon guest whose eager step runs C++ kernels (docs/guides/benchmarks.md).

@@ -27,8 +27,8 @@ from tqdm import tqdm
 from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, new_search, step_sampling_params
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, PromptType
-from minivllm.engine.stats import EngineStats
-from minivllm.engine.trace import StepTrace
+from minivllm.engine.metrics.stats import EngineStats
+from minivllm.engine.metrics.trace import StepTrace
 from minivllm.model_source import resolve_model
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
@@ -179,7 +179,7 @@ class LLM:
         return self.llm_engine.get_stats()
 
     def get_trace(self) -> list[StepTrace]:
-        """Per-step records (needs `LLM(..., record_trace=True)`); see engine/trace.py."""
+        """Per-step records (needs `LLM(..., record_trace=True)`); see engine/metrics/trace.py."""
         if not self.llm_engine.config.record_trace:
             raise ValueError("no trace is recorded: create the LLM with record_trace=True")
         return list(self.llm_engine.trace)

@@ -39,7 +39,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # a FinishReason's value (engine/sequence.py): vLLM's plain strings
+    finish_reason: str | None = None  # a FinishReason's value (engine/request/sequence.py): vLLM's plain strings
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None  # sum of the generated tokens' logprobs (if logprobs asked)
     logprobs: SampleLogprobs | None = None  # one entry per generated token (if logprobs asked)

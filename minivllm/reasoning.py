@@ -22,7 +22,7 @@ in it deciding, as vLLM's `is_reasoning_end` does:
                                 <think>; one it does write is dropped from the reasoning)
 
 The engine and the text parser both start from that phase, so they agree on where the answer begins:
-the engine applies a request's grammar from there (engine/grammar.py), the parser below splits the
+the engine applies a request's grammar from there (engine/structured_output/grammar.py), the parser below splits the
 text there. A prompt whose last think token closed an earlier turn's reasoning counts as ENDED (Qwen3's
 template keeps earlier reasoning only after the last user message, i.e. in tool-call loops).
 

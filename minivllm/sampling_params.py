@@ -9,10 +9,10 @@ Order of the logit transforms (vLLM's; see layers/logits_processors.py and layer
     raw logits ──> logprobs (if asked: the model's own distribution)
                ──> allowed_token_ids ─> bad_words ─> min_tokens ─> logit_bias      (masks and biases)
                ──> repetition_penalty (prompt + output) ─> frequency / presence (output)
-               ──> structured_outputs: the grammar's token bitmask, last (engine/grammar.py)
+               ──> structured_outputs: the grammar's token bitmask, last (engine/structured_output/grammar.py)
                ──> temperature ─> top-k ─> top-p ─> min-p ─> draw (argmax when greedy)
 
-`n > 1` makes the request n sequences when it arrives (engine/parallel_sampling.py): they share the
+`n > 1` makes the request n sequences when it arrives (engine/processing/parallel_sampling.py): they share the
 prompt's KV blocks through the prefix cache, and child i draws with `seed + i` when a seed is given
 (vLLM's rule).
 

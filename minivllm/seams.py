@@ -5,8 +5,8 @@ and a default the engine ships; three wrap your object in a checker that enforce
 call (an attention backend's head counts are checked once, when the engine builds):
 
     field               interface           default, checker                 implemented in
-    scheduling_policy   SchedulingPolicy    FCFSPolicy, CheckedPolicy        engine/scheduling_policy.py
-    block_allocator     BlockAllocator      LRUAllocator, CheckedAllocator   engine/block_allocator.py
+    scheduling_policy   SchedulingPolicy    FCFSPolicy, CheckedPolicy        engine/core/scheduling_policy.py
+    block_allocator     BlockAllocator      LRUAllocator, CheckedAllocator   engine/core/block_allocator.py
     attention_backend   AttentionBackend    "auto": by device                layers/attention_interface.py
     sampling_filter     SamplingFilter      TopKTopPMinP, CheckedFilter      layers/sampler.py
 
@@ -19,8 +19,8 @@ lived in the engine, the config would import the engine that imports it. The two
 sit below (layers/ imports nothing of the engine); the scheduler's two sit here, and the engine imports
 them down, as it imports the config. The implementations stay in engine/: this module imports nothing
 of minivllm, not even for type hints, so a policy is typed against `SchedulableRequest`, a Protocol
-naming what a policy may read of a request, which the engine's `Sequence` (engine/sequence.py) has.
-The old import paths still work: engine/scheduling_policy.py and engine/block_allocator.py import the
+naming what a policy may read of a request, which the engine's `Sequence` (engine/request/sequence.py) has.
+The old import paths still work: engine/core/scheduling_policy.py and engine/core/block_allocator.py import the
 interfaces from here.
 """
 
@@ -85,7 +85,7 @@ class SchedulingPolicy(abc.ABC):
         """One of `candidates` (running, in admission order; the last one was admitted last)."""
 
 
-# The built-in policies' names, vLLM's (engine/scheduling_policy.py's POLICIES maps each to its class):
+# The built-in policies' names, vLLM's (engine/core/scheduling_policy.py's POLICIES maps each to its class):
 # the config refuses any other name without importing the engine.
 POLICY_NAMES = ("fcfs", "priority")
 
@@ -112,7 +112,7 @@ class BlockAllocator(abc.ABC):
         revive(block)            remove this free block: a prefix-cache hit took it, or a rollback undoes a free
         len() / iter()           how many blocks are free; each of them once, the next to be taken first
 
-    Rollback. A failed step is undone by the step's journal (engine/journal.py): the block manager holds
+    Rollback. A failed step is undone by the step's journal (engine/request/journal.py): the block manager holds
     its allocator in a `JournaledAllocator`, which keeps each free block's stamp. It calls `revive` for the blocks freed during the step, then `restore([(block, stamp), ...])` for the
     blocks that were free before it, oldest first. The default `restore` gives each back with its old
     stamp: exact for an allocator whose choice depends only on which blocks are free and their stamps

@@ -13,7 +13,7 @@ Exactly one of five kinds, each a way to write a grammar:
 
 This module only checks the shape of the request (one kind, the right types). Whether the schema,
 the regex or the grammar is valid is found when it is compiled, at the engine's boundary
-(engine/grammar.py), where an invalid one raises `ValueError` before the request is queued.
+(engine/structured_output/grammar.py), where an invalid one raises `ValueError` before the request is queued.
 
 `spec` is the kind's value as one string (a schema as compact JSON, its keys in order), which keys the compiled-grammar
 cache: two requests with the same schema compile it once.

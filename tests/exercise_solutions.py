@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from minivllm.engine.scheduling_policy import SchedulingPolicy
+from minivllm.engine.core.scheduling_policy import SchedulingPolicy
 
 
 def is_decode(start, num_new_tokens, num_prompt_tokens):

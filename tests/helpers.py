@@ -16,8 +16,8 @@ import torch
 def prompt_logits(llm, ids: list[int]) -> torch.Tensor:  # (len(ids), V) fp32: teacher-forced
     """Logits at every prompt position, straight through the model runner (no scheduling)."""
     from minivllm import SamplingParams
-    from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
-    from minivllm.engine.sequence import Sequence
+    from minivllm.engine.request.sequence import Sequence
+    from minivllm.engine.request.step_types import ScheduledSequence, SchedulerOutput
 
     runner = llm.llm_engine.model_runner
     seq = Sequence("probe", ids, SamplingParams())

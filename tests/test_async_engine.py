@@ -12,7 +12,7 @@ import pytest
 from minivllm import LLMEngine, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.async_engine import AsyncLLMEngine
-from minivllm.engine.errors import EngineDeadError, StepFailedError
+from minivllm.engine.request.errors import EngineDeadError, StepFailedError
 
 
 @pytest.fixture()

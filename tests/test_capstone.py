@@ -6,7 +6,7 @@ from __future__ import annotations
 import exercise_solutions as solutions
 import pytest
 
-from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
+from minivllm.engine.core.scheduling_policy import FCFSPolicy, PriorityPolicy
 from minivllm.teaching.policy_behaviour import (ARRIVAL_STEPS, MAX_WAIT_STEPS, Assignment, PolicyBehaviourError,
                                                 check_bounded_wait, check_policy_behaviour)
 

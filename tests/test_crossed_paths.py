@@ -11,7 +11,7 @@ import torch
 from helpers import force_cpu_kernels, varied_prompts
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.scheduling_policy import FCFSPolicy, PolicyContractError
+from minivllm.engine.core.scheduling_policy import FCFSPolicy, PolicyContractError
 from minivllm.engine.spec_decode.proposer import Draft, Proposer
 from minivllm.teaching.hf_check import assert_hf_greedy
 

@@ -43,7 +43,7 @@ def test_notebooks_committed_without_outputs_and_in_shape():
 
 
 def _fake_trace():
-    from minivllm.engine.trace import ScheduledTrace, StepTrace
+    from minivllm.engine.metrics.trace import ScheduledTrace, StepTrace
 
     def step(i, scheduled, preempted=()):
         return StepTrace(i, tuple(scheduled), tuple(preempted), (), {"a": (0, 1), "b": (2,)}, (3, 4), frozenset({0}), 6)

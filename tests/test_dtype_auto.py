@@ -18,8 +18,8 @@ import torch
 from gguf_writer import write_llama_gguf
 
 from minivllm.config import EngineConfig
-from minivllm.engine.loading import resolve_dtype
 from minivllm.cpu.cpu_info import CpuInfo
+from minivllm.engine.worker.loading import resolve_dtype
 from minivllm.models.hf_config import load_model_spec
 
 CPU = torch.device("cpu")

@@ -15,14 +15,14 @@ import torch
 
 from minivllm import LLMEngine
 from minivllm.config import EngineConfig
-from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
-from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.core.scheduling_policy import FCFSPolicy, PriorityPolicy
+from minivllm.engine.core.scheduling_policy import PolicyContractError
+from minivllm.engine.request.sequence import Sequence
+from minivllm.engine.request.step_types import ScheduledSequence, SchedulerOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.teaching.capstone import check_policy_matches_hf, grade_policy
 from minivllm.teaching.exercises import REFERENCES, RULES, check
 from minivllm.teaching.policy_behaviour import PolicyBehaviourError
-from minivllm.engine.scheduling_policy import PolicyContractError
 
 CAPSTONE = Path(__file__).resolve().parent.parent / "exercises" / "capstone"
 
@@ -209,7 +209,7 @@ def test_capstone_grader_command(tmp_path):
                     "from exercise_solutions import AgingPolicy\n\n\nclass Mine(AgingPolicy):\n    name = 'mine'\n")
     r = subprocess.run([*grade, str(mine), "--examples", "10", "--no-hf"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "Mine passed" in r.stdout, r.stdout + r.stderr
-    mine.write_text("from minivllm.engine.scheduling_policy import PriorityPolicy\n\n\n"
+    mine.write_text("from minivllm.engine.core.scheduling_policy import PriorityPolicy\n\n\n"
                     "class Mine(PriorityPolicy):\n    name = 'mine'\n")
     r = subprocess.run([*grade, str(mine), "--examples", "10", "--no-hf"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 1 and "cannot keep it out" in r.stdout, r.stdout + r.stderr

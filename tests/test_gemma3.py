@@ -12,7 +12,7 @@ from helpers import varied_prompts
 from safetensors.torch import load_file, save_file
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.block_manager import NULL_BLOCK
+from minivllm.engine.core.block_manager import NULL_BLOCK
 from minivllm.models.hf_config import parse_model_spec
 from minivllm.teaching.checkpoints import make_tiny_model
 from minivllm.teaching.hf_check import assert_hf_greedy
@@ -197,7 +197,7 @@ def test_a_gemma_whose_layers_are_all_full_has_one_group(gemma_dir, tmp_path):
 
 def test_the_memory_budget_gives_the_sliding_pool_its_windows_but_at_most_half(gemma_dir):
     from minivllm.config import EngineConfig
-    from minivllm.engine.kv_cache import kv_block_bytes, num_kv_blocks_for
+    from minivllm.engine.worker.kv_cache import kv_block_bytes, num_kv_blocks_for
 
     spec = parse_model_spec(json.loads(open(f"{gemma_dir}/config.json").read()))
     full = kv_block_bytes(spec, BLOCK, torch.float32)

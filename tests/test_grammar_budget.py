@@ -15,7 +15,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.config import EngineConfig
-from minivllm.engine.grammar import MAX_ERROR_CHARS, GrammarCompiler, GrammarMatcher
+from minivllm.engine.structured_output.grammar import MAX_ERROR_CHARS, GrammarCompiler, GrammarMatcher
 from minivllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from minivllm.schema_strictness import strict_schema
 
@@ -40,8 +40,8 @@ def test_the_first_mask_of_a_process_loads_no_compiler(qwen3_dir):
     engine's step: seconds during which every stream stood still."""
     probe = textwrap.dedent(f"""
         import sys
-        from minivllm.engine.grammar import GrammarCompiler
-        from minivllm.engine.tokenizer import get_tokenizer
+        from minivllm.engine.processing.tokenizer import get_tokenizer
+        from minivllm.engine.structured_output.grammar import GrammarCompiler
         from minivllm.structured_outputs import StructuredOutputsParams
         tok = get_tokenizer({qwen3_dir!r})
         m = GrammarCompiler(tok, 384, frozenset([tok.eos_token_id])).matcher(StructuredOutputsParams(regex="ab+"))

@@ -1,5 +1,5 @@
 """Prefix caching for a hybrid model (Qwen3.5): KV blocks plus state snapshots every `stride` prompt
-tokens (engine/state_cache.py). Same tokens as with caching off and as HF, a shared system prompt
+tokens (engine/core/state_cache.py). Same tokens as with caching off and as HF, a shared system prompt
 computed once, the snapshot cache under the step's journal and under budget pressure."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from helpers import run_with_flaky_sampler
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.state_layout import snapshot_bytes
+from minivllm.engine.request.state_layout import snapshot_bytes
 from minivllm.teaching.checkpoints import make_tiny_model
 from minivllm.teaching.hf_check import assert_hf_greedy
 

@@ -11,7 +11,7 @@ import torch
 from helpers import varied_prompts
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.errors import EngineDeadError
+from minivllm.engine.request.errors import EngineDeadError
 
 
 def tiny(model_factory, **kwargs) -> LLM:

@@ -14,8 +14,9 @@
                       are the low layer the layers use too; the engine's executors and workers sit on
                       top (engine/executor/). One exception: `python -m minivllm.distributed`, a
                       command that nothing imports, starts the engine's worker
-    engine/           the scheduler's side imports nothing of the model runner's, and the runner's
-                      nothing of the scheduler's: they meet only in engine/step_types.py
+    engine/           layered in subpackages: request/ (the data both sides share) at the bottom, core/ the
+                      scheduler's side, worker/ and executor/ the runner's; they meet only in
+                      engine/request/step_types.py (tests/test_engine_layers.py: which may import which)
     minivllm/         (the engine: everything outside teaching/) imports nothing from minivllm/teaching/,
                       the code of the notebooks and the course; one exception, `minivllm bench`, which
                       times a tiny random checkpoint (teaching/checkpoints.py) when given no model
@@ -24,6 +25,7 @@
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,27 +125,6 @@ def test_distributed_layers_and_models_import_nothing_from_the_engine():
     assert [v for v in found if not v.startswith("distributed/__main__.py:")] == []
 
 
-SCHEDULER_SIDE = ("scheduler", "scheduler_commit", "block_manager", "scheduling_policy", "stop_checker", "journal",
-                  "overwritten", "state_pool", "state_cache")
-RUNNER_SIDE = ("model_runner", "step_inputs", "sampling_metadata", "state_tensors", "warmup", "cuda_graphs", "executor")
-
-
-def engine_imports(module: str) -> set[str]:
-    """The engine modules (by their name under minivllm.engine) that minivllm/engine/<module>.py imports."""
-    path = ROOT / "minivllm" / "engine" / f"{module}.py"
-    names = {name for _, name in imported_modules(path.read_text(), "minivllm.engine")}
-    return {n.removeprefix("minivllm.engine.").split(".")[0] for n in names if n.startswith("minivllm.engine.")}
-
-
-def test_the_scheduler_and_the_model_runner_meet_only_in_the_step_types():
-    for module in SCHEDULER_SIDE:
-        assert not engine_imports(module) & set(RUNNER_SIDE), f"engine/{module}.py imports the runner's side"
-    for module in RUNNER_SIDE[:-1]:
-        assert not engine_imports(module) & set(SCHEDULER_SIDE), \
-            f"engine/{module}.py imports the scheduler's side"
-    assert "step_types" in engine_imports("scheduler") and "step_types" in engine_imports("model_runner")
-
-
 def test_the_checker_sees_nested_relative_and_dynamic_imports(tmp_path):
     (tmp_path / "k.py").write_text(
         "from .seeding import noise_seed\n"
@@ -198,14 +179,16 @@ def module_files() -> dict[str, Path]:
     return modules
 
 
-def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+def import_graph(modules: dict[str, Path], walk: Callable[[ast.AST], list[ast.AST]] = runtime_nodes
+                 ) -> dict[str, set[str]]:
     """{module: the modules of `modules` it imports when it runs}. `import a.b` is an edge to a.b;
-    `from a import b` is one to a.b when a.b is a module, else to a (b is a name defined in a)."""
+    `from a import b` is one to a.b when a.b is a module, else to a (b is a name defined in a). `walk`: the nodes
+    read, those that run (the default) or all (`ast.walk`: type-checking imports too)."""
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets: set[str] = set()
-        for node in runtime_nodes(ast.parse(path.read_text())):
+        for node in walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom):

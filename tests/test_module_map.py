@@ -2,10 +2,10 @@
 
 The rule, read from the first cell of each table row (the second cell says what the files are for):
 
-    `minivllm/engine/scheduler.py`            a path from the repository root names that file
-    `minivllm/engine/journal.py`, `errors.py`
+    `minivllm/engine/core/scheduler.py`            a path from the repository root names that file
+    `minivllm/engine/request/journal.py`, `errors.py`
                                               a bare file name continues the folder of the path before
-                                              it in the same cell: here minivllm/engine/errors.py
+                                              it in the same cell: here minivllm/engine/request/errors.py
     `minivllm/engine/`                        a folder (ending in "/") heads a group of rows; it names
                                               no file, so each file still needs a row of its own
     `minivllm.kernels`                        anything else in backquotes (a dotted name) is prose
@@ -74,8 +74,8 @@ def test_the_module_map_names_every_module_and_nothing_else():
 
 
 def test_the_rule_reads_paths_bare_names_and_folders():
-    assert named_paths(" `minivllm/engine/journal.py`, `errors.py` ") == (
-        {"minivllm/engine/journal.py", "minivllm/engine/errors.py"}, set())
+    assert named_paths(" `minivllm/engine/request/journal.py`, `errors.py` ") == (
+        {"minivllm/engine/request/journal.py", "minivllm/engine/request/errors.py"}, set())
     assert named_paths(" `kernels/` (installed as `minivllm.kernels`) ") == (set(), {"kernels"})
     assert named_paths("`kernels/rms_norm.py`, `rms_norm.cpp`; `minivllm/layers/norm.py`, `rotary.py`")[0] == {
         "kernels/rms_norm.py", "kernels/rms_norm.cpp", "minivllm/layers/norm.py", "minivllm/layers/rotary.py"}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine import sampling_metadata
+from minivllm.engine.worker import sampling_metadata
 from minivllm.sampling_params import MAX_BAD_WORDS, MAX_STOP_STRINGS
 
 
@@ -30,7 +30,7 @@ def test_lists_whose_cost_grows_every_step_are_bounded_naming_the_limit():
 def test_a_requests_lists_are_prepared_once_and_shared(model_factory, monkeypatch):
     """Bad words are tokenized and allowed ids turned into a mask once per SamplingParams (the server does it
     off the engine's thread, which then reuses it), not at every admission or step."""
-    from minivllm.engine import input_processor
+    from minivllm.engine.processing import input_processor
 
     calls = []
     tokenize = input_processor.bad_words_token_ids
@@ -48,7 +48,7 @@ def test_a_requests_lists_are_prepared_once_and_shared(model_factory, monkeypatc
 def test_many_allowed_ids_and_bad_words_cost_a_step_what_a_few_do(model_factory):
     """The per-step work of a request does not grow with its lists: the same processing tensors whatever
     their length (a step's time is not measured: that would be a timed test)."""
-    from minivllm.engine.sampling_metadata import row_processing
+    from minivllm.engine.worker.sampling_metadata import row_processing
 
     llm = tiny(model_factory)
     engine = llm.llm_engine

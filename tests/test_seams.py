@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minivllm import LLM, EngineConfig, SamplingParams
-from minivllm.engine.block_allocator import LRUAllocator
+from minivllm.engine.core.block_allocator import LRUAllocator
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.layers.sampler import FilterContractError, SamplingFilter, SamplingTensors, TopKTopPMinP
 from minivllm.layers.torch_attention import TorchAttentionBackend
@@ -207,7 +207,7 @@ def test_a_flag_for_an_object_field_says_to_pass_it_from_python(capsys):
 def test_a_sequence_has_everything_a_policy_may_read():
     """`SchedulableRequest` (minivllm/seams.py) lists what a policy may read of a request; the engine hands
     policies its `Sequence`s, so each of those attributes must exist there (the Protocol cannot drift)."""
-    from minivllm.engine.sequence import Sequence
+    from minivllm.engine.request.sequence import Sequence
     from minivllm.sampling_params import SamplingParams
     from minivllm.seams import SchedulableRequest
 

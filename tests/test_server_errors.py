@@ -20,7 +20,7 @@ from test_server_tools import SHORT_TEMPLATE
 from minivllm import LLMEngine
 from minivllm.config import EngineConfig
 from minivllm.engine.async_engine import AsyncLLMEngine
-from minivllm.engine.errors import EngineDeadError
+from minivllm.engine.request.errors import EngineDeadError
 from minivllm.entrypoints.openai.server import build_app
 
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "temperature": 0}

@@ -14,7 +14,7 @@ from server_helpers import metric, scrape, serving
 from minivllm import LLMEngine
 from minivllm.config import EngineConfig
 from minivllm.engine.async_engine import AsyncLLMEngine
-from minivllm.engine.stats import EngineStats
+from minivllm.engine.metrics.stats import EngineStats
 from minivllm.entrypoints.openai.metrics import EngineCollector
 from minivllm.entrypoints.openai.server import build_app
 

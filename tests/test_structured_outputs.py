@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
-from minivllm.engine.grammar import bitmask_width
+from minivllm.engine.structured_output.grammar import bitmask_width
 from minivllm.layers.logits_processors import unpack_bitmask
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
@@ -62,7 +62,7 @@ def test_a_schema_nested_too_deeply_is_a_value_error_naming_the_field(llm, monke
     """A deep schema escaped as RecursionError (a 500 on the server): from json.loads of its text, json.dumps of a
     dict (`spec`), or a pass after it. It is refused by an explicit, iterative check, and any RecursionError left
     in the compile is a ValueError too."""
-    from minivllm.engine import grammar
+    from minivllm.engine.structured_output import grammar
     from minivllm.structured_outputs import MAX_SCHEMA_DEPTH
 
     text = '{"type":"object","properties":{"a":' * 600 + "{}" + "}}" * 600
@@ -236,9 +236,9 @@ def test_a_grammar_that_can_only_end_lifts_the_eos_hold(allowed, held_after, dra
     """A row holding EOS / stop ids off until min_tokens, whose grammar allows only those: EOS's hold is lifted
     (else the row has nothing to draw and the request fails), never the client's stop_token_ids (lifting
     those ended `x;y` with stop `;` at "x;", before min_tokens); where the grammar allows more, it holds."""
-    from minivllm.engine.grammar_fill import GrammarRows, fill_bitmask
-    from minivllm.engine.sampling_metadata import SamplingBatch
-    from minivllm.engine.step_types import GrammarBitmask
+    from minivllm.engine.request.step_types import GrammarBitmask
+    from minivllm.engine.structured_output.grammar_fill import GrammarRows, fill_bitmask
+    from minivllm.engine.worker.sampling_metadata import SamplingBatch
     from minivllm.layers.logits_processors import RowProcessing, apply_logits_processing, rows_without_choice
 
     V, held = 70, [2, 31, 63]  # EOS 2 and 63, stop id 31; 31 and 63 are bit 31 of their words (the sign bit)

@@ -1,4 +1,4 @@
-"""engine/tokenizer.py: the tokenizer class AutoTokenizer picks is remembered, and loading it directly gives
+"""engine/processing/tokenizer.py: the tokenizer class AutoTokenizer picks is remembered, and loading it directly gives
 the same tokenizer (class, ids, chat template, decoding) without AutoTokenizer's ~2 s class lookup."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import transformers
-from minivllm.engine import tokenizer as tokenizer_module
-from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.cpu.tuning_cache import tuning_folder
+from minivllm.engine.processing import tokenizer as tokenizer_module
+from minivllm.engine.processing.tokenizer import get_tokenizer
 
 TEXTS = ["Hello world", "  two  spaces and ünïcödé 🙂", "<|im_start|>user\nhi<|im_end|>", ""]
 

@@ -27,7 +27,7 @@ import inspect
 import sys
 from pathlib import Path
 
-from minivllm.engine.scheduling_policy import SchedulingPolicy
+from minivllm.engine.core.scheduling_policy import SchedulingPolicy
 from minivllm.teaching.capstone import grade_policy
 from minivllm.teaching.policy_behaviour import Assignment
 

@@ -15,7 +15,7 @@ The seam (`SchedulingPolicy`, minivllm/seams.py) asks your policy two questions 
 
 Everything else stays in the Scheduler and holds for any policy: the token budget, chunked
 prefill, the anti-starvation hold, never preempting a request already scheduled in the step.
-Read `FCFSPolicy` and `PriorityPolicy` first (minivllm/engine/scheduling_policy.py): each is four
+Read `FCFSPolicy` and `PriorityPolicy` first (minivllm/engine/core/scheduling_policy.py): each is four
 lines. The hold only stops admission BEHIND a request that was passed over too often; it never
 moves a request forward in your order. So if your order keeps a request at the back (a stream of
 more urgent arrivals), it waits forever: bounded waiting is your policy's job.
@@ -31,7 +31,7 @@ requests arriving while others run:
     steps and finishes.
 For fair share, add `--fair-share`: the first three (priority) rules are not asked.
 
-What a `Sequence` (minivllm/engine/sequence.py) tells you: `request_id`, `priority`,
+What a `Sequence` (minivllm/engine/request/sequence.py) tells you: `request_id`, `priority`,
 `arrival_index` (0, 1, 2, ... in arrival order), `num_tokens`, `num_output_tokens`,
 `num_computed_tokens`, `num_admission_skips`, `status`. Your policy object lives as long as the
 engine, so it may keep state of its own (e.g. how many steps each request has waited).
@@ -45,8 +45,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 
-from minivllm.engine.scheduling_policy import SchedulingPolicy
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.core.scheduling_policy import SchedulingPolicy
+from minivllm.engine.request.sequence import Sequence
 
 
 class MyPolicy(SchedulingPolicy):

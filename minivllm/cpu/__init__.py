@@ -12,7 +12,7 @@
     attach.py             `attach_cpu_kernels`: warm-up's entry, the choices handed to a built model's layers
 
 None of it is part of a model: model classes build plain layers (minivllm/layers/), and the engine's
-warm-up (engine/warmup.py) hands this wing the built model, whose layers then receive what was chosen.
+warm-up (engine/worker/warmup.py) hands this wing the built model, whose layers then receive what was chosen.
 The arrow points one way: this package imports minivllm.kernels and minivllm.layers (to time and set
 their switches), never minivllm.models; the layers and models import nothing from it
 (tests/test_layering.py).

@@ -2,7 +2,7 @@
 
 A model is built from plain layers (minivllm/layers/) that know nothing of timing: each `Linear`
 multiplies through its `quant_method` (F.linear by default), each RMSNorm, MLP and the rotary step
-holds a `kernels` switch (None: torch's ops). Warm-up (engine/warmup.py) calls this function once the
+holds a `kernels` switch (None: torch's ops). Warm-up (engine/worker/warmup.py) calls this function once the
 weights are loaded, and it
 
   1. collects the weights of every plain `Linear` in forward order (`model.modules()` lists them as the

@@ -1,7 +1,7 @@
 """`CpuInfo`: what a CPU is called and what it computes natively, read once from /proc/cpuinfo and /sys.
 
 The matmul plan (matmul_plan.py) and int8 quantization (layers/quantization.py) print it beside what they chose,
-the dtype rule reads `native_bf16` and `x86_64_v3` (engine/loading.py: bf16 weights wherever a kernel
+the dtype rule reads `native_bf16` and `x86_64_v3` (engine/worker/loading.py: bf16 weights wherever a kernel
 path reads them), the matmul forms read `onednn_bf16` (a form the CPU cannot run is never tried:
 matmul_forms.py `can_pack`; where oneDNN takes no bf16, a bf16 product is widened to fp32), and the
 tuning cache (tuning_cache.py) keys its file with the model name: a choice timed on one CPU is no

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
-from minivllm.cpu.cpu_info import CpuInfo  # also imported from here (layers/quantization.py, engine/loading.py)
+from minivllm.cpu.cpu_info import CpuInfo  # also imported from here (layers/quantization.py, engine/worker/loading.py)
 from minivllm.cpu.matmul_forms import (WIDENED_FROM_ROWS, MatmulForm, Product, bound_product, default_form, pack,
                                        pack_skinny, widens)
 from minivllm.cpu.matmul_timing import (  # noqa: F401 (ROW_BUCKETS, PREFILL_BUCKET, row_bucket: re-exported)

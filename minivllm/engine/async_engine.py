@@ -37,10 +37,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from minivllm.engine.errors import EngineDeadError, StepFailedError
-from minivllm.engine.input_processor import Unservable
 from minivllm.engine.llm_engine import LLMEngine, PromptType
-from minivllm.engine.stats import EngineStats
+from minivllm.engine.metrics.stats import EngineStats
+from minivllm.engine.processing.input_processor import Unservable
+from minivllm.engine.request.errors import EngineDeadError, StepFailedError
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 

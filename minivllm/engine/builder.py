@@ -6,7 +6,7 @@
                     (`UniProcExecutor` / `MultiprocExecutor`, engine/executor/); rank 0's sampler gets
                     the caller's `sampling_filter`, if any (checked on every call: `CheckedFilter`)
     state pool      hybrid models: a recurrent-state slot pair per running request, and with prefix
-                    caching the state snapshots' cache (engine/state_cache.py)
+                    caching the state snapshots' cache (engine/core/state_cache.py)
     block manager   the KV pool's bookkeeping, sized by the executor (every rank agreed on it), with the
                     caller's `block_allocator`, if any (wrapped in `CheckedAllocator`)
     speculator      the proposer `speculative_config` asks for (a draft model loads here)
@@ -24,23 +24,23 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.kv_cache_groups import KVBlockManager, KVCacheCoordinator
-from minivllm.engine.sliding_window import SlidingWindowBlockManager
+from minivllm.engine.core.block_manager import BlockManager
+from minivllm.engine.core.kv_cache_groups import KVBlockManager, KVCacheCoordinator
+from minivllm.engine.core.scheduler import Scheduler
+from minivllm.engine.core.scheduling_policy import get_policy
+from minivllm.engine.core.sliding_window import SlidingWindowBlockManager
+from minivllm.engine.core.state_cache import StateCache
+from minivllm.engine.core.state_pool import StatePool
 from minivllm.engine.executor.abstract import Executor
 from minivllm.engine.executor.multiproc import MultiprocExecutor
 from minivllm.engine.executor.uniproc import UniProcExecutor
-from minivllm.engine.input_processor import InputProcessor
-from minivllm.engine.loading import compile_decision
-from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.processing.input_processor import InputProcessor
+from minivllm.engine.processing.output_processor import OutputProcessor
+from minivllm.engine.processing.tokenizer import get_tokenizer
 from minivllm.engine.resolved_config import ResolvedConfig, resolve_config
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.scheduling_policy import get_policy
 from minivllm.engine.spec_decode.speculator import Speculator, build_proposer
-from minivllm.engine.state_cache import StateCache
-from minivllm.engine.state_pool import StatePool
-from minivllm.engine.state_tensors import StateTensors
-from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.engine.worker.loading import compile_decision
+from minivllm.engine.worker.state_tensors import StateTensors
 from minivllm.models.hf_config import load_model_spec
 from minivllm.models.sharding import check_shardable
 
@@ -73,7 +73,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     state_pool, state_tensors, cache = None, None, None
     if spec.linear_attn:  # (before the executor: on a GPU the KV pool is sized from what is left)
         d, snapshots = resolved.num_speculative_tokens, resolved.state_cache
-        # the tensors for the runner, the books (integers) for the scheduler: engine/state_layout.py
+        # the tensors for the runner, the books (integers) for the scheduler: engine/request/state_layout.py
         state_tensors = StateTensors(spec, c.max_num_seqs, d, snapshots.num_snapshots if snapshots else 0,
                                      resolved.dtype, resolved.device)
         cache = StateCache(snapshots, c.block_size) if snapshots is not None else None

@@ -6,18 +6,18 @@
              scheduler.update_from_output(...)          -> the one commit: tokens, stop rules, frees
              then: RequestOutputs for what changed, drafts proposed for the next step
 
-The step is a transaction (engine/journal.py): it begins before `schedule()`, which reserves blocks
+The step is a transaction (engine/request/journal.py): it begins before `schedule()`, which reserves blocks
 and may preempt, each write noting what it replaced. If `execute_model` raises, the step is rolled back to where
 it was before planning and bisected to find the request to blame (engine/recovery.py); a plug-in's
 failure in `schedule()` (a scheduling policy) is rolled back and raised. Once `execute_model` has
 returned, the transaction commits: the plan's reservations are final, and `update_from_output` applies
 the results request by request, each request's failure its own (its tokens were appended: there is no
-going back, only forward). How failures are contained: engine/errors.py and docs/concepts/failures.md.
+going back, only forward). How failures are contained: engine/request/errors.py and docs/concepts/failures.md.
 
 A request for n > 1 completions is n plain sequences from its arrival (`enqueue`,
-engine/parallel_sampling.py), sharing the prompt's blocks through the prefix cache.
+engine/processing/parallel_sampling.py), sharing the prompt's blocks through the prefix cache.
 
-A request that can never run (engine/input_processor.py) finishes at once with finish_reason "error"
+A request that can never run (engine/processing/input_processor.py) finishes at once with finish_reason "error"
 and the limit to change. A proposer's failure after the commit is its own: the error is raised, and the
 step's outputs are held for the next step (or `take_pending`). A request whose output cannot be made
 (`OutputProcessor.output` raised) ends with finish_reason "error"; the others are reported as usual.
@@ -35,16 +35,16 @@ from typing import TypeVar
 
 from minivllm.config import EngineConfig
 from minivllm.engine.builder import build_engine
-from minivllm.engine.input_processor import PromptType, Unservable
-from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.output_processor import RequestState
-from minivllm.engine.parallel_sampling import fan_out
-from minivllm.engine.errors import RequestsFailedError
+from minivllm.engine.metrics.stats import EngineCounters, EngineStats, engine_stats
+from minivllm.engine.metrics.trace import StepTrace, record_step
+from minivllm.engine.processing.input_processor import PromptType, Unservable
+from minivllm.engine.processing.output_processor import RequestState
+from minivllm.engine.processing.parallel_sampling import fan_out
 from minivllm.engine.recovery import StepRecovery
-from minivllm.engine.sequence import FinishReason, Sequence
-from minivllm.engine.stats import EngineCounters, EngineStats, engine_stats
-from minivllm.engine.step_types import CommitResult, ModelRunnerOutput, SchedulerOutput
-from minivllm.engine.trace import StepTrace, record_step
+from minivllm.engine.request.errors import RequestsFailedError
+from minivllm.engine.request.sequence import FinishReason, Sequence
+from minivllm.engine.request.step_types import CommitResult, ModelRunnerOutput, SchedulerOutput
+from minivllm.engine.worker.model_runner import ModelRunner
 from minivllm.layers.sampler import noise_seed
 from minivllm.models.interface import CausalLM
 from minivllm.outputs import RequestOutput
@@ -87,7 +87,7 @@ class LLMEngine:
             self.counters = EngineCounters()
             self.trace: list[StepTrace] = []  # filled when config.record_trace
             self._gc_frozen = False
-            if self.config.warmup:  # the CPU kernels chosen by timing, the first steps run (engine/warmup.py)
+            if self.config.warmup:  # the CPU kernels chosen by timing, the first steps run (engine/worker/warmup.py)
                 self.executor.warmup(self.config.tuning)
                 gc.collect()  # (it runs while automatic collection is paused)
                 gc.freeze()  # long-lived objects (model, tokenizer) leave the GC's scans: shorter pauses

@@ -18,11 +18,11 @@
 
 from __future__ import annotations
 
-from minivllm.engine.errors import EngineDeadError, RequestsFailedError, is_fatal
+from minivllm.engine.core.scheduler import Scheduler
 from minivllm.engine.executor.abstract import Executor
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sequence import FinishReason
-from minivllm.engine.step_types import GrammarBitmask, ScheduledSequence, SchedulerOutput
+from minivllm.engine.request.errors import EngineDeadError, RequestsFailedError, is_fatal
+from minivllm.engine.request.sequence import FinishReason
+from minivllm.engine.request.step_types import GrammarBitmask, ScheduledSequence, SchedulerOutput
 
 
 class StepRecovery:

@@ -9,9 +9,9 @@ turns it into what this engine will do, with the checkpoint and the machine at h
     max_model_len       None: the model's max_position_embeddings (and the token budget without chunked
                         prefill); a larger value is refused with what to lower
     prefix caching      a hybrid model's needs its state cache (`StateCacheConfig`: stride, snapshots,
-                        bytes; engine/state_cache.py), sized here with a line saying what it reserves
+                        bytes; engine/core/state_cache.py), sized here with a line saying what it reserves
     speculative_config  parsed and checked (`SpeculativeConfig`); a hybrid model's state pool keeps a
-                        candidate state per draft (engine/state_pool.py)
+                        candidate state per draft (engine/core/state_pool.py)
     eos_token_ids       the checkpoint's and the tokenizer's
     reasoning           the reasoning parser's think-token ids, found in the tokenizer (refused without them)
     batch_invariant     refused where "auto" chose CUDA, and for a hybrid model (its chunked linear
@@ -30,9 +30,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
-from minivllm.engine.loading import resolve_device, resolve_dtype
+from minivllm.engine.request.state_layout import StateCacheConfig, resolve_state_cache
 from minivllm.engine.spec_decode.config import SpeculativeConfig
-from minivllm.engine.state_layout import StateCacheConfig, resolve_state_cache
+from minivllm.engine.worker.loading import resolve_device, resolve_dtype
 from minivllm.models.hf_config import ModelSpec
 from minivllm.reasoning import ReasoningConfig
 

@@ -14,7 +14,7 @@ request i sits at position `context_len - query_len + r` and may attend to keys 
 
 Sliding-window layers (Gemma 3) see only the last `sliding_window` keys of each query (its own
 included: row at position p attends to keys p - W + 1 .. p). They keep their K/V in a pool of their
-own, with their own block tables (engine/kv_cache_groups.py), so they get metadata of their own too:
+own, with their own block tables (engine/core/kv_cache_groups.py), so they get metadata of their own too:
 `meta.sliding`, the same rows with that group's `block_tables`, `slot_mapping` and the window. Its
 tables hold 0 where a block left the window (it was given back): a backend must not read those.
 
@@ -82,7 +82,7 @@ class AttentionBackend(abc.ABC):
     name: str = "abstract"
     # Whether `forward` honours `meta.sliding_window` (the engine refuses a model with sliding layers otherwise).
     supports_sliding_window: bool = False
-    # Whether `prepare_cuda_graph` exists: decode steps replayed from CUDA graphs (engine/cuda_graphs.py).
+    # Whether `prepare_cuda_graph` exists: decode steps replayed from CUDA graphs (engine/worker/cuda_graphs.py).
     supports_cuda_graphs: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:

@@ -25,7 +25,7 @@ The mode (`EngineConfig.batch_invariant`, vLLM's VLLM_BATCH_INVARIANT) removes e
   * eager only: a compiled graph pads a step to a size and Inductor picks kernels per size.
 
 `TiledLinearMethod` is the mode's matmul, a linear method (layers/linear.py) the engine sets on every
-`Linear` of the model when it loads it (engine/loading.py): the model is built as always, no global switch.
+`Linear` of the model when it loads it (engine/worker/loading.py): the model is built as always, no global switch.
 The engine refuses the mode where it is not shown to hold (config.py): CUDA, tensor parallelism, hybrid models.
 """
 

@@ -47,7 +47,7 @@ the engine relies on exactly that. Ratios of Gamma are computed as exp(differenc
 Chunks end at multiples of chunk_size in the request's own positions (`starts`), so a prompt resumed
 at such a multiple is cut exactly as one pass over it would be.
 
-Snapshots (prefix caching, engine/state_cache.py): S at a chunk's end is the state after that token,
+Snapshots (prefix caching, engine/core/state_cache.py): S at a chunk's end is the state after that token,
 so asking for the states at some offsets only adds those offsets to the cuts. The engine asks for
 multiples of its `state_cache_stride`, which is a multiple of chunk_size: no extra cut in practice.
 

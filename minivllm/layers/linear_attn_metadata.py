@@ -15,7 +15,7 @@ state pool, per layer, for its whole life:
 
 The forward never writes a slot it reads. Each linear-attention layer computes a `LinearAttnState`
 of NEW tensors, row i for request i; with `write_slots` set (the engine's case), `store` writes them
-into each request's STAGING slot — the other slot of its pair (engine/state_pool.py) — and the
+into each request's STAGING slot — the other slot of its pair (engine/core/state_pool.py) — and the
 commit makes that slot the published one by flipping a bit. A failed or rolled-back step leaves
 every published state as it was (the KV cache's "uncomputed slots" trick does not apply: a state is
 overwritten, not appended to). Without `write_slots` the new states are only returned.
@@ -23,9 +23,9 @@ overwritten, not appended to). Without `write_slots` the new states are only ret
 Kept states. `snapshot_offsets[i]` asks for request i's states after that many of its rows; each
 layer hands them to `store_snapshots`, request by request, which writes each where `to_cache` says:
   * a prompt position that is a multiple of the state cache's stride (prefix caching,
-    engine/state_cache.py): into the cache's STAGING slots `snapshot_slots`; the commit copies them
+    engine/core/state_cache.py): into the cache's STAGING slots `snapshot_slots`; the commit copies them
     into the cache proper, so a failed step changes nothing there either;
-  * a verification's draft rows (speculative decoding, engine/state_pool.py): into the request's
+  * a verification's draft rows (speculative decoding, engine/core/state_pool.py): into the request's
     CANDIDATE slots; the commit publishes the one after the last accepted draft.
 """
 

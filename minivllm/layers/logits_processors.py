@@ -66,7 +66,8 @@ class BadWords:
 @dataclass(frozen=True)
 class RequestLogitRules:
     """What a request's allowed ids, biases and bad words ask of every one of its rows, prepared once at
-    admission (engine/input_processor.py) on the device the logits are on; an n > 1 request's sequences share it."""
+    admission (engine/processing/input_processor.py) on the device the logits are on; an n > 1 request's sequences share
+    it."""
 
     allowed: torch.Tensor | None = None  # (V,) bool: True = may be drawn
     bias_ids: torch.Tensor | None = None  # (B,) int64
@@ -95,11 +96,11 @@ class RequestLogitRules:
 @dataclass(frozen=True)
 class RowProcessing:
     """What one sampled row asks of this stage (defaults: nothing). Frozen: the no-op one is shared by
-    every row that asks for nothing (engine/sampling_metadata.py)."""
+    every row that asks for nothing (engine/worker/sampling_metadata.py)."""
 
     banned_token_ids: list[int] = field(default_factory=list)  # bad words
     # EOS and stop ids before min_tokens: kept apart because a grammar that can only end lifts them
-    # (engine/sampling_metadata.py: the grammar's end wins over min_tokens)
+    # (engine/worker/sampling_metadata.py: the grammar's end wins over min_tokens)
     held_token_ids: list[int] = field(default_factory=list)
     rules: RequestLogitRules | None = None  # allowed ids and biases, prepared at admission
     presence_penalty: float = 0.0

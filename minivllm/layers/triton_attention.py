@@ -8,7 +8,7 @@ Per step (`prepare`), the backend chooses between two kernels:
   * `paged_attention` for any other batch (prefill chunks, cached prefixes, decode rows beside them),
     one launch.
 On CPU (the interpreter) there is no SM count; 8 is used, which keeps tests exercising the splits.
-Inside a CUDA graph (`prepare_cuda_graph`, engine/cuda_graphs.py) the plan cannot look at the lengths:
+Inside a CUDA graph (`prepare_cuda_graph`, engine/worker/cuda_graphs.py) the plan cannot look at the lengths:
 the grouped kernel with the split count from the rows alone (a short context leaves some splits empty,
 which the merge weighs 0), as the kernel reads every row's length when it runs.
 `batch_invariant=True` fixes the split count (kernels/grouped_decode_attention.py), so a decode row's sum

@@ -7,7 +7,7 @@ Qwen3.5 is a hybrid (gated-DeltaNet linear attention + full attention, `models/q
 multimodal checkpoints (`...ForConditionalGeneration`) load their text decoder only.
 
 Gemma 3 mixes sliding-window and full-attention layers (`models/gemma3.py`); the engine gives each
-kind its own KV-cache group (engine/kv_cache_groups.py). Its multimodal form loads the text decoder too.
+kind its own KV-cache group (engine/core/kv_cache_groups.py). Its multimodal form loads the text decoder too.
 """
 
 from minivllm.models.gemma3 import Gemma3ForCausalLM

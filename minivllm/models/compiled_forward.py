@@ -22,7 +22,7 @@ Shapes. A graph is specialised to its input shapes, and the only one that varies
 token rows in the step. So graphs are made for a few sizes (`sizes`, e.g. 1, 2, 4, ..., 128; all at
 warm-up), and the model runner pads each step's rows up to the next size: 3 rows run the graph for 4.
 A padding row is token 0 at position 0; its K/V is stored in a scratch block that no request owns
-(engine/model_runner.py) and attention gives it no output, so it changes no real row. Steps with
+(engine/worker/model_runner.py) and attention gives it no output, so it changes no real row. Steps with
 more rows than the largest size (long prefills, where the matmuls dominate anyway) run eagerly.
 
 `enforce_eager=True` (vLLM's name) turns it off; see `EngineConfig.enforce_eager` for the default.

@@ -14,7 +14,7 @@ What differs from Llama (models/llama.py), each a switch of HF's Gemma3TextModel
   * layer i is `spec.layer_types[i]`: "sliding_attention" layers see the last `sliding_window` keys
     and rotate with the local RoPE base (10k); "full_attention" layers see everything and rotate with
     the global base (1M), with the checkpoint's RoPE scaling.
-The two kinds keep their K/V in different pools (engine/kv_cache_groups.py), so a sliding layer reads
+The two kinds keep their K/V in different pools (engine/core/kv_cache_groups.py), so a sliding layer reads
 `meta.sliding`: its group's slots and block tables, and the window.
 
 No real Gemma checkpoint is reachable offline: the tests run tiny random configs against HF transformers.

@@ -28,11 +28,11 @@ from minivllm.layers.rotary import RopeSpec
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Gated-DeltaNet (linear attention) layers interleaved with full attention: models/qwen3_5.py, run with
-# the engine's per-request state pool (engine/state_pool.py).
+# the engine's per-request state pool (engine/core/state_pool.py).
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 LAYER_TYPES = ("full_attention", "linear_attention")
 # Sliding-window layers beside full ones (models/gemma3.py), each kind with its KV-cache group
-# (engine/kv_cache_groups.py).
+# (engine/core/kv_cache_groups.py).
 SLIDING_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 SLIDING_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -173,7 +173,7 @@ def parse_model_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None 
     if cfg.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     if arch == "MistralForCausalLM" and cfg.get("sliding_window") is not None:
-        # every layer would slide: the KV-cache groups need a full-attention group (engine/kv_cache_groups.py)
+        # every layer would slide: the KV-cache groups need a full-attention group (engine/core/kv_cache_groups.py)
         raise ValueError(f"MistralForCausalLM with sliding_window={cfg['sliding_window']} is not supported (every "
                          "layer slides); Mistral checkpoints with sliding_window null run as the Llama decoder")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from minivllm.engine.scheduling_policy import SchedulingPolicy
-from minivllm.engine.sequence import FinishReason, Sequence
+from minivllm.engine.core.scheduling_policy import SchedulingPolicy
+from minivllm.engine.request.sequence import FinishReason, Sequence
 from minivllm.sampling_params import SamplingParams
 from minivllm.teaching.hf_check import assert_hf_greedy
 from minivllm.teaching.policy_behaviour import Assignment, check_policy_behaviour

@@ -88,11 +88,11 @@ def seam_class(assignment: Assignment) -> type:
 
         return SamplingFilter
     if assignment is Assignment.ALLOCATOR:
-        from minivllm.engine.block_allocator import BlockAllocator
+        from minivllm.engine.core.block_allocator import BlockAllocator
 
         return BlockAllocator
     if assignment is Assignment.POLICY:
-        from minivllm.engine.scheduling_policy import SchedulingPolicy
+        from minivllm.engine.core.scheduling_policy import SchedulingPolicy
 
         return SchedulingPolicy
     raise ValueError(f"the {assignment.value} assignment defines a function, {KERNEL_FUNCTION}, not a class")

@@ -1,5 +1,5 @@
 """Hands-on 4: grading a block allocator: the free list the block manager takes blocks from, whose order
-IS the prefix cache's eviction order (engine/block_allocator.py).
+IS the prefix cache's eviction order (engine/core/block_allocator.py).
 
     check_allocator_trace(MyAllocator)      # call by call, the same answers as the engine's LRU
     check_allocator_machine(MyAllocator)    # the scheduler's state machine: ownership, conservation, rollback
@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from minivllm.engine.block_allocator import BlockAllocator, CheckedAllocator, LRUAllocator
+from minivllm.engine.core.block_allocator import BlockAllocator, CheckedAllocator, LRUAllocator
 from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model, tiny_model
 
 CALL_RULES = {

@@ -31,11 +31,11 @@ import enum
 import random
 from collections.abc import Callable, Sized
 
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.scheduling_policy import CheckedPolicy, SchedulingPolicy
-from minivllm.engine.sequence import Sequence
-from minivllm.engine.step_types import ModelRunnerOutput, RowGroupOutput, SampledToken
+from minivllm.engine.core.block_manager import BlockManager
+from minivllm.engine.core.scheduler import Scheduler
+from minivllm.engine.core.scheduling_policy import CheckedPolicy, SchedulingPolicy
+from minivllm.engine.request.sequence import Sequence
+from minivllm.engine.request.step_types import ModelRunnerOutput, RowGroupOutput, SampledToken
 from minivllm.sampling_params import SamplingParams
 
 MAX_WAIT_STEPS = 50     # bounded wait: steps a request may wait while more urgent ones keep arriving

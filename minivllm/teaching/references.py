@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.parallel_sampling import fan_out
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.step_types import ScheduledSequence
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.core.block_manager import BlockManager
+from minivllm.engine.core.scheduler import Scheduler
+from minivllm.engine.processing.parallel_sampling import fan_out
+from minivllm.engine.request.sequence import Sequence, SequenceStatus
+from minivllm.engine.request.step_types import ScheduledSequence
 from minivllm.layers.sampler import SamplingRow, SamplingTensors, apply_top_k_top_p_min_p
 from minivllm.sampling_params import SamplingParams
 
@@ -110,7 +110,7 @@ def _ref_min_p_keep(probs: torch.Tensor, min_p: float) -> torch.Tensor:
 def _ref_overhead_fraction(step_time_s: float, forward_time_s: float) -> float:
     from dataclasses import fields
 
-    from minivllm.engine.stats import EngineStats
+    from minivllm.engine.metrics.stats import EngineStats
 
     zeros = {f.name: 0 for f in fields(EngineStats)}
     return EngineStats(**{**zeros, "step_time_s": step_time_s, "forward_time_s": forward_time_s}).overhead_fraction

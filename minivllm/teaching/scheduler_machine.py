@@ -14,9 +14,9 @@ shrinks the run to the shortest one that still breaks it.
 
 The project's own tests run this machine on the built-in policies (tests/engine/test_scheduler.py),
 and the capstone's grader runs the very same one on a student's policy (teaching/capstone.py), wrapped
-in `CheckedPolicy` (engine/scheduling_policy.py, which the engine's scheduler wraps every policy in too):
+in `CheckedPolicy` (engine/core/scheduling_policy.py, which the engine's scheduler wraps every policy in too):
 it names the rule of the seam a policy breaks (`PolicyContractError`). A block allocator
-(`make_allocator`, engine/block_allocator.py) is wrapped in `CheckedAllocator` the same way
+(`make_allocator`, engine/core/block_allocator.py) is wrapped in `CheckedAllocator` the same way
 (`AllocatorContractError`); the invariants and the exact rollback must hold whichever block it hands out.
 """
 
@@ -26,12 +26,12 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from minivllm.engine.block_allocator import BlockAllocator
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.parallel_sampling import fan_out
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.scheduling_policy import CheckedPolicy, FCFSPolicy, SchedulingPolicy
-from minivllm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from minivllm.engine.core.block_allocator import BlockAllocator
+from minivllm.engine.core.block_manager import BlockManager
+from minivllm.engine.core.scheduler import Scheduler
+from minivllm.engine.core.scheduling_policy import CheckedPolicy, FCFSPolicy, SchedulingPolicy
+from minivllm.engine.processing.parallel_sampling import fan_out
+from minivllm.engine.request.sequence import FinishReason, Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
 
 EOS = 1  # the machine's end-of-sequence token: a request that samples it finishes
@@ -48,7 +48,7 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
     import hypothesis.strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-    from minivllm.engine.step_types import DraftTokenIds, ModelRunnerOutput, RowGroupOutput, SampledToken
+    from minivllm.engine.request.step_types import DraftTokenIds, ModelRunnerOutput, RowGroupOutput, SampledToken
 
     class SchedulerMachine(RuleBasedStateMachine):
         @initialize(num_blocks=st.integers(4, 12), block_size=st.sampled_from([1, 2, 4]),

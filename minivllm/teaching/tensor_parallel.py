@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.worker.model_runner import ModelRunner
 
 
 def rank_shapes(rank: int, runner: ModelRunner) -> dict[str, tuple[int, ...]]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from minivllm.engine.trace import StepTrace
+from minivllm.engine.metrics.trace import StepTrace
 from minivllm.models.sharding import WeightSlice
 from minivllm.outputs import RequestOutput
 

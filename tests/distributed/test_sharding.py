@@ -13,7 +13,7 @@ from tp_helpers import child_pids
 import minivllm.models.loader as loader
 from minivllm import LLM
 from minivllm.distributed.parallel_state import ParallelContext
-from minivllm.engine.loading import build_model
+from minivllm.engine.worker.loading import build_model
 from minivllm.models.hf_config import LinearAttnSpec, load_model_spec, parse_model_spec
 from minivllm.models.sharding import ShardLayout, check_shardable
 from minivllm.teaching.checkpoints import make_tiny_model

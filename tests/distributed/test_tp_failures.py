@@ -16,7 +16,7 @@ import pytest
 from tp_helpers import child_pids, interrupt_rank_0, raise_on_workers, shard_summary
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.errors import EngineDeadError
+from minivllm.engine.request.errors import EngineDeadError
 
 PROMPTS = [{"prompt_token_ids": [5, 17, 33, 80]}, {"prompt_token_ids": list(range(40, 61))}]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -116,7 +116,7 @@ def test_ranks_started_by_hand_as_on_another_node(qwen3_dir, monkeypatch, one_th
 
 SLOW_WORKER_WARMUP = """
 import time
-import minivllm.engine.model_runner as model_runner
+import minivllm.engine.worker.model_runner as model_runner
 
 measure = model_runner.ModelRunner.measure_cpu_kernels
 

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.worker.model_runner import ModelRunner
 
 
 def shard_summary(rank: int, runner: ModelRunner) -> dict:

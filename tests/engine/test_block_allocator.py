@@ -10,11 +10,11 @@ import pytest
 from hypothesis import settings
 
 from minivllm import LLM, EngineConfig, SamplingParams
-from minivllm.engine.block_allocator import AllocatorContractError, BlockAllocator, CheckedAllocator, LRUAllocator
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
-from minivllm.engine.sequence import Sequence
-from minivllm.engine.journal import Journal
+from minivllm.engine.core.block_allocator import AllocatorContractError, BlockAllocator, CheckedAllocator, LRUAllocator
+from minivllm.engine.core.block_manager import BlockManager
+from minivllm.engine.core.scheduling_policy import FCFSPolicy, PriorityPolicy
+from minivllm.engine.request.journal import Journal
+from minivllm.engine.request.sequence import Sequence
 from minivllm.teaching.scheduler_machine import scheduler_machine
 
 

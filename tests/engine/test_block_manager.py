@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.sequence import Sequence
-from minivllm.engine.journal import Journal
+from minivllm.engine.core.block_manager import BlockManager
+from minivllm.engine.request.journal import Journal
+from minivllm.engine.request.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 
 

@@ -64,7 +64,7 @@ def test_a_release_that_fails_ends_its_request_once(model_factory, failures):
 
 
 def test_a_commit_that_fails_for_one_of_n_sequences_ends_only_that_completion(model_factory):
-    """n = 2 is two sequences (engine/parallel_sampling.py): the commit fails for the second one only. That
+    """n = 2 is two sequences (engine/processing/parallel_sampling.py): the commit fails for the second one only. That
     completion ends with "error", its sibling and the other request go on, and every block comes back."""
     llm = LLM(model_factory("qwen3"), warmup=False, block_size=4, num_kv_blocks=64)
     engine = llm.llm_engine

@@ -13,10 +13,10 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.engine.loading import compile_decision
-from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
-from minivllm.engine.warmup import warmup_batch
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.request.sequence import Sequence
+from minivllm.engine.request.step_types import ScheduledSequence, SchedulerOutput
+from minivllm.engine.worker.loading import compile_decision
+from minivllm.engine.worker.warmup import warmup_batch
 from minivllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from minivllm.models.compiled_forward import padded_num_tokens
 

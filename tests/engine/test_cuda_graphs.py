@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (engine/cuda_graphs.py), without a GPU: `replay_by_rerun` stands in for the
+"""CUDA graphs for decode steps (engine/worker/cuda_graphs.py), without a GPU: `replay_by_rerun` stands in for the
 recording, so the static buffers, the padding rows and the graph's attention plan are what these test.
 The Triton backend runs in its interpreter; the forward runs eagerly over the compiled sizes' padding
 (what is compiled is tested in test_compile.py). benchmarks/cuda_check.py runs the real graphs on a GPU."""
@@ -9,8 +9,8 @@ import pytest
 from helpers import varied_prompts
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.cuda_graphs import replay_by_rerun
-from minivllm.engine.runner_builder import enable_cuda_graphs
+from minivllm.engine.worker.cuda_graphs import replay_by_rerun
+from minivllm.engine.worker.runner_builder import enable_cuda_graphs
 from minivllm.teaching.hf_check import assert_hf_greedy
 
 SIZES = (1, 2, 4)

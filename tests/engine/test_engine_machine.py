@@ -23,8 +23,8 @@ configuration and a sequence of actions:
                its others fail; nothing escapes the committed step), the proposer
     over budget
                a structured request's masks go over its budget once it has k tokens (k = 0 or 2; drawn
-               with the request, so no rule's share of the search shrinks): engine/grammar_fill.py's real
-               check, its budget made negative. The plan's one fill names it, the engine finishes it
+               with the request, so no rule's share of the search shrinks): engine/structured_output/grammar_fill.py's
+               real check, its budget made negative. The plan's one fill names it, the engine finishes it
                with "error" and that message in that step, running nothing (no forward, no bisection)
     abort      a live request
     beam       a beam search (minivllm/beam_search.py): each step's beams join the load as one-token
@@ -55,14 +55,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from minivllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from minivllm.beam_search import BeamSearch, new_search, step_sampling_params
-from minivllm.engine.kv_cache_groups import KVCacheCoordinator
-from minivllm.engine.state_cache import StateCache
-from minivllm.engine.state_layout import snapshot_bytes
-from minivllm.models.hf_config import load_model_spec
-from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.layers.logits_processors import unpack_bitmask
-from minivllm.reasoning import ReasoningPhase
+from minivllm.engine.core.kv_cache_groups import KVCacheCoordinator
+from minivllm.engine.core.state_cache import StateCache
+from minivllm.engine.request.sequence import Sequence, SequenceStatus
+from minivllm.engine.request.state_layout import snapshot_bytes
 from minivllm.engine.spec_decode.proposer import Draft, Proposer
+from minivllm.layers.logits_processors import unpack_bitmask
+from minivllm.models.hf_config import load_model_spec
+from minivllm.reasoning import ReasoningPhase
 from minivllm.teaching.checkpoints import make_tiny_model
 from minivllm.teaching.hf_check import assert_hf_greedy
 from reasoning_helpers import make_thinking_qwen3
@@ -77,7 +77,8 @@ REQUESTS = st.fixed_dictionaries(dict(
     poisoned=st.sampled_from([False] * 8 + [True]), restricted=st.sampled_from([False] * 3 + [True]),
     structured=st.sampled_from([False] * 3 + [True]), think=st.sampled_from([None, "open", "open", "closed"]),
     over_budget=st.sampled_from([None] * 5 + [0, 2])))
-# A structured request's output matches this (structured outputs: engine/grammar.py); it may end early, "stop"
+# A structured request's output matches this (structured outputs: engine/structured_output/grammar.py); it may end
+# early, "stop"
 STRUCTURED = StructuredOutputsParams(regex=r"[a-e ]{1,24}\.?")
 ALLOWED = list(range(5, 200))  # a restricted (sampled) request draws only these; never a bad word's last token
 
@@ -116,7 +117,7 @@ class Setup:
     spec: str | None = None  # None, "ngram", "noisy" (NoisyProposer), "draft" (the model drafts for itself)
     engine: dict = field(default_factory=dict)
     sliding: bool = False  # Gemma 3: a sliding-window KV-cache group beside the full one
-    snapshots: int | None = None  # a hybrid's state cache: room for this many snapshots (engine/state_cache.py)
+    snapshots: int | None = None  # a hybrid's state cache: room for this many snapshots (engine/core/state_cache.py)
     reasoning: bool = False  # the tiny Qwen3 with <think> tokens (tests/reasoning_helpers.py), reasoning_parser on
 
     @property
@@ -328,7 +329,7 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
             marked = [s for s in self.over_budget.values() if not s.is_finished]
             sched, victims = self.engine.scheduler, []
 
-            def rollback_step(plan=None):  # the preemptions a rollback keeps (engine/overwritten.py)
+            def rollback_step(plan=None):  # the preemptions a rollback keeps (engine/core/overwritten.py)
                 victims.extend(type(sched).rollback_step(sched, plan))
                 return victims
 

@@ -1,4 +1,4 @@
-"""The journal (engine/journal.py): any writes, undone newest first, leave everything as it was at begin;
+"""The journal (engine/request/journal.py): any writes, undone newest first, leave everything as it was at begin;
 a commit keeps them; a closed journal notes nothing; the books never record anything themselves."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.engine.journal import Journal, Journaled, JournaledDeque, JournaledDict, JournaledList
+from minivllm.engine.request.journal import Journal, Journaled, JournaledDeque, JournaledDict, JournaledList
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.engine.block_manager import NULL_BLOCK, BlockManager
-from minivllm.engine.kv_cache import sliding_pool_blocks
-from minivllm.engine.kv_cache_groups import KVCacheCoordinator
-from minivllm.engine.sequence import Sequence
-from minivllm.engine.sliding_window import SlidingWindowBlockManager
-from minivllm.engine.journal import Journal
+from minivllm.engine.core.block_manager import NULL_BLOCK, BlockManager
+from minivllm.engine.core.kv_cache_groups import KVCacheCoordinator
+from minivllm.engine.core.sliding_window import SlidingWindowBlockManager
+from minivllm.engine.request.journal import Journal
+from minivllm.engine.request.sequence import Sequence
+from minivllm.engine.worker.kv_cache import sliding_pool_blocks
 from minivllm.sampling_params import SamplingParams
 
 B, W = 4, 8

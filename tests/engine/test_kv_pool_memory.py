@@ -1,4 +1,4 @@
-"""The CPU KV pool's memory (engine/kv_cache.py `zeros`): zeros until written, committed a page at a time,
+"""The CPU KV pool's memory (engine/worker/kv_cache.py `zeros`): zeros until written, committed a page at a time,
 never advised into huge pages (whose first write waits for the kernel to compact memory: ~0.5 s of a
 30-layer model's first step), and private to the process that made it (a forked child writes its own copy)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minivllm import LLM
-from minivllm.engine.kv_cache import zeros
+from minivllm.engine.worker.kv_cache import zeros
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 

@@ -8,10 +8,10 @@ recomputes, and a block the step wrote is never findable in the prefix cache whi
 
 from __future__ import annotations
 
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.engine.step_types import ModelRunnerOutput
+from minivllm.engine.core.block_manager import BlockManager
+from minivllm.engine.core.scheduler import Scheduler
+from minivllm.engine.request.sequence import Sequence, SequenceStatus
+from minivllm.engine.request.step_types import ModelRunnerOutput
 from minivllm.sampling_params import SamplingParams
 
 B = 4  # block size

@@ -1,4 +1,4 @@
-"""engine/runner_builder.py: one factory builds every `ModelRunner`, and the samplers follow the attention
+"""engine/worker/runner_builder.py: one factory builds every `ModelRunner`, and the samplers follow the attention
 backend's type, never its name."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from minivllm import LLM
-from minivllm.engine.runner_builder import samplers_for
 from minivllm.engine.spec_decode.rejection_sampler import RejectionSampler, TritonRejectionSampler
+from minivllm.engine.worker.runner_builder import samplers_for
 from minivllm.layers.sampler import Sampler, TritonSampler
 from minivllm.layers.torch_attention import TorchAttentionBackend
 from minivllm.layers.triton_attention import TritonAttentionBackend
@@ -33,7 +33,7 @@ def test_the_samplers_follow_the_backends_type_not_its_name():
 def test_only_the_factory_constructs_a_model_runner():
     found = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "minivllm").rglob("*.py"))
              for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bModelRunner\(", line)]
-    assert found and all(f.startswith("minivllm/engine/runner_builder.py:") for f in found), found
+    assert found and all(f.startswith("minivllm/engine/worker/runner_builder.py:") for f in found), found
 
 
 def test_the_draft_model_runner_is_built_like_the_targets(model_factory):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from hypothesis import settings
 
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.parallel_sampling import fan_out
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.scheduling_policy import FCFSPolicy, PriorityPolicy
-from minivllm.engine.sequence import Sequence
-from minivllm.engine.step_types import ModelRunnerOutput
+from minivllm.engine.core.block_manager import BlockManager
+from minivllm.engine.core.scheduler import Scheduler
+from minivllm.engine.core.scheduling_policy import FCFSPolicy, PriorityPolicy
+from minivllm.engine.processing.parallel_sampling import fan_out
+from minivllm.engine.request.sequence import Sequence
+from minivllm.engine.request.step_types import ModelRunnerOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.teaching.scheduler_machine import scheduler_machine
 
@@ -87,7 +87,7 @@ def test_no_head_of_line_blocking_on_blocks_and_starvation_guard():
 
 
 def test_an_n_request_computes_the_full_blocks_of_its_prompt_once():
-    """n = 3 is three plain sequences (engine/parallel_sampling.py). Admitted in one step, the second and
+    """n = 3 is three plain sequences (engine/processing/parallel_sampling.py). Admitted in one step, the second and
     third hit the blocks the first is computing (cached when allocated): each computes only the prompt's
     partly filled last block, and all three hold the same full blocks."""
     sched = make_scheduler(num_blocks=64, block_size=4, budget=64)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from minivllm.engine.block_allocator import BlockAllocator
+from minivllm.engine.core.block_allocator import BlockAllocator
 
 
 class LRUFreeList(BlockAllocator):

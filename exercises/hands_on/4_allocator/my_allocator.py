@@ -1,6 +1,6 @@
 """Hands-on 4: the block manager's free list, whose order is the prefix cache's eviction order.
 
-The block manager (minivllm/engine/block_manager.py) keeps ref counts, hashes and block tables; it asks
+The block manager (minivllm/engine/core/block_manager.py) keeps ref counts, hashes and block tables; it asks
 your allocator which free block to reuse. A freed block keeps its cached prefix until it is reused, so
 choosing the block to take IS choosing which cached prefix to evict. Write LRU: the block freed longest
 ago goes first, so a prefix used a moment ago outlives one unused for long.
@@ -15,7 +15,7 @@ The calls (each with a `stamp`, when the block was freed: a clock that only goes
   len(), iter()            how many are free; each free block once, the next to be taken first
 
 Read `BlockAllocator` in minivllm/seams.py (the seam) and `LRUAllocator` in
-minivllm/engine/block_allocator.py (the default), but write yours without copying the OrderedDict: a
+minivllm/engine/core/block_allocator.py (the default), but write yours without copying the OrderedDict: a
 dict of stamps and a `min` is a fine first version.
 
 Grade:  python -m minivllm.teaching.grade_hands_on allocator exercises/hands_on/4_allocator/my_allocator.py
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from minivllm.engine.block_allocator import BlockAllocator
+from minivllm.engine.core.block_allocator import BlockAllocator
 
 
 class MyAllocator(BlockAllocator):

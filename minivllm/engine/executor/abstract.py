@@ -7,7 +7,7 @@
 
 `runner` is rank 0's `ModelRunner`: it packs and samples (the other ranks only run the forward).
 Every executor builds its ranks' runners in its constructor, from the resolved config, each with
-`build_model_runner` (engine/runner_builder.py).
+`build_model_runner` (engine/worker/runner_builder.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
-from minivllm.engine.warmup import warmup_plans
 from minivllm.cpu.tuner import Tuning
+from minivllm.engine.request.step_types import ModelRunnerOutput, SchedulerOutput
+from minivllm.engine.worker.model_runner import ModelRunner
+from minivllm.engine.worker.warmup import warmup_plans
 
 T = TypeVar("T")
 
@@ -38,7 +38,7 @@ class Executor(abc.ABC):
 
     def warmup(self, tuning: Tuning = "cached") -> None:
         """Choose the CPU kernels (cached, or by timing them; logged at INFO, printed by `minivllm bench`),
-        then run the warm-up steps through the whole stack (engine/warmup.py)."""
+        then run the warm-up steps through the whole stack (engine/worker/warmup.py)."""
         r = self.runner
         for line in r.measure_cpu_kernels(tuning):
             logging.getLogger("minivllm").info("%s", line)

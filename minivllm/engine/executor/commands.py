@@ -3,7 +3,7 @@ channel (distributed/communication.py), in the same order on every worker.
 
     WorkerStart    the first command: the engine's config (the workers build their shard from it)
     StepInputs     run this step's forward: the packed batch of `ModelRunner.prepare_inputs`
-                   (engine/step_inputs.py)
+                   (engine/worker/step_inputs.py)
     CollectiveRpc  run a function on every rank (`LLMEngine.collective_rpc`); results come back
     Shutdown       leave the loop and the group; the process exits
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 from minivllm.config import EngineConfig
-from minivllm.engine.step_inputs import StepInputs
+from minivllm.engine.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
-    from minivllm.engine.model_runner import ModelRunner
+    from minivllm.engine.worker.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)

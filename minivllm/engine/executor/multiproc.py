@@ -20,7 +20,7 @@ forward could not reach them. What ends the wait instead:
   * a worker that hangs: rank 0's collective times out after `distributed_timeout_s`;
   * rank 0 raising inside `run`: the workers are left mid-step.
 Each way, rank 0 kills the remaining workers and raises `EngineDeadError` with the worker's own error
-when it has one: the engine treats it as fatal, never retried or bisected (engine/errors.py).
+when it has one: the engine treats it as fatal, never retried or bisected (engine/request/errors.py).
 Outside `run` (packing the batch before, sampling after) the ranks are in step, and an exception
 there is an ordinary one: the engine's isolation by bisection works as with one rank. For the same
 reason a Ctrl-C inside `run` is held until the step's collectives are done (at most the timeout),
@@ -46,14 +46,14 @@ import torch.multiprocessing as mp
 from minivllm.distributed.communication import CommandChannel
 from minivllm.distributed.parallel_state import (JOIN_TIMEOUT_S, Rendezvous, close_parallel_context,
                                                 init_parallel_context)
-from minivllm.engine.errors import EngineDeadError
 from minivllm.engine.executor.abstract import Executor
 from minivllm.engine.executor.commands import CollectiveRpc, Shutdown, WorkerCommand, WorkerStart
 from minivllm.engine.executor.worker import WorkerLaunch, worker_main
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.request.errors import EngineDeadError
+from minivllm.engine.request.step_types import ModelRunnerOutput, SchedulerOutput
 from minivllm.engine.resolved_config import ResolvedConfig
-from minivllm.engine.runner_builder import build_model_runner
-from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
+from minivllm.engine.worker.model_runner import ModelRunner
+from minivllm.engine.worker.runner_builder import build_model_runner
 
 T = TypeVar("T")
 SHUTDOWN_GRACE_S = 5.0  # how long a worker has to leave after Shutdown before it is killed

@@ -6,11 +6,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from minivllm.engine.executor.abstract import Executor
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.request.step_types import ModelRunnerOutput, SchedulerOutput
 from minivllm.engine.resolved_config import ResolvedConfig
-from minivllm.engine.runner_builder import build_model_runner
-from minivllm.engine.state_tensors import StateTensors
-from minivllm.engine.step_types import ModelRunnerOutput, SchedulerOutput
+from minivllm.engine.worker.model_runner import ModelRunner
+from minivllm.engine.worker.runner_builder import build_model_runner
+from minivllm.engine.worker.state_tensors import StateTensors
 
 T = TypeVar("T")
 

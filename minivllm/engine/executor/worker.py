@@ -5,7 +5,7 @@
       init_parallel_context         join the group: blocks until every rank has joined
       WorkerStart                   the engine's config, from rank 0
       build_model_runner            read only this rank's slices of the checkpoint; agree on the pool size
-                                    (engine/runner_builder.py, as rank 0 does)
+                                    (engine/worker/runner_builder.py, as rank 0 does)
       warm-up, then meet rank 0     time the CPU kernels, as rank 0 does; rank 0 waits for that before
                                     anything else (parallel_state.py: the start-up group)
       loop over commands            StepInputs    -> `ModelRunner.forward`, the one forward path: the same
@@ -36,9 +36,9 @@ from minivllm.distributed.communication import CommandChannel
 from minivllm.distributed.parallel_state import (ParallelContext, Rendezvous, close_parallel_context,
                                                 init_parallel_context)
 from minivllm.engine.executor.commands import CollectiveRpc, Shutdown, WorkerStart
-from minivllm.engine.loading import resolve_dtype
-from minivllm.engine.runner_builder import build_model_runner
-from minivllm.engine.step_inputs import StepInputs
+from minivllm.engine.worker.loading import resolve_dtype
+from minivllm.engine.worker.runner_builder import build_model_runner
+from minivllm.engine.worker.step_inputs import StepInputs
 from minivllm.models.hf_config import load_model_spec
 
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.engine.runner_builder import build_model_runner
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.request.sequence import Sequence
+from minivllm.engine.request.step_types import ScheduledSequence, SchedulerOutput
 from minivllm.engine.spec_decode.proposer import Draft, DraftRequest, Proposer
-from minivllm.engine.step_types import ScheduledSequence, SchedulerOutput
+from minivllm.engine.worker.runner_builder import build_model_runner
 from minivllm.layers.sampler import filtered_probs
 from minivllm.models.hf_config import ModelSpec, load_model_spec
 from minivllm.sampling_params import SamplingParams

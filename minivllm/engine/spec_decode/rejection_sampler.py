@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from minivllm.engine.sampling_metadata import SamplingBatch
+from minivllm.engine.worker.sampling_metadata import SamplingBatch
 from minivllm.kernels.seeding import noise_seed
 from minivllm.layers.sampler import SamplingTensors, filtered_probs
 

@@ -25,12 +25,12 @@ from collections.abc import Callable
 
 import torch
 
+from minivllm.engine.request.sequence import Sequence
+from minivllm.engine.request.step_types import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from minivllm.engine.resolved_config import ResolvedConfig
-from minivllm.engine.sequence import Sequence
 from minivllm.engine.spec_decode.config import SpeculativeConfig
 from minivllm.engine.spec_decode.ngram import NgramProposer
 from minivllm.engine.spec_decode.proposer import Draft, DraftRequest, Proposer
-from minivllm.engine.step_types import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 
 
 def build_proposer(cfg: SpeculativeConfig, config: ResolvedConfig, num_blocks: int) -> Proposer:

@@ -26,7 +26,7 @@ import re
 
 from jinja2 import TemplateError
 
-from minivllm.engine.errors import EngineDeadError, StepFailedError
+from minivllm.engine.request.errors import EngineDeadError, StepFailedError
 from minivllm.entrypoints.openai.field_policy import RequestError
 
 

@@ -73,7 +73,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from minivllm.engine.async_engine import AsyncLLMEngine, LatencyKind
-from minivllm.engine.stats import EngineStats
+from minivllm.engine.metrics.stats import EngineStats
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 

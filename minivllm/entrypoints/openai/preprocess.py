@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minivllm.engine.async_engine import AsyncLLMEngine
-from minivllm.engine.input_processor import PromptTooLong
+from minivllm.engine.processing.input_processor import PromptTooLong
 from minivllm.entrypoints.openai.errors import ApiError, api_error
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, Limits
 from minivllm.entrypoints.openai.tool_prompt import with_tools_in_system

@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minivllm
 from minivllm.engine.async_engine import AsyncLLMEngine
-from minivllm.engine.errors import EngineDeadError
+from minivllm.engine.request.errors import EngineDeadError
 from minivllm.entrypoints.openai.errors import ApiError, api_error, error_body
 from minivllm.entrypoints.openai.metrics import ServerMetrics
 from minivllm.entrypoints.openai.middleware import ApiKeyAuth, BodyLimits, HeaderDeadline
