@@ -202,7 +202,7 @@ class JournaledAllocator(JournaledContainer, BlockAllocator):
         raise NotImplementedError("a JournaledAllocator is restored by its journal's rollback")
 
     def __len__(self) -> int:
-        return len(self.inner)
+        return len(self.stamps)  # the free blocks (asked for every running request a step: no call down)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.inner)

@@ -151,7 +151,8 @@ class JournaledList(JournaledContainer, list):
     written this way); any other change notes the whole list. Pickled, it is a plain list."""
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        notes = self._notes()
+        journal = self.journal  # (inline, not _notes(): the pool's per-block lists are written every step)
+        notes = journal.notes if journal is not None else None
         if notes is not None:
             if isinstance(index, int):
                 notes.append((list.__setitem__, self, index, list.__getitem__(self, index)))
@@ -160,7 +161,8 @@ class JournaledList(JournaledContainer, list):
         list.__setitem__(self, index, value)
 
     def append(self, value: Any) -> None:
-        notes = self._notes()
+        journal = self.journal
+        notes = journal.notes if journal is not None else None
         if notes is not None:
             notes.append((list.pop, self))
         list.append(self, value)
