@@ -101,7 +101,7 @@ class BlockManager(Journaled):
     # --- queries -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_blocks.stamps)  # its free blocks' stamps: a dict's len, asked per running request
 
     @property
     def kv_blocks_in_use(self) -> dict[str, int]:

@@ -96,10 +96,19 @@ def _restore_attr(obj: object, name: str, old: Any) -> None:
         object.__setattr__(obj, name, old)
 
 
+# Every journaled container type (filled as they are defined): what a `Journaled` object binds to its journal
+# when one is assigned to it, found by exact type (a set lookup is cheaper than isinstance on every write).
+_CONTAINERS: set[type] = set()
+
+
 class JournaledContainer:
     """What the journaled containers share: the journal they note into (None: not watched yet)."""
 
     journal: Journal | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _CONTAINERS.add(cls)
 
     def _notes(self) -> list[Note] | None:
         journal = self.journal
@@ -115,9 +124,10 @@ class Journaled:
     def __setattr__(self, name: str, value: Any) -> None:
         journal = self.journal
         if journal is not None:
-            if journal.notes is not None:
-                journal.notes.append((_restore_attr, self, name, self.__dict__.get(name, _MISSING)))
-            if isinstance(value, JournaledContainer):
+            notes = journal.notes
+            if notes is not None:
+                notes.append((_restore_attr, self, name, self.__dict__.get(name, _MISSING)))
+            if type(value) in _CONTAINERS:  # (not isinstance: this runs on every write of a watched object)
                 value.journal = journal
         object.__setattr__(self, name, value)
 
