@@ -17,7 +17,7 @@ model thought, not what the sampler was allowed to pick.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -49,6 +49,33 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """When a request arrived, was first scheduled, got its first token and finished (vLLM's `RequestMetrics`
+    names; `time.perf_counter()` seconds, so only differences mean anything). An n > 1 request: the first of its
+    sequences scheduled / to produce a token, the last to finish. None: not yet (or never: a request refused or
+    aborted while waiting is never scheduled). vLLM's last_token_time and per-step model times are not kept."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Arrival to first scheduled: what vllm:request_queue_time_seconds observes."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @classmethod
+    def of(cls, arrival: float, scheduled: list[float | None], first_token: list[float | None],
+           finished: list[float | None]) -> RequestMetrics:
+        """A request's times from its sequences' (one, or n)."""
+        def first(times: list[float | None]) -> float | None:
+            return min((t for t in times if t is not None), default=None)
+
+        return cls(arrival, first(scheduled), first(first_token), None if None in finished else max(finished))
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -58,5 +85,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics | None = None  # its times (filled by the engine's output processor)
     prompt_logprobs: PromptLogprobs | None = None

@@ -162,12 +162,18 @@ def test_serve_flags_configure_the_served_engine(qwen3_dir, monkeypatch):
     monkeypatch.setattr(AsyncLLMEngine, "shutdown", lambda self: engines.append(self))  # kept running, for below
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     assert cli.main(["serve", "--model", qwen3_dir, "--num-kv-blocks", "16", "--max-logprobs", "3",
-                     "--speculative-config", spec, "--no-warmup"]) == 0
+                     "--speculative-config", spec, "--no-warmup", "--max-stored-responses", "1"]) == 0
     monkeypatch.undo()
     try:
         with serving(apps[0]) as url:
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 4})
             assert r.status_code == 400 and "max_logprobs=3" in r.json()["error"]["message"]
             assert "vllm:spec_decode_num_draft_tokens_total" in httpx.get(f"{url}/metrics").text
+            # --max-stored-responses 1: the second response evicts the first
+            ids = [httpx.post(f"{url}/v1/responses", json={"input": "Hi", "max_output_tokens": 2}).json()["id"]
+                   for _ in range(2)]
+            follow = [httpx.post(f"{url}/v1/responses", json={"input": "And?", "max_output_tokens": 2,
+                                                                "previous_response_id": i}).status_code for i in ids]
+            assert follow == [404, 200]
     finally:
         engines[0].shutdown()

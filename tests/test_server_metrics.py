@@ -4,6 +4,7 @@ equal the engine's commit-time totals and never go down, and the speculative-dec
 from __future__ import annotations
 
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -154,3 +155,55 @@ def test_metrics_need_no_api_key(qwen3_dir):
     with serving(build_app(engine, MODEL, api_key="k")) as url:
         assert "vllm:num_requests_running" in httpx.get(f"{url}/metrics").text
     engine.shutdown()
+
+
+def test_request_times_iteration_tokens_and_success_per_reason(qwen3_dir):
+    """vLLM's count test, with the official client: 10 requests of 10 tokens (and one stopped at its first), each
+    observed once in the engine-time histograms, each step once in iteration_tokens, each finish counted under its
+    reason by the time its answer is back."""
+    engine, server = serve(qwen3_dir)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    with server as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        steps = engine.stats.num_steps
+        for i in range(10):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, extra_body={"ignore_eos": True})
+            m = scrape(url)  # right after the answer: already counted
+            assert metric(m, "vllm:request_success_total", finished_reason="length") == i + 1
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=5,
+                                  extra_body={"allowed_token_ids": [65], "stop_token_ids": [65]})
+        m, s = scrape(url), engine.stats
+    engine.shutdown()
+    assert {r: metric(m, "vllm:request_success_total", finished_reason=r) for r in ("stop", "length", "abort", "error")
+            } == {"stop": 1, "length": 10, "abort": 0, "error": 0}
+    e2e_le = ["0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0", "30.0", "40.0", "50.0",
+              "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0", "7680.0", "+Inf"]
+    for name in ("queue_time", "prefill_time", "inference_time"):
+        full = f"vllm:request_{name}_seconds"
+        assert metric(m, f"{full}_count") == 11 and metric(m, f"{full}_sum") >= 0
+        assert [series.split('le="')[1].split('"')[0] for series in m if series.startswith(f"{full}_bucket")] == e2e_le
+    assert metric(m, "vllm:request_inference_time_seconds_sum") >= metric(m, "vllm:request_prefill_time_seconds_sum")
+    # one observation per step (10 per request of 10 tokens, run one at a time; 1 for the stopped one), of the
+    # tokens it committed: vLLM's sum, prompt + max_tokens per request
+    assert metric(m, "vllm:iteration_tokens_total_count") == s.num_steps - steps == 10 * 10 + 1
+    hi_prompt = s.num_prompt_tokens_total - 10 * len(prompt)
+    assert metric(m, "vllm:iteration_tokens_total_sum") == s.committed_tokens == 10 * (len(prompt) + 10) + hi_prompt + 1
+    assert [series.split('le="')[1].split('"')[0] for series in m if series.startswith("vllm:iteration_tokens_total_b")
+            ] == ["1.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0", "512.0", "1024.0", "2048.0", "4096.0",
+                  "8192.0", "16384.0", "+Inf"]
+
+
+def test_a_request_its_client_left_counts_as_abort(qwen3_dir):
+    engine, server = serve(qwen3_dir)
+    with server as url:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+            next(r.iter_lines())  # one event, then the client goes
+        deadline = time.time() + 30
+        while engine.engine.has_unfinished_requests() and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)  # the worker publishes its stats after applying the abort
+        m = scrape(url)
+    engine.shutdown()
+    assert metric(m, "vllm:request_success_total", finished_reason="abort") == 1
+    assert metric(m, "vllm:request_success_total", finished_reason="length") == 0

@@ -85,6 +85,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()
         self.stats: EngineStats = engine.get_stats()  # refreshed by the worker after every step
         self.latency_observers: list[Callable[[LatencyKind, float], Any]] = []  # (kind, seconds)
+        self.step_observers: list[Callable[[int], Any]] = []  # each step's tokens: prompts + generated, at commit
         self.last_step_error: BaseException | None = None  # the latest failed step's exception
         self.dead_error: EngineDeadError | None = None  # set once, when the engine can no longer serve
         self._worker = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
@@ -169,15 +170,18 @@ class AsyncLLMEngine:
             self._wake.wait(timeout=0.5)
             self._wake.clear()
             return
+        before = self.stats
         try:
             outputs = self.engine.step()
         except EngineDeadError:
             raise  # fatal: handled by _run
         except Exception as e:  # the step was rolled back (see LLMEngine.step): fail its callers, go on
-            self._fail_step(e)
-            return
+            return self._fail_step(e)
+        # Before the outputs go out: a caller that has its final output, then scrapes /metrics, finds it counted.
+        self.stats = s = self.engine.get_stats()
+        for observe in self.step_observers if s.num_steps > before.num_steps else ():  # a step ran: its tokens
+            observe(s.committed_tokens - before.committed_tokens)
         self._deliver_all(outputs)
-        self.stats = self.engine.get_stats()
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -211,6 +215,7 @@ class AsyncLLMEngine:
             reason = self.engine.unservable_reason(seq)
             if reason is not None:
                 raise ValueError(reason.message)
+            seq.arrival_time = stream.arrival  # RequestOutput.metrics start where the caller's latencies do
             self.engine.enqueue(seq)
         except Exception as e:
             _notify(stream, _set_exception, stream.added, e)
@@ -228,6 +233,7 @@ class AsyncLLMEngine:
             self.engine.abort_request(list(self.engine.requests), report=False)
         except Exception as e:  # the requests are gone; a proposer failing again to forget them is not fatal
             self.last_step_error = e
+        self.stats = self.engine.get_stats()  # without them
         for rid in list(self._streams):  # those that were still running
             self._deliver(rid, StepFailedError(message))
 

@@ -127,6 +127,7 @@ class LLMEngine:
     def enqueue(self, seq: Sequence) -> None:
         """Queue a validated request: its seed, its n sequences (n > 1: `fan_out`), its output state."""
         seq.arrival_index = next(self._arrivals)
+        seq.arrival_time = seq.arrival_time or time.perf_counter()  # AsyncLLMEngine gives its caller's
         if seq.sampling_params.seed is None:  # unseeded: still reproducible for a given engine seed
             seq.seed = noise_seed(self.config.seed, seq.arrival_index)
         seqs = fan_out(seq)
@@ -157,6 +158,8 @@ class LLMEngine:
                     self.scheduler.finish(seq, FinishReason.ABORT)
             if report:
                 self._pending.append(self.output_processor.output(state))
+            else:  # no output will be counted for it (a server's caller gone): vllm:request_success's "abort"
+                self.counters.count_finished([FinishReason.ABORT.value])
         self._after_commit()
 
     def has_unfinished_requests(self) -> bool:

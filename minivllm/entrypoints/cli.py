@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="close a connection whose request headers take longer (default: 10)")
     serve.add_argument("--body-timeout-s", type=float, default=None,
                        help="answer 408 to a request whose body takes longer (default: 30)")
+    serve.add_argument("--max-stored-responses", type=int, default=None,
+                       help="/v1/responses answers kept in memory for previous_response_id, the oldest evicted "
+                            "first (default: 256)")
 
     bench = sub.add_parser("bench", help="throughput benchmarks against HF transformers",
                            description="Run minivllm and HF transformers on the same model and workload.")
@@ -184,10 +187,10 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from minivllm.entrypoints.openai.server import run_server
 
-    timeouts = {name: value for name in ("header_timeout_s", "body_timeout_s")
-                if (value := getattr(args, name)) is not None}  # given: else run_server's defaults
+    given = {name: value for name in ("header_timeout_s", "body_timeout_s", "max_stored_responses")
+             if (value := getattr(args, name)) is not None}  # given: else run_server's defaults
     run_server(args.model, args.host, args.port, args.served_model_name, api_key=args.api_key,
-               max_request_bytes=args.max_request_bytes, **timeouts, **engine_kwargs(args))
+               max_request_bytes=args.max_request_bytes, **given, **engine_kwargs(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -533,7 +533,8 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
         def _snapshot(self) -> tuple:
             engine, bm = self.engine, self.engine.block_manager
             seqs = [(s.request_id, s.status, s.num_computed_tokens, list(s.block_table), list(s.sliding_block_table),
-                     s.num_tokens, None if s.state_slots is None else list(s.state_slots))
+                     s.num_tokens, None if s.state_slots is None else list(s.state_slots),
+                     s.first_scheduled_time)  # an admission undone leaves no first-scheduled time
                     for s in engine.scheduler.live_sequences]
             pool = engine.state_pool
             groups = list(bm.groups.values()) if isinstance(bm, KVCacheCoordinator) else [bm]  # every pool

@@ -40,6 +40,7 @@ project built on nano-vllm, whose guide writes a scheduler with these method nam
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from minivllm.engine.core.kv_cache_groups import KVBlockManager
@@ -183,6 +184,8 @@ class Scheduler(StepCommit, Journaled):
                 loads[seq.request_id] = load
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = prefix.num_tokens
+            if seq.first_scheduled_time is None:  # the end of its queue time (a preemption's re-admission is not)
+                seq.first_scheduled_time = time.perf_counter()
             seq.status = SequenceStatus.RUNNING
             seq.num_admission_skips = 0
             self.running.append(seq)

@@ -26,6 +26,8 @@ Invariants:
 
 from __future__ import annotations
 
+import time
+
 from minivllm.engine.core.kv_cache_groups import KVBlockManager
 from minivllm.engine.core.state_pool import StatePool
 from minivllm.engine.core.stop_checker import StopChecker, advance_grammar
@@ -118,6 +120,8 @@ class StepCommit:
         """Append accepted drafts then the target's token, each through the token rules (tokens past a
         stop are dropped), then the text through the stop strings."""
         first = seq.num_output_tokens == 0
+        if first:
+            seq.first_token_time = time.perf_counter()
         num_new = 0
         for i, token in enumerate(tokens):
             if i:

@@ -49,6 +49,12 @@ class EngineStats:
     state_snapshot_hits: int = 0
 
     @property
+    def committed_tokens(self) -> int:
+        """Prompt tokens (at their first token) and generated ones: the difference over one step is what vLLM's
+        vllm:iteration_tokens_total observes."""
+        return self.num_prompt_tokens_total + self.num_generation_tokens_total
+
+    @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 

@@ -23,7 +23,8 @@ from transformers import PreTrainedTokenizerBase
 from minivllm.engine.processing.detokenizer import IncrementalDetokenizer
 from minivllm.engine.request.sequence import FinishReason, Sequence
 from minivllm.engine.request.step_types import SampledToken
-from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from minivllm.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput,
+                              SampleLogprobs)
 from minivllm.sampling_params import RequestOutputKind
 
 
@@ -40,6 +41,11 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    def metrics(self) -> RequestMetrics:
+        seqs = self.seqs  # the first to be scheduled / to produce a token, the last to finish
+        return RequestMetrics.of(seqs[0].arrival_time or 0.0, [s.first_scheduled_time for s in seqs],
+                                 [s.first_token_time for s in seqs], [s.finished_time for s in seqs])
 
 
 class OutputProcessor:
@@ -75,7 +81,7 @@ class OutputProcessor:
             completions = [self._delta(state, c) for c in completions]
         return RequestOutput(first.group_id, first.prompt, first.prompt_token_ids, completions, state.finished,
                              first.num_cached_tokens, next((s.error for s in seqs if s.error), None),
-                             prompt_logprobs=prompt_logprobs)
+                             state.metrics(), prompt_logprobs)
 
     @staticmethod
     def failed_output(state: RequestState, error: str) -> RequestOutput:
@@ -86,7 +92,7 @@ class OutputProcessor:
         completions = [CompletionOutput(s.index, "", s.output_token_ids[state.sent[s.index][0] if delta else 0:],
                                         FinishReason.ERROR.value, None) for s in state.seqs]
         return RequestOutput(first.group_id, first.prompt, first.prompt_token_ids, completions, True,
-                             first.num_cached_tokens, error)
+                             first.num_cached_tokens, error, state.metrics())
 
     @staticmethod
     def _delta(state: RequestState, c: CompletionOutput) -> CompletionOutput:

@@ -23,6 +23,7 @@ open, so a failed step is undone without the code that changes it recording anyt
 from __future__ import annotations
 
 import enum
+import time
 from array import array
 from collections.abc import Sequence as SequenceABC
 from typing import TYPE_CHECKING, NamedTuple
@@ -105,6 +106,12 @@ class Sequence(Journaled):
         self.sliding_block_table: list[int] = JournaledList()
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of full blocks (BlockManager.block_hashes)
         self.num_admission_skips = 0  # times admission passed over this request (anti-starvation)
+        # When (time.perf_counter) it arrived, was first scheduled (at admission), got its first token (at commit)
+        # and finished: RequestOutput.metrics. A preemption keeps the first two; a failed step undoes its writes.
+        self.arrival_time: float | None = None  # the caller's (AsyncLLMEngine), else LLMEngine.enqueue's
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -180,6 +187,7 @@ class Sequence(Journaled):
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
+        self.finished_time = time.perf_counter()
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.error = error

@@ -26,7 +26,13 @@ name) and `engine` ("0": one engine).
     vllm:request_max_num_generation_tokens                   histogram  its longest completion's tokens
     vllm:request_params_n, vllm:request_params_max_tokens    histogram  its n and max_tokens (None: what fits)
     vllm:request_decode_time_seconds                         histogram  first token -> finished
+    vllm:request_queue_time_seconds                          histogram  arrival -> first scheduled    (the engine's
+    vllm:request_prefill_time_seconds                        histogram  first scheduled -> first token   times,
+    vllm:request_inference_time_seconds                      histogram  first scheduled -> finished  .metrics)
     vllm:request_time_per_output_token_seconds               histogram  decode time / (tokens - 1)
+  per engine step (the async engine's `step_observers`):
+    vllm:iteration_tokens_total                              histogram  the tokens a step committed: prompts that
+                                                                        got their first token + tokens generated
   with speculative decoding on:
     vllm:spec_decode_num_drafts_total                        counter    drafts verified (one per request per step)
     vllm:spec_decode_num_draft_tokens_total                  counter    draft tokens verified
@@ -37,10 +43,6 @@ name) and `engine` ("0": one engine).
     mean accepted length = 1 + rate(..._num_accepted_tokens_total) / rate(..._num_drafts_total)
 
 vLLM's metrics left out, and why:
-    vllm:request_queue_time_seconds, _prefill_time_seconds,  need the moment a request was first scheduled,
-      _inference_time_seconds                               which only the engine knows (it reports none)
-    vllm:iteration_tokens_total                              tokens per engine step: the stats are totals
-                                                             and nothing tells the server about each step
     vllm:prompt_tokens_recomputed                            always 0: the prefix cache never serves a
                                                              prompt's last token, so none is recomputed
     vllm:engine_sleep_state                                  there is no sleep mode
@@ -83,6 +85,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
 
@@ -120,6 +123,15 @@ class ServerMetrics:
                                      "Histogram of time spent in DECODE phase for request.", _E2E_BUCKETS)
         self.time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
                                                "Histogram of time_per_output_token_seconds per request.", _ITL_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", _E2E_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", _E2E_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", _E2E_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per "
+                                          "engine_step.", _ITERATION_TOKEN_BUCKETS)
+        engine.step_observers.append(self.iteration_tokens.observe)
         self.prefill_computed = histogram("vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens "
                                           "computed during prefill (excluding cached tokens).", tokens)
         by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
@@ -165,6 +177,12 @@ class ServerMetrics:
         self.params_n.observe(sp.n)
         # max_tokens=None runs until the context is full: vLLM records that length.
         self.params_max_tokens.observe(sp.max_tokens if sp.max_tokens is not None else self.max_model_len - num_prompt)
+        times = out.metrics  # the engine's: None for beam search's assembled output
+        if times is not None and times.first_scheduled_time is not None and times.finished_time is not None:
+            self.queue_time.observe(times.time_in_queue)
+            self.inference_time.observe(times.finished_time - times.first_scheduled_time)
+            if times.first_token_time is not None:
+                self.prefill_time.observe(times.first_token_time - times.first_scheduled_time)
         if first_token_at is not None:
             decode = time.monotonic() - first_token_at
             self.decode_time.observe(decode)

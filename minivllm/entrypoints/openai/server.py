@@ -222,7 +222,7 @@ def uvicorn_options(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> dict[
 def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
                *, api_key: str | None = None, max_request_bytes: int | None = None,
                header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-               **engine_kwargs: Any) -> None:
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, **engine_kwargs: Any) -> None:
     """Build the engine, then serve until interrupted (`minivllm serve`). Without `api_key`, the
     MINIVLLM_API_KEY environment variable is used if set (as vLLM's VLLM_API_KEY); an empty key is
     refused (it would leave the server open while looking guarded). Without `max_request_bytes`,
@@ -250,7 +250,7 @@ def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, ser
     defaults = ({k: v for k, v in json.loads(gen_cfg.read_text()).items() if k in GENERATION_CONFIG_DEFAULTS}
                 if gen_cfg.is_file() else {})
     app = build_app(engine, name, defaults, api_key=api_key, max_request_bytes=max_request_bytes,
-                    body_timeout_s=body_timeout_s, root=model or folder)
+                    body_timeout_s=body_timeout_s, root=model or folder, max_stored_responses=max_stored_responses)
     print(f"minivllm: serving {name!r} on http://{host}:{port}/v1 (defaults from generation_config: "
           f"{defaults or 'none'}; API key {'required' if api_key else 'not required'})", file=sys.stderr, flush=True)
     try:
