@@ -170,7 +170,6 @@ class AsyncLLMEngine:
             self._wake.wait(timeout=0.5)
             self._wake.clear()
             return
-        before = self.stats
         try:
             outputs = self.engine.step()
         except EngineDeadError:
@@ -178,9 +177,10 @@ class AsyncLLMEngine:
         except Exception as e:  # the step was rolled back (see LLMEngine.step): fail its callers, go on
             return self._fail_step(e)
         # Before the outputs go out: a caller that has its final output, then scrapes /metrics, finds it counted.
-        self.stats = s = self.engine.get_stats()
-        for observe in self.step_observers if s.num_steps > before.num_steps else ():  # a step ran: its tokens
-            observe(s.committed_tokens - before.committed_tokens)
+        before, self.stats = self.stats, self.engine.get_stats()
+        if self.stats.num_steps > before.num_steps:  # a step ran: what it committed is vLLM's iteration tokens
+            for observe in self.step_observers:
+                observe(self.stats.committed_tokens - before.committed_tokens)
         self._deliver_all(outputs)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
