@@ -34,9 +34,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
+from minivllm.engine.async_commands import (AbortRequest, AddRequest, CallerStream, Command, LatencyKind, notify,
+                                            refused, set_exception, set_result)
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.metrics.stats import EngineStats
 from minivllm.engine.processing.input_processor import Unservable
@@ -45,39 +46,13 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 
-@dataclass
-class _Stream:
-    """One caller's mailbox: the worker posts to it through its event loop."""
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
-    added: asyncio.Future  # resolved once the worker accepted (or refused) the request
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
-    last_token: float | None = None
-
-
-class AddRequest(NamedTuple):
-    request_id: str
-    prompt: PromptType
-    sampling_params: SamplingParams | None
-    stream: _Stream
-    priority: int = 0  # lower = sooner, with scheduling_policy="priority"
-
-
-class AbortRequest(NamedTuple):
-    request_id: str
-
-
-Command = AddRequest | AbortRequest
-# What a latency observer is told: time to first token, between outputs, or arrival to finish.
-LatencyKind = Literal["ttft", "itl", "e2e"]
 
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, CallerStream] = {}
         self._ids = itertools.count()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -102,7 +77,7 @@ class AsyncLLMEngine:
         `StepFailedError` if a step it was in failed; `EngineDeadError` if the engine is dead."""
         rid = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
+        stream = CallerStream(loop, asyncio.Queue(), loop.create_future())
         finished = False
         try:  # the add is inside: a caller cancelled while its add is still queued is aborted too
             self._send(AddRequest(rid, prompt, sampling_params, stream, priority))
@@ -114,7 +89,7 @@ class AsyncLLMEngine:
                 finished = out.finished
                 yield out
         finally:
-            if not finished and not _refused(stream):
+            if not finished and not refused(stream):
                 self._send(AbortRequest(rid))
 
     async def abort(self, request_id: str) -> None:
@@ -218,10 +193,10 @@ class AsyncLLMEngine:
             seq.arrival_time = stream.arrival  # RequestOutput.metrics start where the caller's latencies do
             self.engine.enqueue(seq)
         except Exception as e:
-            _notify(stream, _set_exception, stream.added, e)
+            notify(stream, set_exception, stream.added, e)
             return
         self._streams[rid] = stream
-        _notify(stream, _set_result, stream.added)
+        notify(stream, set_result, stream.added)
 
     def _fail_step(self, error: Exception) -> None:
         self.last_step_error = error
@@ -249,10 +224,10 @@ class AsyncLLMEngine:
                 queued.append(self._commands.get_nowait())
         for command in queued:
             if isinstance(command, AddRequest):
-                _notify(command.stream, _set_exception, command.stream.added, EngineDeadError(str(dead)))
+                notify(command.stream, set_exception, command.stream.added, EngineDeadError(str(dead)))
         streams, self._streams = self._streams, {}
         for stream in streams.values():  # the engine is not touched: its state can't be trusted now
-            _notify(stream, stream.outputs.put_nowait, EngineDeadError(str(dead)))
+            notify(stream, stream.outputs.put_nowait, EngineDeadError(str(dead)))
 
     def _record_latency(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)
@@ -276,31 +251,6 @@ class AsyncLLMEngine:
             return
         if isinstance(item, BaseException) or item.finished:
             del self._streams[rid]
-        if not _notify(stream, stream.outputs.put_nowait, item) and rid in self.engine.requests:
+        if not notify(stream, stream.outputs.put_nowait, item) and rid in self.engine.requests:
             self._streams.pop(rid, None)  # the caller's event loop is closed: nobody will read this
             self.engine.abort_request(rid, report=False)
-
-
-def _notify(stream: _Stream, callback: Callable[..., Any], *args: Any) -> bool:
-    """Run `callback(*args)` on the caller's event loop; False if that loop is already closed."""
-    try:
-        stream.loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:
-        return False
-    return True
-
-
-def _refused(stream: _Stream) -> bool:
-    """The worker refused the add: there is no request to abort (and its id may belong to another)."""
-    added = stream.added
-    return added.done() and not added.cancelled() and added.exception() is not None
-
-
-def _set_result(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _set_exception(future: asyncio.Future, error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)

@@ -74,7 +74,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from minivllm.engine.async_engine import AsyncLLMEngine, LatencyKind
+from minivllm.engine.async_commands import LatencyKind
+from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.engine.metrics.stats import EngineStats
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
