@@ -152,6 +152,9 @@ def test_text_format_is_the_chats_grammar(tiny):
     ({"max_output_tokens": 5000}, "max_output_tokens"), ({"seed": "1"}, "seed"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format.schema"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": [{"role": "user", "content": "x", "name": "bob"}]}, "input[0].name"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "y", "bogus": 1}]}, "input[0].bogus"),
+    ({"input": [{"type": "reasoning", "summary": 5}]}, "input[0].summary"),
 ])
 def test_what_is_not_implemented_is_refused_by_name(tiny, body, param):
     _, url, _ = tiny
@@ -233,3 +236,15 @@ def test_output_items_sent_back_make_one_assistant_turn():
                                                                    "content": "1"}
     assert turn == {"role": "assistant", "content": "Sure.", "reasoning_content": "hm", "tool_calls": [
         {"id": f"call_{k}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for k in (1, 2)]}
+
+
+def test_a_request_id_never_replaces_a_stored_response(tiny):
+    """vLLM's request_id names the response ("resp_<id>"): one already stored, or the request's own
+    previous_response_id, would make two responses share an id (the second overwriting the first's conversation)."""
+    _, url, _ = tiny
+    ask = {"input": "hi", "max_output_tokens": 1}
+    assert httpx.post(f"{url}/v1/responses", json={**ask, "request_id": "dup"}).status_code == 200
+    for body in ({"request_id": "dup"}, {"request_id": "loop", "previous_response_id": "resp_loop"}):
+        r = httpx.post(f"{url}/v1/responses", json={**ask, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+

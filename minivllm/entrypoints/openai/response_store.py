@@ -35,6 +35,9 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._conversations)
 
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._conversations
+
     def conversation(self, response_id: str | None) -> list[dict[str, Any]]:
         """The stored conversation of `response_id` (a copy: the caller may extend it); [] for None."""
         if response_id is None:

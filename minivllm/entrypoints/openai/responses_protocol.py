@@ -124,6 +124,10 @@ class ResponsesRequest(BaseModel):
         out: list[dict[str, Any]] = []
         for i, item in enumerate(self.input):
             where, kind = f"input[{i}]", item.get("type", "message")
+            unknown = sorted(set(item) - _ITEM_FIELDS.get(kind, set(item)))  # (an unknown type: refused below)
+            if unknown:
+                raise RequestError(f"{where}.{unknown[0]}", f"not a field of a {kind} item; it has "
+                                                            f"{', '.join(sorted(_ITEM_FIELDS[kind]))}")
             if kind == "message":
                 out.append(_message(item, where, out))
             elif kind == "function_call":
@@ -135,8 +139,8 @@ class ResponsesRequest(BaseModel):
                 text = output if isinstance(output, str) else _text(output, f"{where}.output")
                 out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text})
             elif kind == "reasoning":
-                parts = item.get("content") or item.get("summary") or []
-                _assistant(out, fresh=True)["reasoning_content"] = _text(parts, f"{where}.content")
+                key = "content" if item.get("content") else "summary"
+                _assistant(out, fresh=True)["reasoning_content"] = _text(item.get(key) or [], f"{where}.{key}")
             else:
                 raise RequestError(f"{where}.type", f"{kind!r} is not supported; use message, function_call, "
                                                     "function_call_output or reasoning")
@@ -145,6 +149,13 @@ class ResponsesRequest(BaseModel):
             if m["role"] == "assistant" and not m.get("tool_calls"):
                 m.pop("tool_calls", None)
         return out
+
+
+# The fields of each input item kind (`id` and `status`: what an output item sent back carries; no effect).
+_ITEM_FIELDS = {"message": {"type", "role", "content", "id", "status"},
+                "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+                "function_call_output": {"type", "call_id", "output", "id", "status"},
+                "reasoning": {"type", "id", "summary", "content", "status"}}
 
 
 def to_responses_param(param: str) -> str:

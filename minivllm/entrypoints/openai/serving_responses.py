@@ -60,6 +60,9 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, raw: Reque
     rid, created = f"resp_{req.request_id or uuid.uuid4().hex}", now()
     try:
         req.check_unsupported()
+        if req.request_id is not None and (rid in store or rid == req.previous_response_id):
+            raise RequestError("request_id", f"a stored response already has the id {rid!r} (or it is this request's "
+                                             "previous_response_id); send another request_id, or none")
         history = store.conversation(req.previous_response_id)
         chat = req.chat_request(history)
         run = await start_chat(ctx, chat, metrics, rid)
