@@ -248,3 +248,13 @@ def test_a_request_id_never_replaces_a_stored_response(tiny):
         r = httpx.post(f"{url}/v1/responses", json={**ask, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
 
+
+def test_a_tool_error_shows_this_endpoint_s_flat_tool_shape(tiny):
+    _, url, _ = tiny
+    named = {"tools": [TOOL], "tool_choice": {"type": "function", "name": "x"}}
+    for body in ({"tools": [{"type": "function"}]}, named):
+        r = httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 2, **body})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and '"function": {' not in message, r.text
+        assert '{"type": "function", "name": ...' in message, r.text
+

@@ -148,7 +148,14 @@ def _renamed(error: ApiError) -> ApiError:
     message = param + error.message[len(error.param):] if error.message.startswith(error.param) else error.message
     if error.param == "max_tokens":  # the context-length message names the field in its text too
         message = message.replace("max_tokens", param)
+    for chat, flat in _FLAT_TOOL_SHAPES:  # a hint in chat's nested tool shape, as this endpoint takes it
+        message = message.replace(chat, flat)
     return ApiError(error.status, message, param, error.code)
+
+
+_FLAT_TOOL_SHAPES = (('{"type": "function", "function": {"name": ..., "parameters": {...}}}',
+                      '{"type": "function", "name": ..., "parameters": {...}}'),
+                     ('{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}'))
 
 
 class ResponseOutput:
