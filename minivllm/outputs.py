@@ -17,8 +17,9 @@ model thought, not what the sampler was allowed to pick.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class Logprob(NamedTuple):
@@ -49,12 +50,12 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True)
-class RequestMetrics:
+class RequestMetrics(NamedTuple):
     """When a request arrived, was first scheduled, got its first token and finished (vLLM's `RequestMetrics`
     names; `time.perf_counter()` seconds, so only differences mean anything). An n > 1 request: the first of its
     sequences scheduled / to produce a token, the last to finish. None: not yet (or never: a request refused or
-    aborted while waiting is never scheduled). vLLM's last_token_time and per-step model times are not kept."""
+    aborted while waiting is never scheduled). vLLM's last_token_time and per-step model times are not kept.
+    A NamedTuple, not a dataclass: one is built for every output of every step (a tuple costs a tenth)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -67,13 +68,19 @@ class RequestMetrics:
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @classmethod
-    def of(cls, arrival: float, scheduled: list[float | None], first_token: list[float | None],
-           finished: list[float | None]) -> RequestMetrics:
-        """A request's times from its sequences' (one, or n)."""
-        def first(times: list[float | None]) -> float | None:
-            return min((t for t in times if t is not None), default=None)
+    def of(cls, seqs: Sequence[Any]) -> RequestMetrics:
+        """A request's times from its sequences (the engine's: one, or n): the first scheduled, the first token,
+        the last finish."""
+        if len(seqs) == 1:  # (every output of every step: the common case, without lists)
+            s = seqs[0]
+            return cls(s.arrival_time or 0.0, s.first_scheduled_time, s.first_token_time, s.finished_time)
+        finished = [s.finished_time for s in seqs]
+        return cls(seqs[0].arrival_time or 0.0, _first(s.first_scheduled_time for s in seqs),
+                   _first(s.first_token_time for s in seqs), None if None in finished else max(finished))
 
-        return cls(arrival, first(scheduled), first(first_token), None if None in finished else max(finished))
+
+def _first(times: Iterable[float | None]) -> float | None:
+    return min((t for t in times if t is not None), default=None)
 
 
 @dataclass

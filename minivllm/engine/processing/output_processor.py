@@ -43,9 +43,7 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
     def metrics(self) -> RequestMetrics:
-        seqs = self.seqs  # the first to be scheduled / to produce a token, the last to finish
-        return RequestMetrics.of(seqs[0].arrival_time or 0.0, [s.first_scheduled_time for s in seqs],
-                                 [s.first_token_time for s in seqs], [s.finished_time for s in seqs])
+        return RequestMetrics.of(self.seqs)
 
 
 class OutputProcessor:
