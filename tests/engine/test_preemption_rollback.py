@@ -48,7 +48,8 @@ def test_a_victim_never_gets_back_blocks_the_failed_step_wrote():
     sched.begin_step()
     plan = sched.schedule()  # a needs a third block: c (the newest) is preempted, a takes c's freed blocks
     assert plan.preempted == [c] and [s.seq for s in plan.scheduled] == [a]
-    written = plan.written_blocks(B)
+    written = {b for s in plan.scheduled  # the blocks the forward writes the plan's new K/V into
+               for b in s.seq.block_table[s.start // B:(s.start + s.num_new_tokens - 1) // B + 1]}
     stolen = written & set(c_blocks)
     assert stolen  # the block a writes was c's a moment ago
     sched.rollback_step(plan)  # the forward failed after writing a's K/V

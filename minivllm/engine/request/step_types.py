@@ -100,11 +100,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    def written_blocks(self, block_size: int) -> set[int]:
-        """Blocks a (possibly failed) run of this plan may have written K/V into."""
-        return {b for s in self.scheduled
-                for b in s.seq.block_table[s.start // block_size:(s.start + s.num_new_tokens - 1) // block_size + 1]}
-
 
 @dataclass
 class RowGroupOutput:
