@@ -42,6 +42,40 @@ def test_notebooks_committed_without_outputs_and_in_shape():
         assert not wide, f"{path.name}: diagram lines over {MAX_CODE_LINE} characters are cut on the site: {wide[:2]}"
 
 
+
+DOCS = ROOT / "docs"
+STUDENT_PAGES = ("index.md", "getting-started.md", "syllabus.md", "hands-on.md", "submitting.md")
+COURSE_INSTALL = 'pip install -e ".[notebooks]" jupyterlab'
+COUNT_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight")
+
+
+def test_course_pages_keep_answers_with_the_teachers_and_agree():
+    """A student page links to no answer and names no solution file; every hands-on part (a numbered
+    folder of exercises/hands_on) is on the student pages and in the answer key, counted alike; every
+    install line of the course is the same one."""
+    parts = sorted(d.name for d in (ROOT / "exercises" / "hands_on").glob("[0-9]_*") if d.is_dir())
+    key = (DOCS / "answer-key.md").read_text()
+    assert "## Hands-on track" in key
+    for i in range(1, len(parts) + 1):
+        assert re.search(rf"^### {i} · ", key, re.M), f"answer-key.md has no answer for hands-on part {i}"
+    for name in STUDENT_PAGES:
+        text = (DOCS / name).read_text()
+        assert "answer-key.md" not in text, f"{name} (a student page) links to the answer key"
+        assert "_solutions" not in text, f"{name} (a student page) names a solution file"
+        assert not re.search(r"^#+ Answer", text, re.M), f"{name} (a student page) holds answers"
+        counts = re.findall(r"\b(\w+) (?:hands-on parts|assignments)\b|\b(?:of|in) (\w+) parts\b", text, re.I)
+        counts = [word for pair in counts for word in pair if word]
+        wrong = {c for c in counts if c.lower() in COUNT_WORDS and c.lower() != COUNT_WORDS[len(parts) - 1]}
+        assert not wrong, f"{name} counts the hands-on parts as {wrong}; there are {len(parts)}"
+        installs = re.findall(r"pip install -e \S+(?: jupyterlab)?", text)
+        course = [line for line in installs if "notebooks" in line or "jupyterlab" in line]
+        assert all(line == COURSE_INSTALL for line in course), f"{name}: {course}, not {COURSE_INSTALL!r}"
+    for name in ("hands-on.md", "submitting.md"):
+        text = (DOCS / name).read_text()
+        missing = [part for part in parts if f"{part}/" not in text]
+        assert not missing, f"{name} does not name the starters {missing}"
+
+
 def _fake_trace():
     from minivllm.engine.metrics.trace import ScheduledTrace, StepTrace
 
