@@ -8,11 +8,15 @@ multimodal checkpoints (`...ForConditionalGeneration`) load their text decoder o
 
 Gemma 3 mixes sliding-window and full-attention layers (`models/gemma3.py`); the engine gives each
 kind its own KV-cache group (engine/core/kv_cache_groups.py). Its multimodal form loads the text decoder too.
+
+Qwen3-MoE and Qwen2-MoE are the Llama decoder with a mixture of experts in place of the MLP
+(`models/qwen3_moe.py`): one class, the families' differences are switches of `ModelSpec` again.
 """
 
 from minivllm.models.gemma3 import Gemma3ForCausalLM
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.qwen3_5 import Qwen3_5ForCausalLM
+from minivllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -23,6 +27,8 @@ MODEL_REGISTRY = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its model.language_model part
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # sliding-window + full layers: two KV-cache groups
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its language model part
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # experts in place of the MLP
+    "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM,  # + q/k/v bias, a shared expert, no q/k norm
 }
 
-__all__ = ["MODEL_REGISTRY", "Gemma3ForCausalLM", "LlamaForCausalLM", "Qwen3_5ForCausalLM"]
+__all__ = ["MODEL_REGISTRY", "Gemma3ForCausalLM", "LlamaForCausalLM", "Qwen3_5ForCausalLM", "Qwen3MoeForCausalLM"]

@@ -14,6 +14,9 @@ sliding-window layers ("sliding_attention", window `sliding_window`) with full o
   transformers 5:  "rope_parameters": {"full_attention": {...}, "sliding_attention": {...}}
 Soft-capping (Gemma 2's `attn_logit_softcapping`, `final_logit_softcapping`) is refused by name.
 `MistralForCausalLM` is the Llama decoder; one with a `sliding_window` (every layer sliding) is refused.
+
+Mixture-of-experts checkpoints (Qwen3-MoE: Qwen3's attention; Qwen2-MoE: Qwen2's, its q/k/v bias under
+"qkv_bias", plus a shared expert) add `moe`, parsed in models/moe_config.py.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.layers.rotary import RopeSpec
+from minivllm.models.moe_config import MOE_ARCHITECTURES, MoeSpec, parse_moe_spec
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -99,6 +103,7 @@ class ModelSpec:
     sliding_window: int | None = None
     local_rope: RopeSpec | None = None
     query_pre_attn_scalar: float | None = None
+    moe: MoeSpec | None = None  # mixture of experts (models/qwen3_moe.py); None: every layer's MLP is dense
 
     @property
     def q_size(self) -> int:
@@ -161,7 +166,7 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 def parse_model_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelSpec:
     archs = cfg.get("architectures") or []
-    known = SUPPORTED_ARCHITECTURES + HYBRID_ARCHITECTURES + SLIDING_ARCHITECTURES
+    known = SUPPORTED_ARCHITECTURES + HYBRID_ARCHITECTURES + SLIDING_ARCHITECTURES + MOE_ARCHITECTURES
     arch = next((a for a in archs if a in known), None)
     if arch is None:
         raise ValueError(f"unknown architecture {archs or '(none given)'} in config.json; "
@@ -206,6 +211,11 @@ def parse_model_spec(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None 
     )
     if arch in SLIDING_ARCHITECTURES:
         return _with_sliding_fields(spec, cfg)
+    if arch in MOE_ARCHITECTURES:  # Qwen3-MoE: Qwen3's q/k norms; Qwen2-MoE: Qwen2's q/k/v bias ("qkv_bias")
+        qwen2 = arch == "Qwen2MoeForCausalLM"
+        return replace(spec, moe=parse_moe_spec(arch, cfg, spec.num_hidden_layers), qk_norm=not qwen2,
+                       attention_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else spec.attention_bias,
+                       o_proj_bias=spec.o_proj_bias and not qwen2)
     return _with_hybrid_fields(spec, cfg) if arch in HYBRID_ARCHITECTURES else spec
 
 

@@ -7,7 +7,10 @@ which checkpoint tensor goes to which slice of which packed parameter:
     k_proj  -> qkv_proj rows [q_size, q_size + kv_size)  up_proj   -> gate_up_proj rows [I, 2I)
     v_proj  -> qkv_proj rows [q_size + kv_size, end)
 
-Every parameter must be filled completely, or loading fails naming what is missing.
+Mixture-of-experts checkpoints store each expert's gate/up/down (or, fused, all experts in one tensor):
+they go into `FusedMoE`'s stacked `w13_weight` / `w2_weight` (models/moe_weights.py says where).
+
+Every parameter must be filled completely (every element written once), or loading fails naming what is missing.
 
 Tensor parallelism (`layout`, models/sharding.py): each rank reads only its slice of every sharded
 tensor, `safe_open(...).get_slice(name)[rows]` (or `[:, columns]`), straight from the memory-mapped
@@ -24,6 +27,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.models.hf_config import ModelSpec
+from minivllm.models.moe_weights import expert_copies, is_expert_tensor
 from minivllm.models.qwen3_5 import text_weight_name
 from minivllm.models.sharding import ShardLayout, WeightSlice
 
@@ -69,7 +73,7 @@ def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path, layou
     model_dir = Path(model_dir)
     local_spec = layout.rank_spec(spec) if layout is not None else spec  # sizes of this rank's packed tensors
     params = dict(model.named_parameters())
-    filled: dict[str, int] = {name: 0 for name in params}  # rows written, per parameter
+    filled: dict[str, int] = {name: 0 for name in params}  # elements written, per parameter
     for path in safetensors_files(model_dir):
         try:
             f = safe_open(str(path), framework="pt")
@@ -79,6 +83,15 @@ def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path, layou
             name = text_weight_name(ckpt_name)  # multimodal checkpoints: the text decoder's name, or None
             tied_head = name == "lm_head.weight" and spec.tie_word_embeddings
             if name is None or name.endswith(IGNORED_SUFFIXES) or tied_head:
+                continue
+            if is_expert_tensor(name):  # one expert's projection, or all experts' (fused)
+                copies = expert_copies(f, ckpt_name, name, params, layout)
+                if not copies:
+                    raise ValueError(f"{path.name}: unexpected tensor {name!r} for {spec.architecture}; "
+                                     "is config.json from the same checkpoint?")
+                for target, dest, tensor in copies:
+                    _copy(path, name, dest, tensor)
+                    filled[target] += dest.numel()
                 continue
             target, rows = name, None
             parts = name.split(".")
@@ -93,12 +106,16 @@ def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path, layou
             if rows is None and target != name:
                 rows = _shard_bounds(local_spec, packed, index, param.shape[0])
             dest = param.data if rows is None else param.data[rows[0]:rows[1]]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"{path.name}: {name} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(dest.shape)}; config.json and the weights disagree")
-            dest.copy_(tensor)
-            filled[target] += dest.shape[0] if dest.dim() else 1
-    missing = [n for n, p in params.items() if filled[n] < (p.shape[0] if p.dim() else 1)]
+            _copy(path, name, dest, tensor)
+            filled[target] += dest.numel()
+    missing = [n for n, p in params.items() if filled[n] < p.numel()]
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint lacks weights for {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''} (corrupt or truncated checkpoint)")
+
+
+def _copy(path: Path, name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"{path.name}: {name} has shape {tuple(tensor.shape)}, expected "
+                         f"{tuple(dest.shape)}; config.json and the weights disagree")
+    dest.copy_(tensor)

@@ -10,13 +10,20 @@ With N ranks, rank r holds (H hidden, D head_dim, Hq / Hkv query / KV heads, I M
     o_proj                   (H, Hq D)   columns: heads      the columns of its query heads
     gate_proj, up_proj (+b)  (I, H)      rows: MLP width     rows [r I/N, (r+1) I/N)
     down_proj                (H, I)      columns: MLP width  the columns of its rows of gate/up
+  mixture of experts (models/qwen3_moe.py; Ie each expert's width, Is the shared expert's, E experts):
+    experts.e.gate/up_proj   (Ie, H)     rows: expert width  rows [r Ie/N, (r+1) Ie/N) of every expert
+      (fused: gate_up_proj   (E, 2Ie, H) the same rows of its gate half and of its up half)
+    experts.e.down_proj      (H, Ie)     columns             the columns of its rows of gate/up
+      (fused: down_proj      (E, H, Ie)  the same columns)
+    shared_expert.*          as gate/up/down_proj above, with Is
     everything else          replicated: the RMSNorms, Qwen3's q_norm / k_norm (one (D,) weight
                              shared by every head), o_proj's and down_proj's biases (added once,
-                             after the sum)
+                             after the sum), the router (mlp.gate) and shared_expert_gate
 
 A rank's query heads only ever read its own KV heads (GQA groups never straddle two ranks), so
 attention needs no communication; o_proj and down_proj produce partial sums that one all-reduce
-adds up (layers/parallel_linear.py).
+adds up (layers/parallel_linear.py). A MoE block is one more partial sum: its experts' and its shared
+expert's outputs are added on each rank, then all-reduced once (every rank routes every token alike).
 
 `ShardLayout.rank_spec` is the model as one rank sees it: a `ModelSpec` with its heads and its share
 of the MLP (the vocabulary stays whole: sampling on rank 0 needs all of it). The decoder layers,
@@ -47,8 +54,15 @@ def shard_refusal(spec: ModelSpec, world_size: int) -> str | None:
     if spec.sliding_window is not None:
         return (f"{spec.architecture} has sliding-window layers (a second KV-cache group), which minivllm "
                 "does not shard")
-    for count, what in ((spec.num_attention_heads, "attention heads"), (spec.intermediate_size, "MLP width "
-                        "(intermediate_size)"), (spec.vocab_size, "vocabulary entries")):
+    moe = spec.moe
+    sizes = [(spec.num_attention_heads, "attention heads"), (spec.vocab_size, "vocabulary entries")]
+    if moe is None or not all(moe.is_sparse(i) for i in range(spec.num_hidden_layers)):  # a dense MLP somewhere
+        sizes.append((spec.intermediate_size, "MLP width (intermediate_size)"))
+    if moe is not None:
+        sizes.append((moe.moe_intermediate_size, "expert width (moe_intermediate_size)"))
+        if moe.shared_expert_intermediate_size:
+            sizes.append((moe.shared_expert_intermediate_size, "shared expert width (shared_expert_intermediate_size)"))
+    for count, what in sizes:
         if count % world_size:
             return f"tensor_parallel_size={world_size} does not divide the model's {count} {what}"
     kv = spec.num_key_value_heads
@@ -78,6 +92,8 @@ class ShardLayout:
     kv_head_start: int  # the first of them, numbered as in the checkpoint
     intermediate_size: int  # this rank's share of the MLP width
     vocab_size: int  # this rank's rows of the embedding and of the LM head
+    moe_intermediate_size: int = 0  # this rank's share of every expert's width (0: no experts)
+    shared_expert_size: int = 0  # this rank's share of the shared expert's width (0: none)
 
     @classmethod
     def of(cls, spec: ModelSpec, rank: int, world_size: int) -> "ShardLayout":
@@ -87,17 +103,22 @@ class ShardLayout:
             num_kv, kv_start = kv // n, rank * (kv // n)
         else:  # fewer KV heads than ranks: head h serves ranks h N/Hkv .. (h+1) N/Hkv - 1 (replicated)
             num_kv, kv_start = 1, rank * kv // n
+        moe = spec.moe
         return cls(rank, n, spec.head_dim, spec.num_attention_heads // n, num_kv, kv_start,
-                   spec.intermediate_size // n, spec.vocab_size // n)
+                   spec.intermediate_size // n, spec.vocab_size // n,
+                   moe.moe_intermediate_size // n if moe else 0, moe.shared_expert_intermediate_size // n if moe else 0)
 
     @property
     def vocab_start(self) -> int:  # the first token id of this rank's rows
         return self.rank * self.vocab_size
 
     def rank_spec(self, spec: ModelSpec) -> ModelSpec:
-        """The model as this rank sees it: its heads, its share of the MLP, the whole vocabulary."""
+        """The model as this rank sees it: its heads, its share of the MLP and of every expert, the whole
+        vocabulary (every expert and the router stay: each rank holds a slice of each expert)."""
+        moe = spec.moe and replace(spec.moe, moe_intermediate_size=self.moe_intermediate_size,
+                                   shared_expert_intermediate_size=self.shared_expert_size)
         return replace(spec, num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                       intermediate_size=self.intermediate_size)
+                       intermediate_size=self.intermediate_size, moe=moe)
 
     def checkpoint_slice(self, name: str) -> WeightSlice | None:
         """The part of checkpoint tensor `name` this rank reads; None: all of it (replicated)."""
@@ -106,6 +127,10 @@ class ShardLayout:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
         r, mlp = self.rank, self.intermediate_size
+        if "shared_expert" in parts:  # Qwen2-MoE's always-on expert: an MLP of its own width
+            mlp = self.shared_expert_size
+        elif "experts" in parts:  # one expert's gate/up/down_proj (the fused 3-D form: models/moe_weights.py)
+            mlp = self.moe_intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim  # this rank's rows of q, of k (v)
         if module in ("embed_tokens", "lm_head"):
             return WeightSlice(0, self.vocab_start, self.vocab_start + self.vocab_size)
