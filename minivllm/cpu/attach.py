@@ -12,7 +12,10 @@ weights are loaded, and it
      one `PlannedLinearMethod` (planned_linear.py) sharing that plan on every one of those layers;
   3. where the model's element-wise work can run minivllm's C++ kernels (`sizes` given: the Llama
      family), asks whether they beat torch's ops here (norm_rope_kernels.py) and hands the answer to
-     every layer holding a `kernels` switch and to the rotary step.
+     every layer holding a `kernels` switch and to the rotary step;
+  4. gives every mixture-of-experts layer (`FusedMoE`) a `CpuMoeMethod` (moe_method.py), packing its
+     experts for the skinny kernel in place of the checkpoint's layout: not timed, since it reads only
+     the active experts' bytes on every ISA level, as the dense skinny form does for a few rows.
 
 It returns one line per choice, which the engine logs and `minivllm bench` prints (`describe` says the
 same later). Attaching twice measures the matmuls once: the second call reuses the plan it finds.
@@ -25,9 +28,11 @@ from typing import NamedTuple
 from torch import nn
 
 from minivllm.cpu.matmul_plan import MatmulPlan
+from minivllm.cpu.moe_method import attach_moe_method
 from minivllm.cpu.norm_rope_kernels import NormRopeKernels
 from minivllm.cpu.planned_linear import PlannedLinearMethod
 from minivllm.cpu.tuner import Tuning
+from minivllm.layers.fused_moe import FusedMoE
 from minivllm.layers.linear import Linear, UnquantizedLinearMethod
 
 
@@ -61,6 +66,8 @@ def attach_cpu_kernels(model: nn.Module, lm_head: nn.Module, tuning: Tuning = "c
                                            lm_head.weight.dtype, tuning, sizes.intermediate_size)
         set_norm_rope_kernels(model, kernels)
         said.append(str(kernels))
+    if (moe := attach_moe_method(model)) is not None:
+        said.append(moe)
     return said
 
 
@@ -83,4 +90,6 @@ def describe(model: nn.Module, lm_head: nn.Module) -> list[str]:
     said = [plan.summary() if plan is not None else MatmulPlan().summary()]
     kernels = next((m.kernels for m in model.modules() if isinstance(getattr(m, "kernels", None), NormRopeKernels)),
                    None)
-    return said + ([str(kernels)] if kernels is not None else [])
+    said += [str(kernels)] if kernels is not None else []
+    moe = [m.moe_method for m in model.modules() if isinstance(m, FusedMoE)]
+    return said + ([f"MoE experts: {moe[0]!r} on {len(moe)} layers"] if moe else [])
