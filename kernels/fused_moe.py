@@ -7,7 +7,7 @@ experts' outputs weighted by the router's `topk_weights`:
     out[t] = sum_j  topk_weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]),   e = topk_ids[t, j]
 
 The plain way, `naive_fused_moe`, loops over experts: gather the tokens routed to e, two matmuls, scatter
-back. That is E small matmuls and E launches each (128 for Qwen3-30B-A3B), most on a handful of rows.
+back. That is 2E small matmuls (E = 128 for Qwen3-30B-A3B), each its own launch and most on a few rows.
 The fused way computes every route in ONE launch: a route r = t*k + j is a row, the rows are sorted by
 expert and each expert's group padded to whole tiles of BLOCK_M rows (moe_align.py draws it), so every
 tile multiplies by one expert's weights, found from the tile's entry in `expert_ids`:
@@ -23,15 +23,17 @@ tile multiplies by one expert's weights, found from the tile's entry in `expert_
                   optionally acc *= topk_weights[route]; store to c[route] (the unsorted route order)
 
 `fused_moe` calls that one kernel twice, as vLLM does:
+
     1. c1 = x @ w13[e]^T     A row = hidden[route // top_k]    c1 (T*k, 2I)
     2. a  = silu(c1[:, :I]) * c1[:, I:]                           a  (T*k, I)   torch, on the device
     3. c3 = a @ w2[e]^T * topk_weights[route]   A row = a[route]  c3 (T*k, H)   (the weight in fp32, before rounding)
     4. out[t] = sum_j c3[t*k + j]                                 out (T, H)    k rows summed in fp32
 
-Why it is faster: every used expert's weights are read once per step whatever its rows, tiles are full
-wherever an expert has >= BLOCK_M routes, and there are two launches instead of 2E. At decode (T*k routes,
-most experts unused) only the used experts' blocks exist, so only their weights are read: the bytes that set
-an MoE decode's speed. Padding costs at most BLOCK_M - 1 wasted rows an expert; BLOCK_M is small (16) when
+Why it is faster: two launches instead of 2E (and the gathers), the hidden rows read in place, tiles full
+wherever an expert has >= BLOCK_M routes, and an expert's weight tile read once a block of its routes (the
+blocks of one expert run side by side, so mostly from L2). At decode (T*k routes, most experts unused) each
+used expert has one block and only the used experts' weights are read: the bytes that set an MoE decode's
+speed. Padding costs at most BLOCK_M - 1 wasted rows an expert; BLOCK_M is small (16) when
 routes are few. Not done here: vLLM's grouped launch order for L2 reuse, tuned configs per GPU, quantized
 weights, expert parallelism (an expert id of -1 for another rank's expert).
 """
@@ -46,10 +48,6 @@ import triton
 import triton.language as tl
 
 from .moe_align import MoeAlignment, moe_align_block_size
-
-__all__ = ["MoeBlockConfig", "default_block_config", "fused_moe", "invoke_fused_moe_kernel",
-           "moe_align_block_size", "naive_fused_moe"]
-
 
 @dataclass(frozen=True)
 class MoeBlockConfig:

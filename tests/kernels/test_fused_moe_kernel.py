@@ -1,5 +1,6 @@
 """The fused-MoE kernel and its naive reference against a per-token loop in float64 with an error bound, and
-moe_align_block_size's invariants."""
+moe_align_block_size's invariants. fp32 and fp16 only: Triton's interpreter keeps bf16 as raw 16-bit integers
+and its tl.dot multiplies those bits (benchmarks/cuda_check.py checks bf16 compiled on a GPU)."""
 
 from __future__ import annotations
 
