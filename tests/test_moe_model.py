@@ -14,7 +14,7 @@ from moe_helpers import hf_moe_model, tiny_moe_checkpoint
 from safetensors.torch import load_file, save_file
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers.fused_moe import FusedMoE
+from minivllm.layers.fused_moe import FusedMoE, TorchMoeMethod
 from minivllm.layers.moe_router import select_experts, sort_tokens_by_expert
 from minivllm.models.hf_config import load_model_spec, parse_model_spec
 from minivllm.models.llama import MLP
@@ -29,7 +29,7 @@ CASES = {
     "qwen3-per_expert-t5-renorm": ("qwen3_moe", "per_expert", "transformers5", dict(norm_topk_prob=True)),
     "qwen3-fused-t4-no_renorm": ("qwen3_moe", "fused", "transformers4", dict(norm_topk_prob=False)),
     "qwen2-per_expert-t4-no_renorm": ("qwen2_moe", "per_expert", "transformers4", dict(norm_topk_prob=False)),
-    "qwen2-fused-t5-renorm": ("qwen2_moe", "fused", "transformers5", dict(norm_topk_prob=True)),
+    "qwen2-fused-t5-renorm-no_bias": ("qwen2_moe", "fused", "transformers5", dict(norm_topk_prob=True, qkv_bias=False)),
     # layers 0 (mlp_only_layers) and 2 (decoder_sparse_step 2) dense, 1 and 3 sparse
     "qwen3-dense_layers": ("qwen3_moe", "per_expert", "transformers5",
                            dict(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2)),
@@ -143,6 +143,24 @@ def test_fused_moe_reads_only_the_routed_experts():
         out = moe(x, logits)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert moe.last_load[4] == 0 and moe.last_load.sum() == 10
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_torch_moe_method_keeps_naive_fused_moes_contract(dtype, tol):
+    """The default method and the kernels' reference (kernels/fused_moe.py): fp32 sums, x's dtype out."""
+    from minivllm.kernels.fused_moe import naive_fused_moe
+
+    torch.manual_seed(3)
+    moe = FusedMoE(num_experts=8, top_k=3, hidden_size=32, intermediate_size=16, renormalize=False).to(dtype)
+    torch.nn.init.normal_(moe.w13_weight, std=0.2)
+    torch.nn.init.normal_(moe.w2_weight, std=0.2)
+    x = torch.randn(13, 32, dtype=dtype)
+    weights, ids = select_experts(torch.randn(13, 8), 3, renormalize=False)
+    with torch.no_grad():
+        out = TorchMoeMethod().apply(moe, x, weights, ids)
+        ref = naive_fused_moe(x, moe.w13_weight, moe.w2_weight, weights, ids)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("bad, words", [

@@ -1,4 +1,4 @@
-"""How tensor parallelism splits the Llama decoder and its MoE form: which slice of each checkpoint tensor a rank holds.
+"""How tensor parallelism splits the Llama decoder and its MoE form: which slice of each tensor a rank holds.
 
 With N ranks, rank r holds (H hidden, D head_dim, Hq / Hkv query / KV heads, I MLP width, V vocab):
 

@@ -46,18 +46,22 @@ def test_each_rank_holds_its_slice_of_every_expert_and_the_partial_sums_add_up(t
     full = {k: v for f in glob.glob(f"{path}/*.safetensors") for k, v in load_file(f).items()}
     if layout == "fused":  # the per-expert tensors, cut from the fused ones
         for name in [n for n in full if n.endswith("experts.gate_up_proj")]:
-            prefix, gate_up, down = name.removesuffix("gate_up_proj"), full.pop(name), full.pop(name[:-12] + "down_proj")
+            prefix = name.removesuffix("gate_up_proj")  # ...mlp.experts.
+            gate_up, down = full.pop(name), full.pop(prefix + "down_proj")
             for e in range(spec.moe.num_experts):
                 full[f"{prefix}{e}.gate_proj.weight"], full[f"{prefix}{e}.up_proj.weight"] = gate_up[e].chunk(2)
                 full[f"{prefix}{e}.down_proj.weight"] = down[e]
-    one = build_model(spec, path, torch.device("cpu"), torch.float32, 64).model.layers[0].mlp
+    def layer0_moe(tp: ParallelContext):
+        return build_model(spec, path, torch.device("cpu"), torch.float32, 64, tp).model.layers[0].mlp
+
+    one = layer0_moe(ParallelContext())
     x = torch.randn(7, spec.hidden_size)
     with torch.no_grad():
         expected = one(x)
     total = torch.zeros_like(x)
     I, S = spec.moe.moe_intermediate_size // 2, spec.moe.shared_expert_intermediate_size // 2
     for rank in range(2):
-        block = build_model(spec, path, torch.device("cpu"), torch.float32, 64, ParallelContext(rank, 2)).model.layers[0].mlp
+        block = layer0_moe(ParallelContext(rank, 2))
         rows = slice(rank * I, (rank + 1) * I)
         p = "model.layers.0.mlp."
         for e in range(spec.moe.num_experts):
