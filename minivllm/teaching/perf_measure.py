@@ -1,0 +1,173 @@
+"""The performance track's timing: each side in fresh processes, in alternating order, medians.
+
+Why not time both in one process, one after the other? Because what ran before changes what runs next:
+the first side pays for page faults, the allocator's growth and cold caches; the second inherits a warm
+heap, a CPU clocked up or down, or a neighbour's burst on a shared machine. CMU 11-868 times submissions
+the same way: every trial is a new process (nothing carried over), the order flips every trial
+(student, engine; engine, student; ...), so a drift in the machine's speed over the run falls on both
+sides equally, and the figure kept is the median of the trials (one stalled trial does not move it).
+
+    python -m minivllm.teaching.perf_measure <part> <student|engine> <file> [--quick --set-mib N --rounds N]
+
+is one trial: it builds the part's workload (teaching/perf_workloads.py), runs a round untimed (first
+calls allocate and pick kernels), times `rounds` rounds, and prints one JSON line: each case's median time
+per unit and, measured after the timing in the same process, the read bandwidth: `x.sum()` over a buffer
+as big as the working set, the ceiling a reading kernel can hope for FROM THE SAME PLACE (on a 2-core Zen 5
+with a 32 MiB L3, x.sum() read 64 MiB at ~33 GB/s but 256 MiB at ~18: a ceiling measured on another
+size is another machine's). `alternate` runs the trials and takes the
+medians. Only the median ratio means anything; on a shared machine every absolute time includes waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minivllm.teaching.perf_workloads import PerfSettings, TimedCase
+
+PARTS = ("attention", "kernel", "filter", "allocator", "speed")
+SIDES = ("student", "engine")
+
+
+def build_cases(part: str, side: str, path: str, settings: PerfSettings) -> tuple[list[TimedCase], str]:
+    """The part's timed cases for one side, and that side's implementation in words."""
+    from minivllm.teaching import perf_workloads as w
+    from minivllm.teaching.hands_on import Assignment, load_student
+
+    device = torch.device("cuda" if part == "kernel" else "cpu")
+    if part == "speed":
+        from minivllm.teaching.perf_speed import engine_speed_solution, load_speed_solution
+
+        solution, name = engine_speed_solution() if side == "engine" else (load_speed_solution(path), Path(path).name)
+        return w.speed_cases(solution, settings), name
+    if part in ("attention", "kernel"):
+        if side == "engine":
+            make, name = w.engine_attention(device)
+        elif part == "kernel":
+            from minivllm.teaching.hands_on_attention import kernel_backend
+
+            make, name = kernel_backend(load_student(path, Assignment.KERNEL)), Path(path).name
+        else:
+            make, name = load_student(path, Assignment.ATTENTION), Path(path).name
+        return w.attention_cases(make, settings, device), name
+    if part == "filter":
+        from minivllm.layers.sampler import TopKTopPMinP
+
+        cls = TopKTopPMinP if side == "engine" else load_student(path, Assignment.FILTER)
+        return w.filter_cases(cls(), settings), cls.__name__
+    from minivllm.engine.core.block_allocator import LRUAllocator
+
+    cls = LRUAllocator if side == "engine" else load_student(path, Assignment.ALLOCATOR)
+    return w.allocator_cases(cls, settings), cls.__name__
+
+
+def time_case(case: TimedCase, rounds: int) -> float:
+    """The median of `rounds` timed rounds, in seconds per unit, after one untimed round."""
+    case.run_round()
+    if case.sync:
+        case.sync()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        case.run_round()
+        if case.sync:
+            case.sync()
+        times.append((time.perf_counter() - start) / case.units)
+    return statistics.median(times)
+
+
+def trial(part: str, side: str, path: str, settings: PerfSettings) -> dict:
+    """One fresh process's measurement (what `main` prints as JSON)."""
+    from minivllm.entrypoints.roofline import measure_read_bandwidth
+
+    cases, name = build_cases(part, side, path, settings)
+    timed = [{"label": c.label, "seconds": time_case(c, settings.rounds), "bytes": c.bytes_per_unit} for c in cases]
+    read_gb_s = measure_read_bandwidth(settings.set_bytes)
+    return {"side": side, "name": name, "cases": timed, "read_gb_s": read_gb_s}
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One case's medians over the trials: seconds per unit on each side, bytes a unit must read (or None)."""
+
+    label: str
+    student_s: float
+    engine_s: float
+    bytes_per_unit: int | None
+
+    @property
+    def ratio(self) -> float:
+        """Your time / the engine's: 1.0 ties it, 2.0 is twice as slow, 0.5 twice as fast."""
+        return self.student_s / self.engine_s
+
+    def gb_s(self, seconds: float) -> float | None:
+        return None if self.bytes_per_unit is None else self.bytes_per_unit / seconds / 1e9
+
+
+@dataclass(frozen=True)
+class PerfResult:
+    """A part's measurement: both sides' names, every case, the median read bandwidth of all trials."""
+
+    part: str
+    student_name: str
+    engine_name: str
+    trials: int
+    cases: list[CaseResult]
+    read_gb_s: float
+
+    def of_limit(self, seconds: float, case: CaseResult) -> float | None:
+        """The fraction of the machine's limit reached: bytes / seconds / read bandwidth (None: no limit)."""
+        gb_s = case.gb_s(seconds)
+        return None if gb_s is None else gb_s / self.read_gb_s
+
+
+def run_trial(part: str, side: str, path: str, settings: PerfSettings) -> dict:
+    """One trial in a fresh Python process (the environment is inherited: thread counts, ISA caps)."""
+    command = [sys.executable, "-m", "minivllm.teaching.perf_measure", part, side, str(path), "--set-mib",
+               str(settings.set_mib), "--rounds", str(settings.rounds)] + (["--quick"] if settings.quick else [])
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {side} trial of {part} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def alternate(part: str, path: str, settings: PerfSettings, trials: int) -> PerfResult:
+    """`trials` fresh processes a side, student first in even trials and engine first in odd ones; medians."""
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    for t in range(trials):
+        for side in SIDES if t % 2 == 0 else SIDES[::-1]:
+            runs[side].append(run_trial(part, side, path, settings))
+    cases = []
+    for i, first in enumerate(runs["student"][0]["cases"]):
+        med = {side: statistics.median(r["cases"][i]["seconds"] for r in runs[side]) for side in SIDES}
+        cases.append(CaseResult(first["label"], med["student"], med["engine"], first["bytes"]))
+    read = statistics.median(r["read_gb_s"] for side in SIDES for r in runs[side])
+    return PerfResult(part, runs["student"][0]["name"], runs["engine"][0]["name"], trials, cases, read)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one trial of the performance track (perf_track runs these)")
+    p.add_argument("part", choices=PARTS)
+    p.add_argument("side", choices=SIDES)
+    p.add_argument("path")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--set-mib", type=int, default=PerfSettings.set_mib)
+    p.add_argument("--rounds", type=int, default=PerfSettings.rounds)
+    args = p.parse_args(argv)
+    settings = PerfSettings(args.quick, args.set_mib, args.rounds)
+    print(json.dumps(trial(args.part, args.side, args.path, settings)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

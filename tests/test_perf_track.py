@@ -1,0 +1,133 @@
+"""The performance track (teaching/perf_track.py) and the speed assignment (teaching/perf_speed.py).
+
+What is checked: the speed grader passes its reference and refuses each planted mistake naming its rule;
+the track refuses a wrong solution before timing anything; it runs end to end on correct solutions (tiny
+shapes, one trial: it only has to work) and writes the roofline PNG; its trials alternate in order and
+its figures are medians. Nothing here asserts a timing: timings belong to the command's output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from minivllm.teaching import perf_measure
+from minivllm.teaching.hands_on import AssignmentError
+from minivllm.teaching.perf_measure import CaseResult, PerfResult, alternate
+from minivllm.teaching.perf_roofline import intensity
+from minivllm.teaching.perf_speed import check_speed_probes, engine_name_used, load_speed_solution
+from minivllm.teaching.perf_track import main
+from minivllm.teaching.perf_workloads import PerfSettings
+
+TESTS = Path(__file__).resolve().parent
+SOLUTIONS, MISTAKES = TESTS / "hands_on_solutions", TESTS / "hands_on_mistakes"
+SPEED = SOLUTIONS / "speed.py"
+QUICK = ["--quick", "--trials", "1", "--rounds", "1", "--set-mib", "1"]
+
+# Each planted mistake (tests/hands_on_mistakes/) and the probe (its rule) that must refuse it.
+SPEED_MISTAKES = [("speed_no_transpose.py", "probe 'one row'"), ("speed_row_tiles.py", "probe 'rows 1-8'"),
+                  ("speed_ragged_out.py", "probe 'ragged out'"), ("speed_bf16_sum.py", "probe 'bf16 sums'"),
+                  ("speed_engine_kernel.py", "rule 'own kernel'")]
+
+
+def test_speed_reference_passes_the_probes():
+    check_speed_probes(load_speed_solution(SPEED))
+
+
+def test_speed_starter_is_not_written_yet():
+    starter = TESTS.parent / "exercises" / "hands_on" / "5_speed" / "my_speed.py"
+    with pytest.raises(NotImplementedError):
+        check_speed_probes(load_speed_solution(starter))
+
+
+@pytest.mark.parametrize("mistake, rule", SPEED_MISTAKES, ids=[m for m, _ in SPEED_MISTAKES])
+def test_speed_probes_refuse_each_planted_mistake_by_its_rule(mistake, rule):
+    with pytest.raises(AssignmentError, match=rule.replace("(", r"\(")):
+        check_speed_probes(load_speed_solution(MISTAKES / mistake))
+
+
+def test_engine_names_are_found_in_code_not_in_comments():
+    assert engine_name_used("import torch\ny = torch.ops.minivllm_cpu.skinny_gemm(x, w, 4, None)") in (
+        "minivllm_cpu", "skinny_gemm")
+    assert engine_name_used("import torch\nop = getattr(torch.ops, 'minivllm_cpu')") == "minivllm_cpu"
+    assert engine_name_used("m = importlib.import_module('minivllm.kernels.skinny_gemm')").startswith("minivllm.kernels")
+    assert engine_name_used("from minivllm.kernels import skinny_gemm as s") == "minivllm.kernels"
+    assert engine_name_used('"""Faster than skinny_gemm? Not yet."""\n# skinny_gemm packs 16 columns\nx = 1') is None
+
+
+@pytest.mark.parametrize("mistake, rule", SPEED_MISTAKES[:2] + SPEED_MISTAKES[-1:],
+                         ids=[m for m, _ in SPEED_MISTAKES[:2] + SPEED_MISTAKES[-1:]])
+def test_track_refuses_a_wrong_solution_before_timing(mistake, rule, capsys, monkeypatch):
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a wrong solution was timed")
+
+    monkeypatch.setattr("minivllm.teaching.perf_track.alternate", no_timing)
+    assert main(["speed", str(MISTAKES / mistake), *QUICK]) == 1
+    out = capsys.readouterr().out
+    assert rule in out and "speed is credited only to correct code" in out
+
+
+def test_track_refuses_a_wrong_hands_on_part_through_its_grader(tmp_path, capsys, monkeypatch):
+    source = (SOLUTIONS / "allocator.py").read_text()
+    anchor = "min(self.stamps, key=self.stamps.__getitem__)"
+    assert source.count(anchor) == 1
+    wrong = tmp_path / "mru.py"
+    wrong.write_text(source.replace(anchor, "max(self.stamps, key=self.stamps.__getitem__)"))  # MRU, not LRU
+    monkeypatch.setattr("minivllm.teaching.perf_track.alternate", lambda *a, **k: pytest.fail("timed a wrong one"))
+    assert main(["allocator", str(wrong), "--no-engine", *QUICK]) == 1
+    out = capsys.readouterr().out
+    assert "✗" in out and "no speed measured" in out
+
+
+def test_trials_alternate_in_fresh_processes_and_report_medians(monkeypatch):
+    order, times = [], {"student": iter([3.0, 1.0, 2.0]), "engine": iter([1.0, 9.0, 1.5])}
+
+    def fake_trial(part, side, path, settings):
+        order.append(side)
+        return {"side": side, "name": side, "read_gb_s": 10.0 if side == "student" else 30.0,
+                "cases": [{"label": "float32 1 row x 4x4", "seconds": next(times[side]), "bytes": 2000}]}
+
+    monkeypatch.setattr(perf_measure, "run_trial", fake_trial)
+    result = alternate("speed", "any.py", PerfSettings(quick=True), trials=3)
+    assert order == ["student", "engine", "engine", "student", "student", "engine"]
+    case = result.cases[0]
+    assert (case.student_s, case.engine_s, case.ratio) == (2.0, 1.5, 2.0 / 1.5)
+    assert result.read_gb_s == 20.0  # the median of all six trials
+    assert result.of_limit(case.student_s, case) == pytest.approx(2000 / 2.0 / 1e9 / 20.0)
+
+
+def test_a_part_without_a_limit_reports_none():
+    case = CaseResult("200 calls, 32 blocks", 2e-7, 1e-7, None)
+    assert PerfResult("allocator", "Mine", "LRUAllocator", 1, [case], 30.0).of_limit(case.student_s, case) is None
+    assert intensity("bfloat16 8 rows x 64x64") == 8.0 and intensity("float32 1 row x 64x64") == 0.5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the kernel is timed")
+def test_kernel_without_cuda_says_so_and_times_nothing(capsys):
+    assert main(["kernel", str(SOLUTIONS / "kernel.py")]) == 0
+    assert "CUDA GPU" in capsys.readouterr().out
+
+
+def test_plot_folder_is_checked_before_timing(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["speed", str(SPEED), "--plot", str(tmp_path / "missing" / "roofline.png")])
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two fresh processes (~10 s each on a busy 2-core machine)
+def test_track_runs_on_the_speed_reference_and_writes_the_roofline(tmp_path, capsys):
+    png = tmp_path / "roofline.png"
+    assert main(["speed", str(SPEED), *QUICK, "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "yours/engine" in out and "of limit" in out and "bfloat16 8 rows" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.slow  # two fresh processes each, plus the part's quick grader
+@pytest.mark.parametrize("part, reference", [("attention", "attention.py"), ("filter", "sampling_filter.py"),
+                                             ("allocator", "allocator.py")])
+def test_track_runs_on_each_hands_on_reference(part, reference, capsys):
+    assert main([part, str(SOLUTIONS / reference), "--no-engine", *QUICK]) == 0
+    out = capsys.readouterr().out
+    assert "yours/engine" in out and "alternating" in out
