@@ -72,7 +72,7 @@ def assert_within(out, exact, bound):
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11}
 
 CASES = {  # (T, E, k, H, I, config)
-    "decode, 6 of 8 experts unused": (1, 8, 2, 32, 16, SMALL),
+    "decode, 6 of 8 experts unused (default tiles: BLOCK_K 64 > H)": (1, 8, 2, 32, 16, None),
     "counts not multiples of BLOCK_M, odd H and I": (7, 4, 2, 40, 24, SMALL),
     "many experts, k = 4": (12, 16, 4, 32, 32, MoeBlockConfig(32, 16, 32)),
     "the default tiles (prefill-sized: BLOCK_M 64)": (40, 4, 2, 64, 32, None),
@@ -92,9 +92,10 @@ def test_kernel_and_naive_within_the_bound_of_a_per_token_loop(case, dtype):
 
 
 def test_every_route_to_one_expert():
-    """20 tokens on expert 3 (k = 1): two blocks of 16, the second with 12 sentinel rows; the rest have none."""
+    """20 tokens on expert 3 (k = 1, int32 ids as vLLM's router gives): two blocks of 16, the second with 12
+    sentinel rows; the other experts have none."""
     hidden, w13, w2, _, _ = make_layer(20, 6, 1, 32, 16, torch.float32)
-    ids = torch.full((20, 1), 3)
+    ids = torch.full((20, 1), 3, dtype=torch.int32)
     weights = torch.rand(20, 1, generator=torch.Generator().manual_seed(1))
     exact, bound = per_token_loop_with_bound(hidden, w13, w2, weights, ids, 2.0 ** -24)
     assert_within(fused_moe(hidden, w13, w2, weights, ids, SMALL), exact, bound)
