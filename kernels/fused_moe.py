@@ -49,6 +49,7 @@ import triton.language as tl
 
 from .moe_align import MoeAlignment, moe_align_block_size
 
+
 @dataclass(frozen=True)
 class MoeBlockConfig:
     """The kernel's tile: BLOCK_M sorted routes x BLOCK_N output columns, BLOCK_K of the reduction a step."""
@@ -167,7 +168,7 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
     every route r in `alignment` (made with config.block_m). a (rows, K), b (E, N, K), c (T*k, N) written in
     place, topk_weights (T*k,) contiguous fp32."""
     assert topk_weights.is_contiguous() and topk_weights.dtype == torch.float32
-    E, N, K = b.shape
+    N, K = b.shape[1:]  # b (E, N, K)
     num_blocks = alignment.expert_ids.numel()
     grid = (num_blocks, triton.cdiv(N, config.block_n))
     _fused_moe_kernel[grid](
