@@ -60,6 +60,7 @@ def test_teacher_forced_logits_match_hf(case):
     assert sparse == ([False, True, False, True] if "mlp_only_layers" in overrides else [True, True])
     assert all(isinstance(layer.mlp, MLP) for layer, s in zip(layers, sparse) if not s)
     experts = layers[1].mlp.experts
+    assert llm.llm_engine.model.expert_layers() == [layer.mlp.experts for layer, s in zip(layers, sparse) if s]
     assert experts.renormalize == hf.config.norm_topk_prob
     assert int(experts.last_load.sum()) == 70 * 2 and experts.last_load.shape == (8,)  # the 70-token prompt's routes
 
