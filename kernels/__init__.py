@@ -9,6 +9,9 @@ reference it must match.
     seeding.py            `noise_seed` (plain Python, no triton): the per-(seed, position) noise stream key
     rejection_sampling.py speculative decoding: accept drafts or draw from the residual distribution
     gated_delta_rule.py   hybrid models: the recurrent (decode) update of a gated-DeltaNet layer's state
+    fused_moe.py          mixture of experts: a step's routes sorted by expert (moe_align.py), one grouped
+                          matmul for w13 and one for w2, as vLLM's fused_moe
+    moe_cpu.py            CPU: a few tokens' experts through skinny_gemm, reading only the active experts
     skinny_gemm.py (.cpp) CPU, C++: x W^T for a few rows, one sequential read of a re-laid-out weight
                           (one of the forms minivllm/cpu/matmul_plan.py times)
     paged_decode_attention.py (.cpp)  CPU, C++: decode attention reading K/V in place in the paged cache

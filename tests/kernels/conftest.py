@@ -24,6 +24,7 @@ LAUNCHERS = {
     "minivllm.kernels.sampling": ("compute_cutoffs", "gumbel_argmax", "triton_sample"),
     "minivllm.kernels.rejection_sampling": ("triton_rejection_sample",),
     "minivllm.kernels.gated_delta_rule": ("fused_recurrent_gated_delta_rule",),
+    "minivllm.kernels.fused_moe": ("fused_moe",),
 }
 
 
