@@ -78,7 +78,7 @@ def resolve_dtype(config: EngineConfig, spec: ModelSpec, device: torch.device,
 def build_model(spec: ModelSpec, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                 max_position: int, tp: ParallelContext | None = None, batch_invariant: bool = False) -> CausalLM:
     """Create the model without initialising weights (meta device), then fill it from disk; with `tp`
-    of several ranks, only this rank's shard (only the Llama decoder is sharded: models/sharding.py).
+    of several ranks, only this rank's shard (the Llama decoder and its MoE form are sharded: models/sharding.py).
     `batch_invariant`: its linear layers multiply in fixed tiles (layers/batch_invariance.py)."""
     sharded = tp is not None and tp.world_size > 1
     with torch.device("meta"):
