@@ -211,7 +211,7 @@ class LLMEngine:
             self._after_commit(scheduler_output, runner_output)  # drafts for the next step, too
         finally:
             self.counters.count_step(scheduler_output.num_prefill_tokens, scheduler_output.num_decode_tokens,
-                                     runner_output.forward_time_s, time.perf_counter() - t0)
+                                     runner_output.forward_time_s, time.perf_counter() - t0, runner_output.expert_load)
 
     def _publish(self, committed: CommitResult) -> list[RequestOutput]:
         """After the commit: tokens are counted, the changed requests' outputs made."""

@@ -47,6 +47,11 @@ class EngineStats:
     state_cache_bytes: int = 0
     state_snapshots_cached: int = 0
     state_snapshot_hits: int = 0
+    # A mixture of experts (engine/worker/expert_load.py; () for a dense model): routes per expert index, summed
+    # over the sparse layers, in the last step that ran a forward, and since the start (a step's sum is
+    # tokens x experts per token x sparse layers; every row the forward computed counts, rejected drafts too).
+    expert_load: tuple[int, ...] = ()
+    expert_load_total: tuple[int, ...] = ()
 
     @property
     def committed_tokens(self) -> int:
@@ -87,10 +92,15 @@ class EngineCounters:
     num_prompt_tokens_total: int = 0
     num_generation_tokens_total: int = 0
     finished_requests: dict[str, int] = field(default_factory=dict)  # finish_reason -> requests
+    expert_load: tuple[int, ...] = ()  # a mixture of experts: the last step's routes per expert
+    expert_load_total: tuple[int, ...] = ()
 
     def count_step(self, num_prefill_tokens: int, num_decode_tokens: int, forward_time_s: float,
-                   step_time_s: float) -> None:
+                   step_time_s: float, expert_load: tuple[int, ...] = ()) -> None:
         self.num_steps += 1
+        if expert_load:  # ModelRunnerOutput.expert_load: () for a dense model
+            total = self.expert_load_total or (0,) * len(expert_load)
+            self.expert_load, self.expert_load_total = expert_load, tuple(map(sum, zip(total, expert_load)))
         self.num_prefill_tokens += num_prefill_tokens
         self.num_decode_tokens += num_decode_tokens
         self.num_mixed_steps += bool(num_prefill_tokens and num_decode_tokens)
@@ -123,4 +133,5 @@ def engine_stats(c: EngineCounters, bm: KVBlockManager, scheduler: Scheduler, sp
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
         step_time_s=c.step_time_s, forward_time_s=c.forward_time_s,
         num_prompt_tokens_total=c.num_prompt_tokens_total, num_generation_tokens_total=c.num_generation_tokens_total,
-        finished_requests=dict(c.finished_requests), **spec)
+        finished_requests=dict(c.finished_requests), expert_load=c.expert_load,
+        expert_load_total=c.expert_load_total, **spec)

@@ -116,6 +116,9 @@ class ModelRunnerOutput:
 
     outputs: list[RowGroupOutput]
     forward_time_s: float = 0.0  # the model forward and LM head (for the engine's overhead figures)
+    # A mixture of experts: routes per expert index this step, summed over the sparse layers (plain ints: the
+    # scheduler side holds no tensors; engine/worker/expert_load.py). () for a dense model.
+    expert_load: tuple[int, ...] = ()
 
     @classmethod
     def from_token_ids(cls, token_ids: Iterable[int | None]) -> "ModelRunnerOutput":

@@ -41,6 +41,7 @@ from minivllm.cpu.tuner import Tuning
 from minivllm.engine.request.step_types import ModelRunnerOutput, RowGroupOutput, SchedulerOutput
 from minivllm.engine.spec_decode.rejection_sampler import Verifier, verify_drafts
 from minivllm.engine.worker.cuda_graphs import CUDAGraphRunner
+from minivllm.engine.worker.expert_load import step_expert_load
 from minivllm.engine.worker.hybrid_inputs import linear_attn_metadata, linear_attn_slots
 from minivllm.engine.worker.kv_cache import allocate_kv_cache
 from minivllm.engine.worker.loading import RankModel
@@ -120,7 +121,7 @@ class ModelRunner:
         self.sample(batch, logits, result)
         if self.state_tensors is not None:  # a verification publishes the state after its accepted drafts
             self.state_tensors.keep_accepted(plan.scheduled, result)
-        return ModelRunnerOutput(result, forward_s)
+        return ModelRunnerOutput(result, forward_s, step_expert_load(self.model))  # MoE: routes per expert
 
     # --- 1. pack ---------------------------------------------------------------------------------
     def prepare_inputs(self, plan: SchedulerOutput) -> StepBatch:

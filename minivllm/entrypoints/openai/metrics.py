@@ -41,6 +41,11 @@ name) and `engine` ("0": one engine).
 
     acceptance rate  = rate(..._num_accepted_tokens_total) / rate(..._num_draft_tokens_total)
     mean accepted length = 1 + rate(..._num_accepted_tokens_total) / rate(..._num_drafts_total)
+  with a mixture-of-experts model, from its first step (minivllm's own: vLLM has no such series outside its
+  expert-parallel load balancer, EPLB, which minivllm does not have):
+    minivllm:moe_expert_routes_total{expert}                 counter    routes to expert index 0, 1, ... summed
+                                                                        over the sparse layers (engine/worker/
+                                                                        expert_load.py): its rate is the load
 
 vLLM's metrics left out, and why:
     vllm:prompt_tokens_recomputed                            always 0: the prefix cache never serves a
@@ -229,6 +234,9 @@ class EngineCollector(Collector):
                             "finished_reason")
         if self.num_spec_tokens:
             yield from self._spec_decode(s)
+        if s.expert_load_total:  # a mixture of experts, once a step has run
+            yield self._counter("minivllm:moe_expert_routes", "Routes to each expert, summed over the MoE layers.",
+                                {(str(e),): n for e, n in enumerate(s.expert_load_total)}, "expert")
 
     def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
         drafts, accepted = spec_decode_counts(s)
