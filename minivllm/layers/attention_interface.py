@@ -1,12 +1,13 @@
 """What the model and an attention backend agree on: the per-step metadata and the backend's interface.
 
-Every step is one flat "varlen" batch: the new tokens of all scheduled requests, back to back.
+Every step is one flat "varlen" batch: the new tokens of all scheduled requests, back to back
+(drawn with block_size 4: slot = block * 4 + offset).
 
     tokens       [ a0 a1 a2 a3 | b0 | c0 c1 ]          T = 7 rows, B = 3 requests
     cu_seqlens_q [0,            4,   5,     7]          request i owns rows cu[i]:cu[i+1]
     context_lens [4,            9,   6]                 K/V length after this step (cached + new)
     block_tables [[3, 8, -], [1, 5, 6], [2, 4, -]]      physical blocks, padded with 0 (masked)
-    slot_mapping [48 49 50 51 | 104 | 69 70]             where each row's new K/V is stored
+    slot_mapping [12 13 14 15 | 24 | 16 17]             where each row's new K/V is stored
 
 A request's query rows are the *last* `query_len` positions of its context: rows that are decode
 (query_len 1), a prefill chunk, or a chunk after a cached prefix all look the same. Row r of

@@ -7,6 +7,8 @@
     python -m minivllm.teaching.grade_hands_on policy    exercises/capstone/my_policy.py
     (add --no-engine for the quick checks only, without the engine run)
 
+A file that imports, calls or subclasses the engine's own implementation of its part is refused first,
+naming the rule (teaching/submission_rules.py); a kernel must launch a @triton.jit function of its own.
 Each assignment is graded in two parts, each printing ✓ or stopping at the first rule broken:
   1. the rules, one at a time, on small inputs against the engine's own reference (`naive_paged_attention`,
      `TopKTopPMinP`, `LRUAllocator`), plus, for the allocator, the scheduler's state machine;
@@ -37,10 +39,15 @@ def grade(assignment: Assignment, student: type | Callable, *, engine: bool = Tr
         from minivllm.teaching.hands_on_attention import (PROBES, check_backend_in_engine, check_backend_probes,
                                                           kernel_backend)
 
-        make = student if assignment is Assignment.ATTENTION else kernel_backend(student)
-        check_backend_probes(make, check_store=assignment is Assignment.ATTENTION)
+        from minivllm.teaching.submission_rules import RULES
+
+        kernel = assignment is Assignment.KERNEL
+        make = kernel_backend(student) if kernel else student
+        check_backend_probes(make, check_store=not kernel, rules=RULES[assignment.value],
+                             kernel_module=student.__module__ if kernel else None)
         probes = ", ".join(p.name for p in PROBES)
-        print(f"✓ 1/2 {name}: {len(PROBES)} probes against naive_paged_attention ({probes})")
+        print(f"✓ 1/2 {name}: {len(PROBES)} probes against naive_paged_attention ({probes})"
+              + ("; it launches its own @triton.jit kernel" if kernel else ""))
         if engine:  # Triton's interpreter runs a kernel ~100x slower than torch: one model, fewer tokens
             families = ("llama", "qwen3") if assignment is Assignment.ATTENTION else ("qwen3",)
             check_backend_in_engine(make, families, max_tokens=8 if assignment is Assignment.ATTENTION else 4)

@@ -13,7 +13,9 @@ and graded by the engine's own checks (docs/hands-on.md):
 The starters are in exercises/hands_on/; the grader is `python -m minivllm.teaching.grade_hands_on`.
 A student's file is loaded from its path as a module of its own (it need not be on `sys.path`), and
 must define exactly one class of the seam's type (or, for the kernel, the function) — a helper class
-of another type beside it is fine.
+of another type beside it is fine. It may not use the engine's own implementation of its part
+(teaching/submission_rules.py: checked in its source before it runs, in its classes' MRO after, and in
+the calls it makes while graded).
 """
 
 from __future__ import annotations
@@ -103,11 +105,16 @@ def load_student(path: str | Path, assignment: Assignment) -> type | Callable:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (the starters are in exercises/hands_on/)")
+    from minivllm.teaching.submission_rules import RULES, check_classes, check_source
+
+    rules = RULES[assignment.value]
+    check_source(path, rules)  # before it runs: no import of the engine's own implementation of the part
     name = f"hands_on_{assignment.value}_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look their module up here
     spec.loader.exec_module(module)
+    check_classes(module, rules)  # nor a class built on it
     if assignment is Assignment.KERNEL:
         fn = getattr(module, KERNEL_FUNCTION, None)
         if not callable(fn):

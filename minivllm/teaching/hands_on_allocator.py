@@ -10,7 +10,9 @@ outlives one unused for long. Three checks, cheapest first:
 
   1. a random trace of the seam's calls (reset, take, give_back, revive, a rolled-back step's restore),
      made to the student's allocator and to `LRUAllocator` side by side; after each call both must list
-     the same free blocks in the same order, and `take` must return the same block. The allocator is
+     the same free blocks in the same order, and `take` must return the same block. Where the free
+     blocks are right and a copy of the student's allocator would take them in LRU's order but iter()
+     lists another order, the rule named is iter()'s, not the call's. The allocator is
      wrapped in the engine's `CheckedAllocator`, so a count that drifts (a leak) or a block taken that
      is owned is named by the engine's own contract error. A failure names the call that went wrong;
   2. the scheduler's hypothesis state machine (teaching/scheduler_machine.py) with the allocator in the
@@ -24,9 +26,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from copy import deepcopy
 
 from minivllm.engine.core.block_allocator import BlockAllocator, CheckedAllocator, LRUAllocator
 from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model, tiny_model
+from minivllm.teaching.submission_rules import RULES, Watch
 
 CALL_RULES = {
     "reset": "reset(n) makes blocks 0 .. n-1 free, block b freed at time b (so block 0 is taken first)",
@@ -36,6 +40,8 @@ CALL_RULES = {
               "a block left on the free list would be handed to another request while still referenced",
     "restore": "restore([(block, stamp), ...]) frees a rolled-back step's blocks with their OLD stamps: each goes "
                "back to its place in the LRU order, not to the end",
+    "__iter__": "iter() lists each free block once, in the order take() would hand them out (the next one taken "
+                "first): the block manager and the engine's checks read the eviction order from it",
 }
 MACHINE_RULE = ("every block is owned or free, never both; ref counts equal the block tables holding each block; a "
                 "rolled-back step leaves no trace; every block comes back when the requests finish")
@@ -51,19 +57,30 @@ def check_allocator_trace(make_allocator: Callable[[], BlockAllocator], num_trac
 
         def call(name: str, *args) -> None:
             log.append(f"{name}({', '.join(map(repr, args))})")
+            watch = Watch(RULES["allocator"])
             try:
-                got = getattr(student, name)(*args)
-                student.check_invariants()
+                with watch:
+                    got = getattr(student, name)(*args)
+                    student.check_invariants()
+                    listed = list(student)
             except AssertionError as error:  # AllocatorContractError: the seam's own rules
+                watch.check(who)
                 raise AssignmentError(f"{who}: {error}\n  in {log[-1]}, whose rule is: {CALL_RULES[name]}\n  calls: "
                                       f"{'; '.join(log[-12:])}") from None
             except NotImplementedError:
                 raise
             except Exception as error:  # a crash in this call: named by the call's rule
+                watch.check(who)
                 raise AssignmentError(f"{who} broke a RULE: {CALL_RULES[name]}.\n  {log[-1]} raised "
                                       f"{type(error).__name__}: {error}\n  calls: {'; '.join(log[-12:])}") from error
+            watch.check(who)
             want = getattr(lru, name)(*args)
-            if got != want or list(student) != list(lru):
+            if got == want and listed != list(lru) and sorted(listed) == sorted(lru) and \
+                    _take_order(student.inner) == list(lru):  # the right blocks, taken in the right order: iter() lies
+                raise AssignmentError(f"{who} broke a RULE: {CALL_RULES['__iter__']}.\n  after {log[-1]}: take() "
+                                      f"would hand out {list(lru)[:12]}, but iter() lists {listed[:12]}\n  calls: "
+                                      f"{'; '.join(log[-12:])}")
+            if got != want or listed != list(lru):
                 shown = f"returned {got!r}, LRU returns {want!r}; " if name == "take" else ""
                 raise AssignmentError(f"{who} broke a RULE: {CALL_RULES[name]}.\n  after {log[-1]}: {shown}free "
                                       f"blocks, "
@@ -113,6 +130,15 @@ def check_allocator_trace(make_allocator: Callable[[], BlockAllocator], num_trac
                 back = sorted(((b, s) for b, s in before.items() if b not in stamps), key=lambda item: item[1])
                 stamps.update(back)
                 call("restore", back)
+
+
+def _take_order(allocator: BlockAllocator) -> list[int] | None:
+    """The blocks a copy of `allocator` hands out, take() after take() (None if it cannot be copied)."""
+    try:
+        copy = deepcopy(allocator)
+        return [copy.take() for _ in range(len(copy))]
+    except Exception:  # a copy that fails says nothing about iter(): the call's own rule is named instead
+        return None
 
 
 def check_allocator_machine(make_allocator: Callable[[], BlockAllocator], max_examples: int = 40) -> None:

@@ -11,14 +11,20 @@ The probes come first because the engine's verdict ("token 3 differs from HF's")
 WHY. Each probe is one batch that adds one idea to the ones before it, so the first probe that fails
 names the rule broken:
 
-    1 basics       one decode row, one KV head per query head, a context of exactly one block
-    2 GQA          query heads share KV heads: head h reads KV head h // (num_heads // num_kv_heads)
-    3 last block   a context ending inside its last block: the slots after it are not the request's
-    4 block table  blocks scattered over the pool: position p lives in block_tables[i][p // block_size]
-    5 decode batch several requests, a row each: each reads its own row of q and of block_tables
-    6 causal       a prefill of several rows: each sees the keys up to its own position only
-    7 chunk        rows after a cached prefix: they are the LAST query_len positions of the context
-    8 mixed batch  prefill chunks and decode rows in one flat batch, each request its own context
+    1 basics         one decode row, one KV head per query head, a context of exactly one block
+    2 GQA            query heads share KV heads: head h reads KV head h // (num_heads // num_kv_heads)
+    3 online softmax three full blocks, read one at a time: a later block's larger score rescales the sums
+    4 last block     a context ending inside its last block: the slots after it are not the request's
+    5 block table    blocks scattered over the pool: position p lives in block_tables[i][p // block_size]
+    6 decode batch   several requests, a row each: each reads its own row of q and of block_tables
+    7 causal         a prefill of several rows: each sees the keys up to its own position only
+    8 chunk          rows after a cached prefix: they are the LAST query_len positions of the context
+    9 mixed batch    prefill chunks and decode rows in one flat batch, each request its own context
+   10 block size     the mixed batch again in blocks of 8: the block size is the pool's, not a constant
+   11 head size      and with heads of 32: head_dim and the scale are the model's, not constants
+
+Probes 1-9 use blocks of 4 and heads of 16 (the sizes the notebooks draw), so a size written into the
+code as a constant passes them and is named by 10 or 11.
 
 Each probe first checks the K/V store: the step's new k/v at `slot_mapping`, nothing else touched
 (not asked of a kernel: its `KernelBackend` stores them). The expected output is
@@ -35,6 +41,7 @@ import torch
 
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model, tiny_model
+from minivllm.teaching.submission_rules import RULES, SubmissionRules, Watch
 
 # fp32 attention over <= 64 keys of values |v| < 6: each output sums <= 64 products, so rounding stays
 # below 64 * 6 * 1.2e-7 ~ 5e-5 relative to the reference's own; 1e-4 leaves room and catches any real mistake.
@@ -52,13 +59,19 @@ class Probe:
     requests: tuple[tuple[int, int], ...]
     heads: tuple[int, int] = (4, 2)  # (num_heads, num_kv_heads)
     scattered: bool = True  # blocks taken from all over the pool (else request i's blocks are 0, 1, 2, ...)
+    block_size: int = 4
+    head_dim: int = 16
 
 
+MIXED_LONG = ((0, 9), (17, 1), (12, 3))  # a mixed batch whose contexts span blocks of 8 too
 PROBES = (
     Probe("basics", "attention is softmax(q · kᵀ × scale) · v over every key of the request's context",
           ((3, 1),), heads=(2, 2), scattered=False),
     Probe("GQA", "query head h reads KV head h // (num_heads // num_kv_heads) (grouped-query attention)",
           ((3, 1),), scattered=False),
+    Probe("online softmax", "online softmax: when a block raises the running max from m to m_new, everything summed "
+          "under the old max (the weighted values acc AND the denominator l) is first rescaled by exp(m - m_new), so "
+          "the result does not depend on how the keys are split into blocks", ((11, 1),), scattered=False),
     Probe("last block", "a context of n keys spans ceil(n / block_size) blocks, the last one partly filled: read "
           "its first slots up to the context's end, never the slots after it (another request's, or junk)",
           ((5, 1),), scattered=False),
@@ -75,6 +88,11 @@ PROBES = (
           "prefix caching)", ((6, 5),)),
     Probe("mixed batch", "prefill chunks and decode rows side by side in one step: each request's rows attend to "
           "its own context only, through its own row of block_tables", ((0, 5), (9, 1), (4, 3), (2, 1), (0, 1))),
+    Probe("block size", "the block size is the pool's (meta.block_size, kv_cache.shape[2]), never a constant: "
+          "position p is in block_tables[i][p // block_size] at offset p % block_size for every block size",
+          MIXED_LONG, block_size=8),
+    Probe("head size", "the head size is the model's (self.head_dim, the cache's last dimension) and the scale "
+          "self.scale = head_dim ** -0.5, never constants", MIXED_LONG, heads=(2, 1), head_dim=32),
 )
 STORE_RULE = ("forward stores each new row's k and v at its slot, meta.slot_mapping (flat slot = block * "
               "block_size + offset), in kv_cache[0] and kv_cache[1], and writes nowhere else")
@@ -92,8 +110,9 @@ class Case:
     meta: AttentionMetadata
 
 
-def make_case(probe: Probe, head_dim: int = 16, block_size: int = 4, seed: int = 0) -> Case:
+def make_case(probe: Probe, seed: int = 0) -> Case:
     g = torch.Generator().manual_seed(seed)
+    block_size, head_dim = probe.block_size, probe.head_dim
     Hq, Hkv = probe.heads
     ctx_lens = [c + n for c, n in probe.requests]
     per_req = [-(-n // block_size) for n in ctx_lens]
@@ -111,7 +130,10 @@ def make_case(probe: Probe, head_dim: int = 16, block_size: int = 4, seed: int =
         pool[:, flat[:cached]] = torch.randn(2, cached, Hkv, head_dim, generator=g)  # the cached prefix
         slots += flat[cached:]
         rows += n
-    width = max(per_req)
+    # Padded with 0 as the engine pads a batch's tables, and twice as wide: a kernel that assumes a smaller block
+    # size reads entries past its request's; zeros keep those reads in the pool (a read past the tensor would
+    # crash Triton's interpreter, not fail a probe).
+    width = 2 * max(per_req) + 1
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     query_lens = [n for _, n in probe.requests]
     cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -138,29 +160,37 @@ def expected(case: Case, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fail(who: str, probe: Probe, rule: str, detail: str) -> AssignmentError:
     return AssignmentError(f"{who} broke a RULE: {rule}.\n  probe '{probe.name}': requests (cached, new rows) = "
-                           f"{list(probe.requests)}, heads {probe.heads}, block_size 4; {detail}")
+                           f"{list(probe.requests)}, heads {probe.heads}, block_size {probe.block_size}, "
+                           f"head_dim {probe.head_dim}; {detail}")
 
 
-def check_backend_probes(make_backend: Callable[[int, int, int], AttentionBackend], *,
-                         check_store: bool = True) -> None:
+def check_backend_probes(make_backend: Callable[[int, int, int], AttentionBackend], *, check_store: bool = True,
+                         rules: SubmissionRules | None = None, kernel_module: str | None = None) -> None:
     """Run every probe through `make_backend(num_heads, num_kv_heads, head_dim)`; raise `AssignmentError`
-    naming the first rule broken."""
+    naming the first rule broken. `rules`: the student's code, watched while it runs, may not call the
+    engine's own implementation; `kernel_module`: it must launch a @triton.jit function defined there."""
     for probe in PROBES:
-        backend = make_backend(*probe.heads, 16)
-        who = type(backend).__name__
+        backend = make_backend(*probe.heads, probe.head_dim)
+        who = getattr(make_backend, "__name__", type(backend).__name__)  # the kernel's name, not its wrapper's
         case = make_case(probe)
         want_cache, want = expected(case, backend.scale)
         kv_cache = case.kv_cache.clone()
         meta = make_case(probe).meta  # a fresh copy: a backend may keep its plan in it
         qkv = torch.cat([case.q, case.k, case.v], dim=1)  # a copy of the same strided views: yours to change
         q, k, v = qkv.split([case.q.shape[1], case.k.shape[1], case.v.shape[1]], dim=1)
+        watch = Watch(rules or RULES["attention"])
         try:
-            backend.prepare(meta)
-            got = backend.forward(q, k, v, kv_cache, meta)
+            with watch:
+                backend.prepare(meta)
+                got = backend.forward(q, k, v, kv_cache, meta)
         except NotImplementedError:
             raise
         except Exception as error:  # a crash on this probe's batch: named by the probe's rule, like a wrong answer
+            watch.check(who)
             raise _fail(who, probe, probe.rule, f"your code raised {type(error).__name__}: {error}") from error
+        watch.check(who)
+        if kernel_module is not None:
+            watch.check_own_kernel(who, kernel_module)
         if check_store and not torch.equal(kv_cache, want_cache):
             wrong = (kv_cache != want_cache).any(-1).any(-1).view(2, -1).nonzero().tolist()[:6]
             raise _fail(who, probe, STORE_RULE, f"(keys=0/values=1, flat slot) differing: {wrong}, the step's slots "
@@ -173,7 +203,7 @@ def check_backend_probes(make_backend: Callable[[int, int, int], AttentionBacken
             row, col = divmod(int(diff.argmax()), want.shape[1])
             nan = " (your output has NaN)" if bool(got.isnan().any()) else ""
             raise _fail(who, probe, probe.rule, f"largest difference {float(diff.max()):.3g} at row {row}, query "
-                        f"head {col // 16}{nan}")
+                        f"head {col // probe.head_dim}{nan}")
 
 
 class KernelBackend(AttentionBackend):

@@ -1,12 +1,13 @@
 """Hands-on 1: paged attention in plain torch, as an attention backend the engine runs.
 
-You write `forward`, the attention of every layer of the model, for one step's flat batch:
+You write `forward`, the attention of every layer of the model, for one step's flat batch (here in
+blocks of 4 slots; the grader also uses other block sizes and head sizes, so read both, never assume them):
 
     tokens       [ a0 a1 a2 a3 | b0 | c0 c1 ]          T = 7 rows, 3 requests
     cu_seqlens_q [0,            4,   5,     7]          request i owns rows cu[i]:cu[i+1]
     context_lens [4,            9,   6]                 its K/V length after this step (cached + new)
     block_tables [[3, 8, 0], [1, 5, 6], [2, 4, 0]]      its physical blocks, padded with 0
-    slot_mapping [12 13 14 15 | 24 | 17 18]             where each row's new k/v goes (block * B + offset)
+    slot_mapping [12 13 14 15 | 24 | 16 17]             where each row's new k/v goes (block * 4 + offset)
 
   1. store: write each row's k and v into the pool at its slot (kv_cache[0] keys, kv_cache[1] values);
   2. attend: for each request, gather its context's keys and values through its block table, and give

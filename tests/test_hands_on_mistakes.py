@@ -1,0 +1,138 @@
+"""The hands-on graders hold against wrong solutions that passed them before, and refuse cheats.
+
+Two tables. MISTAKES: one edit of a reference solution (tests/hands_on_solutions/), planted as in
+tests/test_hands_on.py, that the probes used to pass or blamed on the wrong rule: a block size or a
+scale written as a constant, an online softmax that forgets to rescale, a top-k that drops a tie at the
+k-th rank, a filter that applies the temperature again, an allocator whose iter() lies about the order.
+CHEATS: whole files in tests/hands_on_mistakes/ that import, call or subclass the engine's own
+implementation of the part (under an alias, through a star import, by names built at run time), or a
+"kernel" that launches no @triton.jit function; each is refused naming the rule, by the source check,
+the MRO check or the watch on the calls (teaching/submission_rules.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from minivllm.teaching.grade_hands_on import grade
+from minivllm.teaching.hands_on import Assignment, AssignmentError, load_student
+from minivllm.teaching.hands_on_sampling import PURE_RULE, check_filter_in_engine
+from minivllm.teaching.submission_rules import RULES, source_violations
+from test_hands_on import SOLUTIONS, planted
+
+CHEATS_DIR = Path(__file__).resolve().parent / "hands_on_mistakes"
+NOT_YOURS = "may not import, call or subclass the engine's own implementation"
+ONLINE = "online softmax: when a block raises the running max"
+
+MISTAKES = [
+    # (assignment, the edit, the rule the grader must name)
+    (Assignment.ATTENTION, ("bs = meta.block_size", "bs = 4"), "the block size is the pool's"),
+    (Assignment.ATTENTION, ("keys) * self.scale", "keys) * 0.25"), "the scale self.scale = head_dim ** -0.5"),
+    (Assignment.KERNEL, ("BLOCK_SIZE=block_size)", "BLOCK_SIZE=4)"), "the block size is the pool's"),
+    (Assignment.KERNEL, ("scale, block_tables.stride(0), NUM", "0.25, block_tables.stride(0), NUM"),
+     "the scale self.scale = head_dim ** -0.5"),
+    (Assignment.KERNEL, ("acc = acc * alpha + ", "acc = acc + "), ONLINE),
+    (Assignment.KERNEL, ("l = l * alpha + ", "l = l + "), ONLINE),
+    (Assignment.FILTER, ("kth = row.topk(k).values[-1]\n                row[row < kth] = NEG_INF",
+                         "row[row.argsort(descending=True)[k:]] = NEG_INF"), "a tie AT the k-th rank keeps more"),
+    (Assignment.FILTER, ("out = logits.clone()  # (R, V)", "out = logits / sampling.temperatures[:, None]  # (R, V)"),
+     "must not apply the temperature again"),
+    (Assignment.ALLOCATOR, ("return iter(sorted(self.stamps, key=self.stamps.__getitem__))",
+                            "return iter(self.stamps)"), "iter() lists each free block once, in the order take()"),
+    (Assignment.ALLOCATOR, ("return iter(sorted(self.stamps, key=self.stamps.__getitem__))",
+                            "return iter(sorted(self.stamps, key=self.stamps.__getitem__, reverse=True))"),
+     "iter() lists each free block once, in the order take()"),
+]
+
+CHEATS = [
+    # (assignment, file, what the message must say: the rule, and where it was seen)
+    (Assignment.ATTENTION, "attention_delegates.py", (NOT_YOURS, "TorchAttentionBackend as Fast")),
+    (Assignment.ATTENTION, "attention_subclasses.py", (NOT_YOURS, "mine.TorchAttentionBackend")),
+    (Assignment.ATTENTION, "attention_star_import.py", (NOT_YOURS, "from kernels.paged_attention import *")),
+    (Assignment.ATTENTION, "attention_hidden_call.py", (NOT_YOURS, "it called kernels.paged_attention")),
+    (Assignment.ATTENTION, "attention_hidden_base.py", (NOT_YOURS, "it subclasses minivllm.layers.torch_attention")),
+    (Assignment.KERNEL, "kernel_calls_engine.py", (NOT_YOURS, "from kernels.paged_attention import paged_attention")),
+    (Assignment.KERNEL, "kernel_in_torch.py", ("launches a @triton.jit function defined in your file",
+                                               "the kernels it launched: none")),
+    (Assignment.FILTER, "filter_calls_engine.py", (NOT_YOURS, "import apply_top_k_top_p_min_p as mine")),
+    (Assignment.FILTER, "filter_subclasses.py", (NOT_YOURS, "sampler.TopKTopPMinP")),
+    (Assignment.FILTER, "filter_hidden_call.py", (NOT_YOURS, "called minivllm.layers.sampler.apply_top_k_top_p_min_p")),
+    (Assignment.ALLOCATOR, "allocator_subclasses.py", (NOT_YOURS, "import LRUAllocator as Base")),
+    (Assignment.ALLOCATOR, "allocator_star_import.py", (NOT_YOURS, "block_allocator import *")),
+    (Assignment.ALLOCATOR, "allocator_hidden_call.py", (NOT_YOURS, "called minivllm.engine.core.block_allocator.LRU")),
+]
+
+
+# A kernel that reads no block divides 0 by 0: numpy (Triton's interpreter) warns; the grader names the rule.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("assignment,edit,rule", MISTAKES, ids=lambda x: x.value if isinstance(x, Assignment) else "")
+def test_a_mistake_the_probes_used_to_miss_fails_naming_its_rule(tmp_path, assignment, edit, rule):
+    student = load_student(planted(tmp_path, assignment, *edit), assignment)
+    with pytest.raises(AssignmentError) as error:
+        grade(assignment, student, engine=False)
+    assert "RULE" in str(error.value) and rule in str(error.value), str(error.value)
+
+
+def test_a_missing_rescale_is_not_blamed_on_the_last_block(tmp_path):
+    """The online-softmax probe comes before "last block", and its contexts end on a block boundary."""
+    student = load_student(planted(tmp_path, Assignment.KERNEL, "acc = acc * alpha + ", "acc = acc + "),
+                           Assignment.KERNEL)
+    with pytest.raises(AssignmentError) as error:
+        grade(Assignment.KERNEL, student, engine=False)
+    assert "probe 'online softmax'" in str(error.value) and "partly filled" not in str(error.value)
+
+
+@pytest.mark.parametrize("assignment,name,says", CHEATS, ids=lambda x: x if isinstance(x, str) else "")
+def test_a_cheat_is_refused_naming_the_rule(assignment, name, says):
+    with pytest.raises(AssignmentError) as error:
+        grade(assignment, load_student(CHEATS_DIR / name, assignment), engine=False)
+    for words in says:
+        assert words in str(error.value), str(error.value)
+    assert "RULE" in str(error.value)
+
+
+def test_every_cheat_file_is_graded_here():
+    """A cheat file nobody grades proves nothing (the speed_* files belong to the performance track)."""
+    mine = {p.name for p in CHEATS_DIR.glob("*.py") if p.name.split("_")[0] in {a.value for a in Assignment}}
+    assert mine == {name for _, name, _ in CHEATS}
+
+
+@pytest.mark.parametrize("assignment", list(RULES), ids=str)
+def test_the_references_and_starters_use_nothing_refused(assignment):
+    """The rules refuse the engine's implementations, not the seams a correct solution imports."""
+    sources = [p for p in SOLUTIONS.glob("*.py")] + list(Path("exercises/hands_on").glob("*/my_*.py"))
+    for path in sources:
+        if assignment in path.stem or path.stem.startswith({"filter": "sampling"}.get(assignment, "-")):
+            assert source_violations(path.read_text(), RULES[assignment]) == [], path
+
+
+def test_a_string_in_a_docstring_is_not_a_cheat():
+    source = ('"""Unlike TorchAttentionBackend, mine loops."""\n'
+              'import importlib\nm = importlib.import_module("kernels")\n')
+    found = source_violations(source, RULES["attention"])
+    assert len(found) == 1 and "line 3" in found[0], found
+
+
+@pytest.mark.slow
+def test_the_engine_part_names_the_temperature_rule(tmp_path):
+    """Part 2 alone, on a filter that applies the temperature again: the rule, not just "the tokens differ"."""
+    again = load_student(planted(tmp_path, Assignment.FILTER,
+                                 "out = logits.clone()  # (R, V)",
+                                 "out = logits / torch.where(sampling.temperatures > 0, sampling.temperatures, 1.0)"
+                                 "[:, None]"), Assignment.FILTER)
+    with pytest.raises(AssignmentError, match="must not apply the temperature again"):
+        check_filter_in_engine(again)
+
+
+@pytest.mark.slow
+def test_the_engine_part_names_a_filter_that_edits_its_input(tmp_path):
+    """Making the greedy row's temperature 1 in place turns it into a sampled row: the probes (no greedy row)
+    cannot see it; the engine run names the rule."""
+    fix_greedy = "sampling.temperatures[sampling.temperatures == 0] = 1.0\n        out = logits.clone()"
+    edits = load_student(planted(tmp_path, Assignment.FILTER, "out = logits.clone()  # (R, V)", fix_greedy),
+                         Assignment.FILTER)
+    grade(Assignment.FILTER, edits, engine=False)  # part 1 passes
+    with pytest.raises(AssignmentError) as error:
+        check_filter_in_engine(edits)
+    assert PURE_RULE in str(error.value) and "sampling.temperatures" in str(error.value), str(error.value)
