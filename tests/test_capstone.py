@@ -1,85 +1,134 @@
-"""The capstone's behaviour checks (teaching/policy_behaviour.py): they pass a correct aging policy and
-fail each wrong policy a course's students actually wrote, naming the rule it breaks."""
+"""The capstone's grader holds against wrong policies: each planted mistake (tests/capstone_mistakes/, one
+policy a file, as a student hands it in) fails with the rule it breaks named, and the reference policies
+(reference_aging.py, reference_fair_share.py there) pass. One test per rule, at least one mistake each:
+the victim in both arrival orders, requests read-only (fields and the queue), bounded wait to the start
+and to the finish under memory pressure, fair share judged on tenants, and the submission rule (no
+engine policy imported, called or subclassed)."""
 
 from __future__ import annotations
 
-import exercise_solutions as solutions
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
 import pytest
 
-from minivllm.engine.core.scheduling_policy import FCFSPolicy, PriorityPolicy
+from minivllm.engine.core.scheduling_policy import FCFSPolicy, PolicyContractError, PriorityPolicy, SchedulingPolicy
+from minivllm.teaching.capstone import grade_policy
+from minivllm.teaching.capstone_cheats import SubmissionRuleError, check_own_policy, engine_policies_refused
+from minivllm.teaching.capstone_fair_share import check_fair_share
+from minivllm.teaching.capstone_watch import RequestChangedError
 from minivllm.teaching.policy_behaviour import (ARRIVAL_STEPS, MAX_WAIT_STEPS, Assignment, PolicyBehaviourError,
-                                                check_bounded_wait, check_policy_behaviour)
+                                                check_bounded_wait, check_policy_behaviour, check_victim)
+
+MISTAKES = Path(__file__).resolve().parent / "capstone_mistakes"
+sys.path.insert(0, str(MISTAKES))  # the mistakes import the references by module name, as a student's file would
 
 
-class ShortestFirst(PriorityPolicy):
-    """Wrong: the shortest prompt first, whatever its priority."""
-
-    def admission_order(self, waiting):
-        return sorted(waiting, key=lambda s: (s.num_tokens, s.arrival_index))
-
-
-class SignFlipped(solutions.AgingPolicy):
-    """Wrong: waiting makes a request LESS urgent, and the victim is the most urgent."""
-
-    def admission_order(self, waiting):
-        self.waited = {s.request_id: self.waited.get(s.request_id, -1) + 1 for s in waiting}
-        return sorted(waiting, key=lambda s: (s.priority + self.waited[s.request_id] / self.AGING_STEPS,
-                                              s.arrival_index))
-
-    def choose_victim(self, candidates):
-        return min(candidates, key=lambda s: (s.priority, s.arrival_index))
+def load(name: str) -> type[SchedulingPolicy]:
+    """The one policy class defined in tests/capstone_mistakes/<name>.py (as exercises/capstone/grade.py loads it)."""
+    spec = importlib.util.spec_from_file_location(f"capstone_mistake_{name}", MISTAKES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    found = [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module.__name__]
+    assert len(found) == 1, f"{name}.py defines {found}"
+    return found[0]
 
 
-class PreemptsRequester(solutions.AgingPolicy):
-    """Wrong: always preempts the request that needs the block."""
-
-    def choose_victim(self, candidates):
-        return candidates[0]
-
-
-class NeverPruned(solutions.AgingPolicy):
-    """Wrong: counts every request's wait in a dict that is never pruned."""
-
-    def admission_order(self, waiting):
-        for s in waiting:
-            self.waited[s.request_id] = self.waited.get(s.request_id, -1) + 1
-        return sorted(waiting, key=lambda s: (s.priority - self.waited[s.request_id] / self.AGING_STEPS,
-                                              s.arrival_index))
+VICTIM = "under memory pressure the least urgent running request is preempted"
+READ_ONLY = "a policy reads the requests and the queue it is given and never changes them"
+STARTS = "a stream of urgent arrivals cannot keep it out"
+FINISHES = "bounded wait holds to the finish"
+SHARES = "each gets about half of the admissions, whatever their arrival rates"
+TENANT_VICTIM = "the victim comes from the tenant holding the most running requests"
 
 
-def test_a_correct_aging_policy_passes():
-    check_policy_behaviour(solutions.AgingPolicy)
+def test_the_reference_aging_policy_passes_the_whole_grade():
+    grade_policy(load("reference_aging"), max_examples=25, hf=False)
 
 
-@pytest.mark.parametrize("policy,rule", [
-    (ShortestFirst, "a more urgent request (lower `priority`) is admitted before a less urgent one"),
-    (SignFlipped, "the least urgent running request is preempted"),
-    (PreemptsRequester, "the least urgent running request is preempted"),
-    (NeverPruned, "state kept per request is dropped once the request is no longer waiting"),
-    (FCFSPolicy, "a more urgent request (lower `priority`) is admitted before"),
-    (PriorityPolicy, "a stream of urgent arrivals cannot keep it out"),
+def test_the_reference_fair_share_policy_passes_the_whole_grade():
+    grade_policy(load("reference_fair_share"), max_examples=25, hf=False, assignment=Assignment.FAIR_SHARE)
+
+
+@pytest.mark.parametrize("mistake,error,rule,seen", [
+    ("victim_newest", PolicyBehaviourError, VICTIM, "(the newest)"),
+    ("victim_requester", PolicyBehaviourError, VICTIM, "(the first admitted)"),
+    ("writes_priority", RequestChangedError, READ_ONLY, "changed `priority` of request 'r0' from 1 to 0.75"),
+    ("writes_own_field", RequestChangedError, READ_ONLY, "changed `waited` of request 'r0' from <not set> to 1"),
+    ("sorts_candidates", RequestChangedError, READ_ONLY, "choose_victim changed the candidates"),
+    ("never_ages", PolicyBehaviourError, STARTS, "(after the arrivals stopped)"),
+    ("forgets_age", PolicyBehaviourError, FINISHES, "was preempted 1 time(s) (steps [15]), finished at step 32"),
 ])
-def test_a_wrong_policy_fails_naming_the_rule(policy, rule):
+def test_a_wrong_aging_policy_fails_naming_the_rule(mistake, error, rule, seen):
+    with pytest.raises(error, match="broke a RULE") as err:
+        check_policy_behaviour(load(mistake))
+    assert rule in str(err.value) and seen in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("mistake", ["victim_newest", "victim_requester"])
+def test_the_victim_is_asked_in_both_arrival_orders(mistake):
+    """Each one-sided victim rule passes one order and fails the other: one order alone would pass one of them."""
+    from minivllm.teaching.capstone_run import ScenarioRun
+
+    policy = load(mistake)
+    victims = [ScenarioRun(policy(), max_num_seqs=2, num_blocks=2).first_victim(priorities)[1].priority
+               for priorities in ([-1, 1], [1, -1])]
+    assert sorted(victims) == [-1, 1], victims
+    with pytest.raises(PolicyBehaviourError, match=VICTIM):
+        check_victim(policy)
+
+
+def test_a_request_changed_is_caught_in_the_state_machine_too():
+    """Part 1 of the grade (random runs, failed steps, n > 1) runs the policy watched as well."""
+    with pytest.raises(RequestChangedError, match="changed `priority`"):
+        grade_policy(load("writes_priority"), max_examples=10, hf=False, shrink=False)
+
+
+@pytest.mark.parametrize("mistake,rule,seen", [
+    ("tenants_fcfs", SHARES, "tenant 0 got"),
+    ("inverted_fair_share", SHARES, "tenant 0 got"),
+    ("fair_victim_newest", TENANT_VICTIM, "your policy preempted r2 of tenant 1"),
+    ("reference_aging", TENANT_VICTIM, "of tenant 1"),
+])
+def test_a_wrong_fair_share_policy_fails_naming_the_rule(mistake, rule, seen):
     with pytest.raises(PolicyBehaviourError, match="broke a RULE") as err:
-        check_policy_behaviour(policy)
-    assert rule in str(err.value), str(err.value)
+        check_policy_behaviour(load(mistake), Assignment.FAIR_SHARE)
+    assert rule in str(err.value) and seen in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("policy,bounded", [(solutions.AgingPolicy, True), (SignFlipped, False),
-                                            (ShortestFirst, False), (PriorityPolicy, False)])
-def test_bounded_wait_under_open_loop_arrivals(policy, bounded):
-    """The issue's scenario: the long low-priority request starts within the bound only under aging;
-    the others run it only once the arrivals stop."""
-    if bounded:
-        check_bounded_wait(policy())
-    else:
-        with pytest.raises(PolicyBehaviourError, match="after the arrivals stopped"):
-            check_bounded_wait(policy())
+def test_fair_share_shares_are_measured_on_tenants():
+    """The reference splits admissions about evenly between a tenant sending 2 a step and one sending 1."""
+    shares = check_fair_share(load("reference_fair_share"))
+    assert all(abs(s - 0.5) <= 0.1 for s in shares.values()), shares
 
 
-def test_fair_share_is_not_asked_the_priority_rules():
-    """A fair-share policy reads `priority` as a tenant: only the open-load and state rules apply."""
-    check_policy_behaviour(FCFSPolicy, Assignment.FAIR_SHARE)
-    with pytest.raises(PolicyBehaviourError, match="state kept per request"):
-        check_policy_behaviour(NeverPruned, Assignment.FAIR_SHARE)
+@pytest.mark.parametrize("mistake,seen", [
+    ("cheat_subclass", "CheatSubclass subclasses the engine's PriorityPolicy"),
+    ("cheat_calls", "cheat_calls.py uses PriorityPolicy (line 11)"),
+    ("cheat_hidden", "the graded policy called PriorityPolicy.admission_order"),
+])
+def test_a_cheat_is_refused_naming_the_rule(mistake, seen):
+    with pytest.raises(SubmissionRuleError, match="the policy is your own") as err:
+        grade_policy(load(mistake), max_examples=5, hf=False, shrink=False)
+    assert seen in str(err.value), str(err.value)
+
+
+def test_the_engine_policies_are_refused_and_restored():
+    with pytest.raises(SubmissionRuleError, match="PriorityPolicy is the engine's own policy"):
+        check_own_policy(PriorityPolicy)
+    with pytest.raises(SubmissionRuleError, match="called PriorityPolicy.choose_victim"):
+        with engine_policies_refused("Mine"):
+            PriorityPolicy().choose_victim(["a"])
+    assert FCFSPolicy().choose_victim(["a", "b"]) == "b"  # put back once the grade is over
+    check_own_policy(load("reference_aging"))
+
+
+def test_bounded_wait_bounds_start_and_finish():
+    """The scenario itself: a correct policy starts AND finishes the long request in bounded time; the
+    contract on a changed queue is still the engine's (a filtered order is a contract error)."""
+    check_bounded_wait(load("reference_aging")())
     assert MAX_WAIT_STEPS < ARRIVAL_STEPS
+    assert issubclass(RequestChangedError, AssertionError) and issubclass(PolicyContractError, AssertionError)

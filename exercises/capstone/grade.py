@@ -2,16 +2,22 @@
 
     python exercises/capstone/grade.py [exercises/capstone/my_policy.py] [--examples N] [--no-hf] [--fair-share]
 
-The file must define exactly one `SchedulingPolicy` subclass. Three parts, in order:
+The file must define exactly one `SchedulingPolicy` subclass, your own: importing, calling or subclassing
+the engine's policies (FCFSPolicy, PriorityPolicy) is refused, naming the rule. In every part the policy
+may read the requests it is given, never change them (a write into `seq.priority` or any other field, or
+into the queue, fails naming the field). Three parts, in order:
   1. the scheduler's hypothesis state machine (the one the project's own tests run) under the policy:
      random arrivals (n > 1 included), steps, aborts, failed steps, drafts; the seam's contract on every call,
      the block manager's invariants after every action, and every request finishing at the end;
   2. behaviour, with new requests arriving while others run (minivllm/teaching/policy_behaviour.py):
-     a more urgent request is admitted first; the least urgent is preempted; a low-priority request
-     beside a stream of urgent arrivals starts within a bounded number of steps; state kept per
-     request is dropped once it no longer waits; under random load every request starts in bounded
-     time and finishes. `--fair-share` grades the fair-share assignment: the three priority rules
-     are not asked (there `priority` is a tenant, not an urgency);
+     a more urgent request is admitted first; the least urgent is preempted (whichever arrived first);
+     a low-priority request beside a stream of urgent arrivals, under memory pressure, starts within
+     a bounded number of steps and then finishes within twice the steps it needs alone; state kept
+     per request is dropped once it no longer waits; under random load every request starts in
+     bounded time and finishes. `--fair-share` grades the fair-share assignment instead of the three
+     priority rules (there `priority` is a tenant): two tenants sending at 2 : 1 each get about half
+     of the admissions while both wait, and the victim comes from the tenant holding the most
+     running requests (minivllm/teaching/capstone_fair_share.py);
   3. an engine scheduling with the policy on a tiny random model, under memory pressure (so requests
      are preempted and recomputed) and with mixed priorities: its greedy output must equal HF
      transformers' (teacher-forced).

@@ -8,6 +8,11 @@ Write ONE of these (or another idea your teacher agrees to):
   * fair share: treat `seq.priority` as a tenant id; admit the request of the tenant that has been
     served least so far first, and preempt from the tenant that holds the most running requests.
 
+Your policy may READ the requests and the queue it is given, never change them: no `seq.priority -= 1`,
+no attribute of your own on a request, no `candidates.sort()`. Keep what you need in your own state.
+Write both methods yourself: importing, calling or subclassing the engine's `FCFSPolicy` or
+`PriorityPolicy` is refused by the grader (read them, do not reuse them).
+
 The seam (`SchedulingPolicy`, minivllm/seams.py) asks your policy two questions in each step:
 
   admission_order(waiting)    every waiting request exactly once, most urgent first
@@ -23,16 +28,24 @@ more urgent arrivals), it waits forever: bounded waiting is your policy's job.
 What the grader checks beyond the contract (minivllm/teaching/policy_behaviour.py), with new
 requests arriving while others run:
   * priority order: of two requests waiting together, the more urgent (lower priority) goes first;
-  * the victim: under memory pressure the least urgent running request is preempted;
-  * bounded wait: a priority-2 request beside one priority-0 arrival per step starts within 50 steps;
+  * the victim: under memory pressure the least urgent running request is preempted, whichever of
+    them arrived first (asked both ways round);
+  * bounded wait, to the finish: a priority-2 request beside one priority-0 arrival per step, in a
+    pool it fills alone, starts within 50 steps AND, once started, finishes within twice the steps it
+    needs alone. So the age must survive the start: a request that aged its way in must not be
+    chosen as the victim for the newcomers it overtook (choose the victim by the same aged urgency,
+    and keep the age while it runs and across a preemption);
   * stale state: what you keep per request is dropped once it no longer waits (your policy is never
     told that a request finished: prune in `admission_order`, which is called every step);
   * open load: random arrivals, mixed priorities, memory pressure: each request starts within 50
     steps and finishes.
-For fair share, add `--fair-share`: the first three (priority) rules are not asked.
+For fair share, add `--fair-share`: instead of the three priority rules, two tenants send requests at
+2 : 1 (the quieter one as n = 2 requests); while both wait each must get 40-60 % of the admissions, and
+each victim must belong to the tenant holding the most of the candidates.
 
 What a `Sequence` (minivllm/engine/request/sequence.py) tells you: `request_id`, `priority`,
-`arrival_index` (0, 1, 2, ... in arrival order), `num_tokens`, `num_output_tokens`,
+`arrival_index` (0, 1, 2, ... in arrival order; the n sequences of an n > 1 request share it and their
+priority, each has its own `request_id`), `is_finished`, `num_tokens`, `num_output_tokens`,
 `num_computed_tokens`, `num_admission_skips`, `status`. Your policy object lives as long as the
 engine, so it may keep state of its own (e.g. how many steps each request has waited).
 

@@ -37,13 +37,19 @@ from minivllm.sampling_params import SamplingParams
 EOS = 1  # the machine's end-of-sequence token: a request that samples it finishes
 
 
+def _checked(policy: SchedulingPolicy) -> CheckedPolicy:
+    """The policy under the seam's contract: wrapped in `CheckedPolicy` unless it already is one (the capstone's
+    `WatchedPolicy`, teaching/capstone_watch.py, which also refuses a policy that changes a request)."""
+    return policy if isinstance(policy, CheckedPolicy) else CheckedPolicy(policy)
+
+
 def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, *, priorities: bool = False,
                       max_spec: int = 3, make_allocator: Callable[[], BlockAllocator] | None = None) -> type:
     """The scheduler's hypothesis state machine, for any policy: random add / step / abort / failed
     step against a tiny pool (speculative drafts and n > 1 requests included), the block manager's
     invariants after every action, and a full drain at the end. `priorities`: also add requests with
     random priorities in -2..2. Run it with `run_state_machine_as_test(machine)` or as
-    `machine.TestCase` under pytest. The policy is wrapped in `CheckedPolicy`. `make_allocator`: the block
+    `machine.TestCase` under pytest. The policy is wrapped in `CheckedPolicy` (unless it is one). `make_allocator`: the block
     manager's allocator (None: the default LRU), wrapped in `CheckedAllocator`."""
     import hypothesis.strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -60,7 +66,7 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
                                    max_num_batched_tokens=budget, max_model_len=64 if chunked else budget,
                                    eos_token_ids=frozenset({EOS}),
                                    enable_chunked_prefill=chunked, max_admission_skips=3,
-                                   policy=CheckedPolicy(make_policy()))
+                                   policy=_checked(make_policy()))
             self.num_speculative_tokens = spec
             self.rng = random.Random(seed)
             self.count = 0
