@@ -23,9 +23,15 @@ The mode (`EngineConfig.batch_invariant`, vLLM's VLLM_BATCH_INVARIANT) removes e
   * RMSNorm, RoPE and greedy argmax run one fixed path (torch's ops; float32 argmax): they are per row
     by nature, and nothing is timed, so nothing can choose differently.
   * eager only: a compiled graph pads a step to a size and Inductor picks kernels per size.
+  * a mixture of experts (layers/fused_moe.py): an expert multiplies the rows routed to it, and how many that
+    is depends on the whole batch (a decode row alone is 1 row for each of its k experts; beside 15 others,
+    maybe 5). Its products are tiled too (`TiledMoeMethod`). The rest is already per row: the router is a
+    `Linear` (tiled), softmax and top-k run along each row, silu(gate) * up is elementwise, and a token's k
+    weighted outputs are added into a float32 zero in ascending expert order, whoever else was routed.
 
-`TiledLinearMethod` is the mode's matmul, a linear method (layers/linear.py) the engine sets on every
-`Linear` of the model when it loads it (engine/worker/loading.py): the model is built as always, no global switch.
+`TiledLinearMethod` is the mode's matmul, a linear method (layers/linear.py), and `TiledMoeMethod` its experts'
+(a `FusedMoE`'s moe_method); `set_batch_invariant_methods` gives every `Linear` and every `FusedMoE` of the model
+theirs when the engine loads it (engine/worker/loading.py): the model is built as always, no global switch.
 The engine refuses the mode where it is not shown to hold (config.py): CUDA, tensor parallelism, hybrid models.
 """
 
@@ -37,7 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.linear import LinearMethodBase
+from minivllm.layers.fused_moe import FusedMoE, MoeMethodBase
+from minivllm.layers.linear import LinearMethodBase, set_linear_method
+from minivllm.layers.moe_router import sort_tokens_by_expert
 
 TILE_ROWS = 16
 
@@ -82,3 +90,38 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The plain product `tiled_linear` must equal up to rounding (not bit for bit: its M differs)."""
     return F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class TiledMoeMethod(MoeMethodBase):
+    """A `FusedMoE`'s experts with `tiled_linear`: TorchMoeMethod's computation (layers/fused_moe.py), the active
+    experts only, each one's products over its rows in fixed tiles, so a row's bits never depend on how many
+    other rows its expert serves in the step."""
+
+    tile_rows: int = TILE_ROWS
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:  # x (T, H), topk_* (T, k) -> (T, H)
+        routes = sort_tokens_by_expert(topk_ids, layer.num_experts)
+        weights = topk_weights.flatten()[routes.route_ids]  # (T*k,) each sorted route's weight, float32
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
+        I = layer.intermediate_size
+        offsets = routes.offsets.tolist()  # one host sync: which experts are active, and their rows
+        for e in range(layer.num_experts):  # ascending: a token's k outputs are added in one order, always
+            start, stop = offsets[e], offsets[e + 1]
+            if start == stop:
+                continue
+            rows = routes.token_ids[start:stop]  # (n,) the tokens this expert serves
+            gate, up = tiled_linear(x[rows], layer.w13_weight[e], None, self.tile_rows).split(I, dim=-1)  # (n, I)
+            y = tiled_linear(F.silu(gate) * up, layer.w2_weight[e], None, self.tile_rows)  # (n, H)
+            out.index_add_(0, rows, y.float() * weights[start:stop, None])
+        return out.to(x.dtype)
+
+
+def set_batch_invariant_methods(model: nn.Module, tile_rows: int = TILE_ROWS) -> None:
+    """The mode's methods on `model`: `TiledLinearMethod` on every `Linear` (and a tied LM head), `TiledMoeMethod`
+    on every `FusedMoE`."""
+    set_linear_method(model, TiledLinearMethod(tile_rows))
+    for layer in model.modules():
+        if isinstance(layer, FusedMoE):
+            layer.moe_method = TiledMoeMethod(tile_rows)

@@ -26,8 +26,7 @@ from minivllm.distributed.parallel_state import ParallelContext
 from minivllm.engine.worker.kv_cache import num_kv_blocks_for
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.layers.attention import AttentionBackend, get_attention_backend
-from minivllm.layers.batch_invariance import TiledLinearMethod
-from minivllm.layers.linear import set_linear_method
+from minivllm.layers.batch_invariance import set_batch_invariant_methods
 from minivllm.layers.per_row_attention import PerRowAttentionBackend
 from minivllm.layers.quantization import quantize_model
 from minivllm.models import MODEL_REGISTRY
@@ -79,13 +78,13 @@ def build_model(spec: ModelSpec, model_dir: str | Path, device: torch.device, dt
                 max_position: int, tp: ParallelContext | None = None, batch_invariant: bool = False) -> CausalLM:
     """Create the model without initialising weights (meta device), then fill it from disk; with `tp`
     of several ranks, only this rank's shard (the Llama decoder and its MoE form are sharded: models/sharding.py).
-    `batch_invariant`: its linear layers multiply in fixed tiles (layers/batch_invariance.py)."""
+    `batch_invariant`: its linear layers and experts multiply in fixed tiles (layers/batch_invariance.py)."""
     sharded = tp is not None and tp.world_size > 1
     with torch.device("meta"):
         model_cls = MODEL_REGISTRY[spec.architecture]
         model = model_cls(spec, tp) if sharded else model_cls(spec)
     if batch_invariant:  # one rank (EngineConfig refuses tensor parallelism with it)
-        set_linear_method(model, TiledLinearMethod())
+        set_batch_invariant_methods(model)  # tiled matmuls, a mixture of experts' too
     model = materialize(model, device, dtype)
     load_weights(model, spec, model_dir, ShardLayout.of(spec, tp.rank, tp.world_size) if sharded else None)
     model.init_rotary(max_position, device)
