@@ -53,6 +53,16 @@ def test_the_reference_fair_share_policy_passes_the_whole_grade():
     grade_policy(load("reference_fair_share"), max_examples=25, hf=False, assignment=Assignment.FAIR_SHARE)
 
 
+@pytest.mark.parametrize("mistake,rule", [("drops_non_urgent", "admission_order must return every waiting request"),
+                                          ("stale_victim", "choose_victim must return one of `candidates`")])
+def test_a_policy_breaking_the_seam_fails_naming_the_rule(mistake, rule):
+    """The contract (CheckedPolicy, under WatchedPolicy) still names the student's class."""
+    policy = load(mistake)
+    with pytest.raises(PolicyContractError, match=rule) as err:
+        grade_policy(policy, max_examples=100, hf=False, shrink=False)
+    assert str(err.value).startswith(f"{policy.__name__} broke a RULE"), str(err.value)
+
+
 @pytest.mark.parametrize("mistake,error,rule,seen", [
     ("victim_newest", PolicyBehaviourError, VICTIM, "(the newest)"),
     ("victim_requester", PolicyBehaviourError, VICTIM, "(the first admitted)"),
