@@ -55,6 +55,8 @@ CHEATS = [
     (Assignment.KERNEL, "kernel_calls_engine.py", (NOT_YOURS, "from kernels.paged_attention import paged_attention")),
     (Assignment.KERNEL, "kernel_in_torch.py", ("launches a @triton.jit function defined in your file",
                                                "the kernels it launched: none")),
+    (Assignment.KERNEL, "kernel_unlaunched_jit.py", ("launches a @triton.jit function defined in your file",
+                                                     "the kernels it launched: none")),
     (Assignment.FILTER, "filter_calls_engine.py", (NOT_YOURS, "import apply_top_k_top_p_min_p as mine")),
     (Assignment.FILTER, "filter_subclasses.py", (NOT_YOURS, "sampler.TopKTopPMinP")),
     (Assignment.FILTER, "filter_hidden_call.py", (NOT_YOURS, "called minivllm.layers.sampler.apply_top_k_top_p_min_p")),
@@ -98,13 +100,18 @@ def test_every_cheat_file_is_graded_here():
     assert mine == {name for _, name, _ in CHEATS}
 
 
+CORRECT = {"attention": ["tests/hands_on_solutions/attention.py", "exercises/hands_on/1_attention/my_attention.py"],
+           "kernel": ["tests/hands_on_solutions/kernel.py", "exercises/hands_on/2_kernel/my_kernel.py"],
+           "filter": ["tests/hands_on_solutions/sampling_filter.py", "exercises/hands_on/3_filter/my_filter.py"],
+           "allocator": ["tests/hands_on_solutions/allocator.py", "exercises/hands_on/4_allocator/my_allocator.py"],
+           "policy": ["exercises/capstone/my_policy.py"]}
+
+
 @pytest.mark.parametrize("assignment", list(RULES), ids=str)
 def test_the_references_and_starters_use_nothing_refused(assignment):
     """The rules refuse the engine's implementations, not the seams a correct solution imports."""
-    sources = [p for p in SOLUTIONS.glob("*.py")] + list(Path("exercises/hands_on").glob("*/my_*.py"))
-    for path in sources:
-        if assignment in path.stem or path.stem.startswith({"filter": "sampling"}.get(assignment, "-")):
-            assert source_violations(path.read_text(), RULES[assignment]) == [], path
+    for path in CORRECT[assignment]:
+        assert source_violations((SOLUTIONS.parent.parent / path).read_text(), RULES[assignment]) == [], path
 
 
 def test_a_string_in_a_docstring_is_not_a_cheat():
@@ -114,7 +121,6 @@ def test_a_string_in_a_docstring_is_not_a_cheat():
     assert len(found) == 1 and "line 3" in found[0], found
 
 
-@pytest.mark.slow
 def test_the_engine_part_names_the_temperature_rule(tmp_path):
     """Part 2 alone, on a filter that applies the temperature again: the rule, not just "the tokens differ"."""
     again = load_student(planted(tmp_path, Assignment.FILTER,
@@ -125,7 +131,6 @@ def test_the_engine_part_names_the_temperature_rule(tmp_path):
         check_filter_in_engine(again)
 
 
-@pytest.mark.slow
 def test_the_engine_part_names_a_filter_that_edits_its_input(tmp_path):
     """Making the greedy row's temperature 1 in place turns it into a sampled row: the probes (no greedy row)
     cannot see it; the engine run names the rule."""

@@ -18,6 +18,12 @@ kernel only reads the pool. Suggested plan, one program per (query row, query he
             l = l * exp(m - m_new) + sum(p);  acc = acc * exp(m - m_new) + p @ V;  m = m_new
         OUT[row, head] = acc / l
 
+The rescale by exp(m - m_new) of both l and acc is the online softmax's whole idea (notebook 7); the
+grader has a probe of its own for it. Take BLOCK_SIZE, HEAD_DIM and the head counts from the tensors'
+shapes: the probes use blocks of 4 and 8 and heads of 16 and 32. The kernel must be yours and launched:
+the grader refuses a file that calls the engine's kernels or computes the answer without launching a
+@triton.jit function defined in it.
+
 Pointers are flat: element (b, s, h, d) of a contiguous (num_blocks, BLOCK_SIZE, Hkv, D) cache is at
 ((b * BLOCK_SIZE + s) * Hkv + h) * D + d. q arrives as a strided view: make it contiguous (or pass its
 strides). Use tl.arange over HEAD_DIM and BLOCK_SIZE (both powers of two here) and reductions

@@ -1,11 +1,11 @@
 """Hands-on 3: top-k, top-p and min-p, as the filter the engine's sampler draws through.
 
-The sampler divides each row's logits by its temperature, calls your filter, and draws a token from
+The sampler divides each row's logits by its temperature (so you must not), calls your filter, and draws from
 softmax(what you return): a removed token is one you set to -inf. Per row r, with
 k = sampling.top_ks[r] (the vocabulary size means off), p = sampling.top_ps[r] (1 = off) and
 m = sampling.min_ps[r] (0 = off), in this order, each on what the step before kept:
 
-  * top-k: keep the k most likely tokens (and any tied with the k-th);
+  * top-k: keep the k most likely tokens (and any tied with the k-th: a tie AT rank k keeps more than k);
   * top-p: keep the most likely tokens until their probability mass reaches p, the token that crosses
     it included. The probabilities are those of what top-k kept (renormalised);
   * min-p: keep the tokens whose probability is at least m times the most likely one's.
