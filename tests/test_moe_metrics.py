@@ -98,7 +98,8 @@ def test_metrics_export_the_total_per_expert(moe_dir, qwen3_dir):
     engine.shutdown()
     labels = {"model_name": MODEL, "engine": "0"}
     routes = [metric(m, "minivllm:moe_expert_routes_total", expert=str(e), **labels) for e in range(EXPERTS)]
-    assert routes == list(s.expert_load_total) and sum(routes) == (s.num_prefill_tokens + s.num_decode_tokens) * K * LAYERS
+    assert routes == list(s.expert_load_total)
+    assert sum(routes) == (s.num_prefill_tokens + s.num_decode_tokens) * K * LAYERS
     assert sum(1 for series in m if series.startswith("minivllm:moe_expert_routes_total")) == EXPERTS
 
     dense = AsyncLLMEngine(LLMEngine(EngineConfig(model=qwen3_dir, num_kv_blocks=16, max_model_len=64)))
