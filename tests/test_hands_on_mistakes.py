@@ -141,3 +141,11 @@ def test_the_engine_part_names_a_filter_that_edits_its_input(tmp_path):
     with pytest.raises(AssignmentError) as error:
         check_filter_in_engine(edits)
     assert PURE_RULE in str(error.value) and "sampling.temperatures" in str(error.value), str(error.value)
+
+
+def test_the_command_line_refuses_a_cheat_with_exit_1(capsys):
+    from minivllm.teaching.grade_hands_on import main
+
+    assert main(["filter", str(CHEATS_DIR / "filter_calls_engine.py"), "--no-engine"]) == 1
+    out = capsys.readouterr().out
+    assert "failed" in out and NOT_YOURS in out and "apply_top_k_top_p_min_p as mine" in out

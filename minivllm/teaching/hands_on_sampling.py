@@ -28,7 +28,7 @@ a function of its inputs alone.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -41,10 +41,12 @@ from minivllm.teaching.submission_rules import RULES, Watch
 PROB_ATOL = 1e-5
 VOCAB = 64
 
-
 KEEP_RULE = "every row the sampler draws from keeps at least one token, and the shape stays (rows, vocabulary)"
 DIST_RULE = ("a kept token keeps its probability relative to the other kept ones: return logits (or "
              "log-probabilities) with removed tokens at -inf, not probabilities or rescaled logits")
+TEMPERATURE_RULE = ("the logits arrive already divided by each row's temperature (the sampler did it): the filter "
+                    "must not apply the temperature again, so a row at temperature 0.5 or 2 keeps the tokens and "
+                    "probabilities of the logits it is given")
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,9 @@ FILTER_PROBES = (
                 ((10, 0.8, 0.0), (20, 0.6, 0.1), (5, 0.95, 0.2))),
     FilterProbe("per row", "each row uses its own parameters, whatever the other rows of the batch ask",
                 ((3, 1.0, 0.0), (0, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.2), (8, 0.9, 0.05), (1, 0.5, 0.5))),
-    FilterProbe("temperature", "the logits arrive already divided by each row's temperature (the sampler did it): "
-                "the filter must not apply the temperature again, so a row at temperature 0.5 or 2 keeps the tokens "
-                "and probabilities its logits as given say", ((0, 0.8, 0.0), (0, 1.0, 0.1), (10, 0.9, 0.05),
-                                                               (0, 0.6, 0.0)), temperatures=(0.5, 2.0, 0.7, 1.5)),
+    FilterProbe("temperature", TEMPERATURE_RULE, ((0, 0.8, 0.0), (0, 1.0, 0.1), (10, 0.9, 0.05), (0, 0.6, 0.0)),
+                temperatures=(0.5, 2.0, 0.7, 1.5), dist_rule=TEMPERATURE_RULE),
 )
-FILTER_PROBES = FILTER_PROBES[:-1] + (replace(FILTER_PROBES[-1], dist_rule=FILTER_PROBES[-1].rule),)
 PURE_RULE = ("a filter is a function of its inputs alone, and changes neither: `sampling` and `logits` are read by "
              "the sampler after it (a greedy row's temperature 0 is what keeps it greedy), and the same input gives "
              "the same output whatever came before (no state kept between calls, no random draws of its own)")
@@ -202,7 +201,7 @@ class ComparedFilter(SamplingFilter):
                 continue
             temps = torch.where(sampling.temperatures > 0, sampling.temperatures, 1.0)[:, None]
             if t != 1.0 and row_difference(got[r], self.reference(logits / temps, sampling)[r]) is None:
-                rule = rules["temperature"]  # exactly what the temperature applied twice gives
+                rule = TEMPERATURE_RULE  # exactly what the temperature applied twice gives
             elif differs.startswith("the right"):
                 rule = DIST_RULE
             else:
