@@ -236,14 +236,15 @@ def kernel_backend(kernel: KernelFn) -> Callable[[int, int, int], AttentionBacke
 # Prompts for the engine run: short and long (chunked at 8 tokens a step), two sharing a 9-token prefix
 # with one run before them (prefix-cache hits), and one of a single token.
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+ENGINE_BLOCK_SIZE = {"llama": 4, "qwen3": 8}  # two block sizes here too (the kernel's run is qwen3's)
 ENGINE_PROMPTS = ([5, 6, 7], list(range(20, 41)), SHARED + [50, 51], SHARED + [60], [70])
 
 
 def check_backend_in_engine(make_backend: Callable[[int, int, int], AttentionBackend],
                             families: tuple[str, ...] = ("llama", "qwen3"), max_tokens: int = 8) -> None:
     """The real engine on tiny random checkpoints with the backend in charge, chunked prefill (8 tokens a
-    step), prefix-cache hits and decode: every greedy token is HF transformers' argmax (teacher-forced) and
-    every returned logprob equals HF's log-softmax."""
+    step), prefix-cache hits and decode, in blocks of 4 (llama) or 8 (qwen3): every greedy token is HF
+    transformers' argmax (teacher-forced) and every returned logprob equals HF's log-softmax."""
     from minivllm import LLM, SamplingParams
     from minivllm.models.hf_config import load_model_spec
     from minivllm.teaching.hf_check import assert_hf_greedy
@@ -254,8 +255,8 @@ def check_backend_in_engine(make_backend: Callable[[int, int, int], AttentionBac
         spec = load_model_spec(model_dir)
         backend = make_backend(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
         who = f"{type(backend).__name__} (in the engine, tiny random {family})"
-        llm = LLM(model_dir, dtype="float32", attention_backend=backend, block_size=4, num_kv_blocks=64,
-                  max_num_batched_tokens=8, warmup=False)
+        llm = LLM(model_dir, dtype="float32", attention_backend=backend, block_size=ENGINE_BLOCK_SIZE[family],
+                  num_kv_blocks=64, max_num_batched_tokens=8, warmup=False)
         hf = hf_model(model_dir)
         first, *rest = ENGINE_PROMPTS
         outs = llm.generate([{"prompt_token_ids": p} for p in [SHARED]], params, use_tqdm=False)
