@@ -17,7 +17,7 @@ import pytest
 from minivllm.engine.core.scheduling_policy import FCFSPolicy, PolicyContractError, PriorityPolicy, SchedulingPolicy
 from minivllm.teaching.capstone import grade_policy
 from minivllm.teaching.capstone_cheats import SubmissionRuleError, check_own_policy, engine_policies_refused
-from minivllm.teaching.capstone_fair_share import check_fair_share
+from minivllm.teaching.capstone_fair_share import check_fair_share, check_tenant_shares
 from minivllm.teaching.capstone_watch import RequestChangedError
 from minivllm.teaching.policy_behaviour import (ARRIVAL_STEPS, MAX_WAIT_STEPS, Assignment, PolicyBehaviourError,
                                                 check_bounded_wait, check_policy_behaviour, check_victim)
@@ -101,12 +101,20 @@ def test_a_request_changed_is_caught_in_the_state_machine_too():
     ("tenants_fcfs", SHARES, "tenant 0 got"),
     ("inverted_fair_share", SHARES, "tenant 0 got"),
     ("fair_victim_newest", TENANT_VICTIM, "your policy preempted r2 of tenant 1"),
+    ("fair_victim_fewest", TENANT_VICTIM, "of tenant 1"),
     ("reference_aging", TENANT_VICTIM, "of tenant 1"),
 ])
 def test_a_wrong_fair_share_policy_fails_naming_the_rule(mistake, rule, seen):
     with pytest.raises(PolicyBehaviourError, match="broke a RULE") as err:
         check_policy_behaviour(load(mistake), Assignment.FAIR_SHARE)
     assert rule in str(err.value) and seen in str(err.value), str(err.value)
+
+
+def test_the_victims_of_a_whole_run_are_judged_by_tenant():
+    """Beyond the probe: every victim chosen in the 2 : 1 run (about 40 of them) is checked, too."""
+    with pytest.raises(PolicyBehaviourError, match=TENANT_VICTIM) as err:
+        check_tenant_shares(load("fair_victim_fewest"))
+    assert "all running by tenant" in str(err.value), str(err.value)
 
 
 def test_fair_share_shares_are_measured_on_tenants():

@@ -39,7 +39,7 @@ class ScenarioRun:
     def __init__(self, policy: SchedulingPolicy, *, max_num_seqs: int, num_blocks: int, block_size: int = 4,
                  budget: int = 64) -> None:
         self.name = type(policy).__name__
-        self.watched = WatchedPolicy(policy)
+        self.watched = WatchedPolicy(policy, running=lambda: self.sched.running)
         self.sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=budget, max_model_len=256, policy=self.watched)
         self.step_no, self.count = 0, 0

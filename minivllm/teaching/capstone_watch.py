@@ -21,6 +21,7 @@ judge WHOM a policy preempted over a whole run (fair share: teaching/capstone_fa
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import Any, NamedTuple
 
@@ -39,6 +40,7 @@ class RequestChangedError(AssertionError):
 class VictimCall(NamedTuple):
     candidates: tuple[Sequence, ...]  # as the scheduler offered them: candidates[0] needs the block
     victim: Sequence
+    running: tuple[Sequence, ...]  # every running request at the call (those scheduled earlier too); () if unknown
 
 
 def _frozen(value: Any) -> Any:
@@ -74,9 +76,10 @@ class WatchedPolicy(CheckedPolicy):
     """The student's policy (`.inner`), its contract checked (`CheckedPolicy`) and every request it is
     given snapshotted around each call (module docstring)."""
 
-    def __init__(self, inner: SchedulingPolicy) -> None:
+    def __init__(self, inner: SchedulingPolicy, running: Callable[[], SequenceABC[Sequence]] | None = None) -> None:
         super().__init__(inner)
         self.victim_calls: list[VictimCall] = []
+        self.running = running  # the scheduler's running queue, read when a victim is chosen (None: not kept)
 
     def admission_order(self, waiting: SequenceABC[Sequence]) -> list[Sequence]:
         before = self._snapshot(waiting)
@@ -88,7 +91,8 @@ class WatchedPolicy(CheckedPolicy):
         before = self._snapshot(candidates)
         victim = super().choose_victim(candidates)
         self._compare("choose_victim", candidates, before)
-        self.victim_calls.append(VictimCall(tuple(candidates), victim))
+        running = tuple(self.running()) if self.running is not None else ()
+        self.victim_calls.append(VictimCall(tuple(candidates), victim, running))
         return victim
 
     @staticmethod
