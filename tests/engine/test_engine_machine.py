@@ -6,8 +6,10 @@ sharing the prompt through blocks cached at allocation) with drafts, chunk bound
 pressure (preemption, siblings admitted in different steps), failed steps
 (a request to blame, or none), failed commits, a proposer that fails, aborts, a hybrid model's
 state pool with its prefix caching (state snapshots: hits, evictions, rollbacks) and drafts (candidate
-states), and a sliding-window model's second KV-cache group (Gemma 3, window 8: blocks given back
-as they leave the window, prefix hits that need the window's blocks). hypothesis picks an engine
+states), a sliding-window model's second KV-cache group (Gemma 3, window 8: blocks given back
+as they leave the window, prefix hits that need the window's blocks), and a mixture of experts (Qwen3-MoE,
+Qwen2-MoE with its shared expert: the experts a step activates depend on the whole batch; a dense Qwen3
+drafts for it; batch-invariant, its experts' products tiled). hypothesis picks an engine
 configuration and a sequence of actions:
 
     add        a request: shared prefixes (prefix hits), n in 1..3, greedy or seeded sampling, or
@@ -31,7 +33,8 @@ configuration and a sequence of actions:
                requests; a step whose beam failed or was aborted ends the search and aborts its siblings
 
 After every action: every sequence the scheduler holds belongs to a live request that knows it, blocks,
-state pairs and a hybrid's snapshot slots are conserved, no more than max_num_seqs sequences run, no
+state pairs and a hybrid's snapshot slots are conserved (and, at the end, a mixture of experts' routes: k per
+sparse layer for every row the engine counts as computed), no more than max_num_seqs sequences run, no
 step's transaction is left open, and a draft model keeps nothing for a sequence that left. At the end
 every request has exactly one final output, every block and state pair is free, and every completion
 of a greedy request is what a lone run gives: each token HF's argmax, teacher-forced (within 1e-3, so
@@ -65,6 +68,7 @@ from minivllm.models.hf_config import load_model_spec
 from minivllm.reasoning import ReasoningPhase
 from minivllm.teaching.checkpoints import make_tiny_model
 from minivllm.teaching.hf_check import assert_hf_greedy
+from moe_helpers import tiny_moe_checkpoint
 from reasoning_helpers import make_thinking_qwen3
 
 POISON = 3  # a prompt that starts with it fails the forward of its first chunk, alone or not
@@ -119,9 +123,12 @@ class Setup:
     sliding: bool = False  # Gemma 3: a sliding-window KV-cache group beside the full one
     snapshots: int | None = None  # a hybrid's state cache: room for this many snapshots (engine/core/state_cache.py)
     reasoning: bool = False  # the tiny Qwen3 with <think> tokens (tests/reasoning_helpers.py), reasoning_parser on
+    moe: str | None = None  # a mixture of experts: "qwen3_moe" or "qwen2_moe" (tests/moe_helpers.py)
 
     @property
     def model(self) -> str:
+        if self.moe is not None:
+            return self.moe
         return "hybrid" if self.hybrid else "gemma3" if self.sliding else "thinking" if self.reasoning else "qwen3"
 
 
@@ -153,6 +160,17 @@ SETUPS = [
                                                                    max_num_batched_tokens=12, max_num_seqs=3)),
     Setup("reasoning", reasoning=True, spec="ngram", engine=dict(block_size=4, num_kv_blocks=20, max_num_seqs=4,
                                                                  max_num_batched_tokens=12, reasoning_parser="qwen3")),
+    # a mixture of experts: the attention setups' paths; "draft" is a dense Qwen3 (the same vocabulary)
+    Setup("moe", moe="qwen3_moe", engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=12,
+                                              max_num_seqs=4)),
+    Setup("moe-ngram", moe="qwen3_moe", spec="ngram", engine=dict(block_size=2, num_kv_blocks=28,
+                                                                   max_num_batched_tokens=8, max_num_seqs=5)),
+    Setup("moe-draft", moe="qwen3_moe", spec="draft", engine=dict(block_size=4, num_kv_blocks=24,
+                                                                   max_num_batched_tokens=16, max_num_seqs=4)),
+    Setup("moe-batch-invariant", moe="qwen3_moe", engine=dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=12,
+                                                               max_num_seqs=4, batch_invariant=True)),
+    Setup("moe-shared-noisy", moe="qwen2_moe", spec="noisy", engine=dict(block_size=4, num_kv_blocks=20,
+                                                                          max_num_batched_tokens=12, max_num_seqs=4)),
 ]
 
 
@@ -442,6 +460,10 @@ def engine_machine(paths: dict[str, str], hf_models: dict[str, object], setups: 
                 if reached:
                     reach[what] += 1
             assert stats.num_free_blocks == stats.num_total_blocks
+            if (moe := self.engine.spec.moe) is not None:  # each row counted computed: k routes per sparse layer
+                sparse = sum(map(moe.is_sparse, range(self.engine.spec.num_hidden_layers)))
+                assert sum(stats.expert_load_total) == \
+                    (stats.num_prefill_tokens + stats.num_decode_tokens) * moe.num_experts_per_tok * sparse
             if self.engine.state_pool is not None:
                 assert self.engine.state_pool.num_free == self.engine.state_pool.num_pairs
                 cache = self.engine.state_pool.cache
@@ -561,21 +583,24 @@ def models(tmp_path_factory, model_factory, hf_factory):
     thinking = make_thinking_qwen3(tmp_path_factory.mktemp("machine_thinking"))[0]  # qwen3's weights, <think> tokens
     gemma = str(make_tiny_model(tmp_path_factory.mktemp("machine_gemma3"), family="gemma3", num_layers=4))
     paths = {"qwen3": model_factory("qwen3"), "hybrid": hybrid, "gemma3": gemma, "thinking": thinking}
-    hf = {"qwen3": hf_factory("qwen3"), "thinking": AutoModelForCausalLM.from_pretrained(thinking, dtype=torch.float32).eval(),
-          "hybrid": AutoModelForCausalLM.from_pretrained(hybrid, dtype=torch.float32).eval(),
-          "gemma3": AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32).eval()}
-    return paths, hf
+    paths |= {moe: str(tiny_moe_checkpoint(tmp_path_factory.mktemp(f"machine_{moe}"), moe))
+              for moe in ("qwen3_moe", "qwen2_moe")}
+    hf = {name: AutoModelForCausalLM.from_pretrained(paths[name], dtype=torch.float32).eval()
+          for name in ("thinking", "hybrid", "gemma3", "qwen3_moe", "qwen2_moe")}
+    return paths, hf | {"qwen3": hf_factory("qwen3")}
 
 
-SEEDS = {"attention": 1, "hybrid": 2, "sliding": 3, "reasoning": 4}  # the search's seed per setup group
+SEEDS = {"attention": 1, "hybrid": 2, "sliding": 3, "reasoning": 4, "moe": 5}  # the search's seed per setup group
+GROUPS = {"qwen3": "attention", "thinking": "reasoning", "hybrid": "hybrid", "gemma3": "sliding", "qwen3_moe": "moe",
+          "qwen2_moe": "moe"}  # model -> its setup group
 
 
-@pytest.mark.parametrize("which,examples", [("attention", 150), ("hybrid", 80), ("sliding", 40), ("reasoning", 40)])
+@pytest.mark.parametrize("which,examples", [("attention", 150), ("hybrid", 80), ("sliding", 40), ("reasoning", 40),
+                                            pytest.param("moe", 60, marks=pytest.mark.slow)])  # ~80 s on 2 cores
 def test_engine_machine(models, which, examples):
     from hypothesis.stateful import run_state_machine_as_test
 
-    setups = [s for s in SETUPS if {"qwen3": "attention", "thinking": "reasoning", "hybrid": "hybrid",
-                                    "gemma3": "sliding"}[s.model] == which]
+    setups = [s for s in SETUPS if GROUPS[s.model] == which]
     reach: collections.Counter[str] = collections.Counter()
     # One fixed search per setup group (a seed, no example database): CI runs the suite once, so the paths
     # checked below must be crossed in every run, not in most; new bugs come from new code meeting it.
