@@ -53,6 +53,7 @@ CHEATS = [
     (Assignment.ATTENTION, "attention_hidden_call.py", (NOT_YOURS, "it called kernels.paged_attention")),
     (Assignment.ATTENTION, "attention_hidden_base.py", (NOT_YOURS, "it subclasses minivllm.layers.torch_attention")),
     (Assignment.KERNEL, "kernel_calls_engine.py", (NOT_YOURS, "from kernels.paged_attention import paged_attention")),
+    (Assignment.KERNEL, "kernel_hidden_call.py", (NOT_YOURS, "it called kernels.paged_attention")),
     (Assignment.KERNEL, "kernel_in_torch.py", ("launches a @triton.jit function defined in your file",
                                                "the kernels it launched: none")),
     (Assignment.KERNEL, "kernel_unlaunched_jit.py", ("launches a @triton.jit function defined in your file",
@@ -149,3 +150,21 @@ def test_the_command_line_refuses_a_cheat_with_exit_1(capsys):
     assert main(["filter", str(CHEATS_DIR / "filter_calls_engine.py"), "--no-engine"]) == 1
     out = capsys.readouterr().out
     assert "failed" in out and NOT_YOURS in out and "apply_top_k_top_p_min_p as mine" in out
+
+
+def test_the_watch_sees_a_launch_of_the_engines_kernel_and_puts_triton_back():
+    """A launch is recorded by the kernel launched (its inside is not traced): the engine's is refused."""
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kernels.kv_cache_write import _kv_cache_write_kernel
+    from minivllm.teaching.submission_rules import Watch
+
+    if not isinstance(_kv_cache_write_kernel, InterpretedFunction):
+        pytest.skip("the kernel is compiled here (a GPU): this test launches it on CPU tensors, interpreted")
+    run = InterpretedFunction.run
+    k, cache, slots = torch.ones(2, 1, 4), torch.zeros(4, 1, 4), torch.tensor([3, 1])
+    with Watch(RULES["kernel"]) as watch:
+        _kv_cache_write_kernel[(2,)](k, k, cache, cache.clone(), slots, 4, BLOCK=4)
+    assert watch.calls == ["kernels.kv_cache_write._kv_cache_write_kernel (a kernel launch)"], watch.calls
+    assert InterpretedFunction.run is run and torch.equal(cache[3], k[0])
