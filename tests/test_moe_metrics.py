@@ -1,6 +1,7 @@
 """The expert load of a mixture-of-experts model (engine/worker/expert_load.py): per step and in total in
 `EngineStats`, on `/metrics` as `minivllm:moe_expert_routes_total{expert}`, equal to the routes HF's own router
-picks for the same rows; nothing of it for a dense model."""
+picks for the same rows, and under tensor parallelism (gloo, 2 ranks) to one rank's; nothing of it for a dense
+model."""
 
 from __future__ import annotations
 
@@ -108,3 +109,23 @@ def test_metrics_export_the_total_per_expert(moe_dir, qwen3_dir):
             model=MODEL, prompt="Hi", max_tokens=2)
         assert not any(series.startswith("minivllm:moe") for series in scrape(url))
     dense.shutdown()
+
+
+def test_under_tensor_parallelism_rank_0_reports_the_models_load(moe_dir):
+    """Every rank routes every token alike (the router is replicated): rank 0's counts are the one-rank run's."""
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 80, 120, 7], list(range(40, 61)), [3])]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers take rank 0's thread count: two ranks on two cores
+    try:
+        one = LLM(moe_dir, warmup=False, dtype="float32", block_size=4, num_kv_blocks=64)
+        one.generate(prompts, sp, use_tqdm=False)
+        expected = one.get_stats()
+        one.shutdown()
+        with LLM(moe_dir, warmup=False, dtype="float32", block_size=4, num_kv_blocks=64, tensor_parallel_size=2) as llm:
+            llm.generate(prompts, sp, use_tqdm=False)
+            s = llm.get_stats()
+    finally:
+        torch.set_num_threads(threads)
+    assert s.expert_load_total == expected.expert_load_total and sum(s.expert_load_total) > 0
+    assert s.num_steps == expected.num_steps and s.expert_load == expected.expert_load
