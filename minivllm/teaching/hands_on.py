@@ -29,6 +29,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from minivllm.teaching.submission_rules import RULES, AssignmentError, check_classes, check_source
+
+
 
 class Assignment(enum.Enum):
     """The track's steps, in the order a course takes them."""
@@ -38,10 +41,6 @@ class Assignment(enum.Enum):
     FILTER = "filter"
     ALLOCATOR = "allocator"
     POLICY = "policy"
-
-
-class AssignmentError(AssertionError):
-    """A student's part broke a rule of its seam or gave the engine a wrong answer (the rule is in the message)."""
 
 
 def check_finished(who: str, outputs: list) -> None:
@@ -105,8 +104,6 @@ def load_student(path: str | Path, assignment: Assignment) -> type | Callable:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (the starters are in exercises/hands_on/)")
-    from minivllm.teaching.submission_rules import RULES, check_classes, check_source
-
     rules = RULES[assignment.value]
     check_source(path, rules)  # before it runs: no import of the engine's own implementation of the part
     name = f"hands_on_{assignment.value}_{abs(hash(str(path.resolve())))}"

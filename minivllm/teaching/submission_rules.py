@@ -39,9 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType
 
-from minivllm.teaching.hands_on import AssignmentError
 
 GRADER_MODULES = ("minivllm.teaching", "tests")  # the graders and the reference solutions
+class AssignmentError(AssertionError):
+    """A student's part broke a rule of its seam or gave the engine a wrong answer (the rule is in the message).
+    Defined here, the bottom of the graders, so every grader (teaching/hands_on.py and the capstone's) raises one type."""
+
+
 PROJECT = ("minivllm", "kernels", "tests")  # a star import from these hides what it brings in
 
 
