@@ -16,9 +16,10 @@ import pytest
 
 from minivllm.engine.core.scheduling_policy import FCFSPolicy, PolicyContractError, PriorityPolicy, SchedulingPolicy
 from minivllm.teaching.capstone import grade_policy
-from minivllm.teaching.capstone_cheats import SubmissionRuleError, check_own_policy, engine_policies_refused
+from minivllm.teaching.capstone_cheats import check_own_policy
 from minivllm.teaching.capstone_fair_share import check_fair_share, check_tenant_shares
 from minivllm.teaching.capstone_watch import RequestChangedError
+from minivllm.teaching.hands_on import AssignmentError
 from minivllm.teaching.policy_behaviour import (ARRIVAL_STEPS, MAX_WAIT_STEPS, Assignment, PolicyBehaviourError,
                                                 check_bounded_wait, check_policy_behaviour, check_victim)
 
@@ -124,24 +125,26 @@ def test_fair_share_shares_are_measured_on_tenants():
 
 
 @pytest.mark.parametrize("mistake,seen", [
-    ("cheat_subclass", "CheatSubclass subclasses the engine's PriorityPolicy"),
-    ("cheat_calls", "cheat_calls.py uses PriorityPolicy (line 11)"),
-    ("cheat_hidden", "the graded policy called PriorityPolicy.admission_order"),
+    ("cheat_subclass", "it subclasses minivllm.engine.core.scheduling_policy.PriorityPolicy"),
+    ("cheat_calls", "line 11: `scheduling_policy.PriorityPolicy`"),
+    ("cheat_hidden", "it called minivllm.engine.core.scheduling_policy.PriorityPolicy.admission_order"),
 ])
 def test_a_cheat_is_refused_naming_the_rule(mistake, seen):
-    with pytest.raises(SubmissionRuleError, match="the policy is your own") as err:
+    """By the shared submission rule (teaching/submission_rules.py): the MRO, the source, the calls."""
+    with pytest.raises(AssignmentError, match="the policy assignment is written by you") as err:
         grade_policy(load(mistake), max_examples=5, hf=False, shrink=False)
     assert seen in str(err.value), str(err.value)
 
 
-def test_the_engine_policies_are_refused_and_restored():
-    with pytest.raises(SubmissionRuleError, match="PriorityPolicy is the engine's own policy"):
-        check_own_policy(PriorityPolicy)
-    with pytest.raises(SubmissionRuleError, match="called PriorityPolicy.choose_victim"):
-        with engine_policies_refused("Mine"):
-            PriorityPolicy().choose_victim(["a"])
-    assert FCFSPolicy().choose_victim(["a", "b"]) == "b"  # put back once the grade is over
+@pytest.mark.parametrize("policy", [PriorityPolicy, FCFSPolicy])
+def test_the_engine_policies_handed_in_as_they_are_are_refused(policy):
+    with pytest.raises(AssignmentError, match=f"{policy.__name__} is the engine's own policy"):
+        grade_policy(policy, max_examples=5, hf=False, shrink=False)
+
+
+def test_the_reference_policies_keep_the_submission_rule():
     check_own_policy(load("reference_aging"))
+    check_own_policy(load("reference_fair_share"))
 
 
 def test_bounded_wait_bounds_start_and_finish():

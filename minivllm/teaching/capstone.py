@@ -30,7 +30,7 @@ import torch
 from minivllm.engine.core.scheduling_policy import SchedulingPolicy
 from minivllm.engine.request.sequence import FinishReason, Sequence
 from minivllm.sampling_params import SamplingParams
-from minivllm.teaching.capstone_cheats import check_own_policy, engine_policies_refused
+from minivllm.teaching.capstone_cheats import check_own_policy
 from minivllm.teaching.capstone_watch import WatchedPolicy
 from minivllm.teaching.hf_check import assert_hf_greedy
 from minivllm.teaching.policy_behaviour import Assignment, check_policy_behaviour
@@ -83,17 +83,16 @@ def grade_policy(make_policy: Callable[[], SchedulingPolicy], *, max_examples: i
 
     watched.__name__ = name
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
-    with engine_policies_refused(type(probe).__name__):
-        run_state_machine_as_test(scheduler_machine(watched, priorities=True), settings=settings(
-            max_examples=max_examples, stateful_step_count=40, deadline=None, database=None, derandomize=True,
-            report_multiple_bugs=False, phases=phases, suppress_health_check=list(HealthCheck)))
-        print(f"✓ 1/3 {name}: the scheduler's state machine ({max_examples} random runs): contract, requests "
-              "unchanged, invariants, drain")
-        check_policy_behaviour(make_policy, assignment)
-        rules = ("priority order, victim (both orders), bounded wait to the finish, " if assignment is Assignment.AGING
-                 else "admission shares and victims by tenant, ")
-        print(f"✓ 2/3 {name}: behaviour under open-loop arrivals ({assignment.value}): {rules}state pruned, "
-              "open load")
-        if hf:
-            preemptions = check_policy_matches_hf(make_policy)
-            print(f"✓ 3/3 {name}: greedy output equals HF transformers ({preemptions} preemptions on the way)")
+    run_state_machine_as_test(scheduler_machine(watched, priorities=True), settings=settings(
+        max_examples=max_examples, stateful_step_count=40, deadline=None, database=None, derandomize=True,
+        report_multiple_bugs=False, phases=phases, suppress_health_check=list(HealthCheck)))
+    print(f"✓ 1/3 {name}: the scheduler's state machine ({max_examples} random runs): contract, requests "
+          "unchanged, invariants, drain")
+    check_policy_behaviour(make_policy, assignment)
+    rules = ("priority order, victim (both orders), bounded wait to the finish, " if assignment is Assignment.AGING
+             else "admission shares and victims by tenant, ")
+    print(f"✓ 2/3 {name}: behaviour under open-loop arrivals ({assignment.value}): {rules}state pruned, "
+          "open load")
+    if hf:
+        preemptions = check_policy_matches_hf(make_policy)
+        print(f"✓ 3/3 {name}: greedy output equals HF transformers ({preemptions} preemptions on the way)")

@@ -13,13 +13,17 @@ remember it keeps in its own state.
 it passes (lists and token arrays copied, other objects by identity) and the order of the queue;
 after the call it compares, and raises `RequestChangedError` naming the field, the request, the old and
 the new value. It is a `CheckedPolicy` (engine/core/scheduling_policy.py), so the seam's contract is
-checked too, naming the student's class, and the engine does not wrap it a second time.
+checked too, naming the student's class, and the engine does not wrap it a second time. Each call also
+runs under the submission rule's `Watch` (teaching/submission_rules.py, teaching/capstone_cheats.py): a
+call into the engine's own policies, however it was reached, fails naming the rule (unless the policy
+watched IS one of them: the behaviour checks also run FCFS and priority, to show what they miss).
 It also keeps each `choose_victim` call's candidates and answer (`victim_calls`) for graders that
 judge WHOM a policy preempted over a whole run (fair share: teaching/capstone_fair_share.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
@@ -27,6 +31,8 @@ from typing import Any, NamedTuple
 
 from minivllm.engine.core.scheduling_policy import CheckedPolicy, SchedulingPolicy
 from minivllm.engine.request.sequence import Sequence
+from minivllm.teaching.capstone_cheats import POLICY_RULES, is_engine_policy
+from minivllm.teaching.submission_rules import Watch
 
 _MISSING = "<not set>"
 RULE = ("a policy reads the requests and the queue it is given and never changes them "
@@ -80,20 +86,32 @@ class WatchedPolicy(CheckedPolicy):
         super().__init__(inner)
         self.victim_calls: list[VictimCall] = []
         self.running = running  # the scheduler's running queue, read when a victim is chosen (None: not kept)
+        self.rules = None if is_engine_policy(type(inner)) else POLICY_RULES  # what the calls may not reach
 
     def admission_order(self, waiting: SequenceABC[Sequence]) -> list[Sequence]:
         before = self._snapshot(waiting)
-        order = super().admission_order(waiting)
+        with self._watch() as watch:
+            order = super().admission_order(waiting)
+        self._check(watch)
         self._compare("admission_order", waiting, before)
         return order
 
     def choose_victim(self, candidates: SequenceABC[Sequence]) -> Sequence:
         before = self._snapshot(candidates)
-        victim = super().choose_victim(candidates)
+        with self._watch() as watch:
+            victim = super().choose_victim(candidates)
+        self._check(watch)
         self._compare("choose_victim", candidates, before)
         running = tuple(self.running()) if self.running is not None else ()
         self.victim_calls.append(VictimCall(tuple(candidates), victim, running))
         return victim
+
+    def _watch(self) -> contextlib.AbstractContextManager[Watch | None]:
+        return Watch(self.rules) if self.rules is not None else contextlib.nullcontext()
+
+    def _check(self, watch: Watch | None) -> None:
+        if watch is not None:
+            watch.check(type(self.inner).__name__)
 
     @staticmethod
     def _snapshot(seqs: SequenceABC[Sequence]) -> tuple[list[int], list[tuple[Sequence, dict[str, Any]]]]:
