@@ -32,7 +32,6 @@ from pathlib import Path
 from minivllm.teaching.submission_rules import RULES, AssignmentError, check_classes, check_source
 
 
-
 class Assignment(enum.Enum):
     """The track's steps, in the order a course takes them."""
 
