@@ -17,7 +17,7 @@ from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.engine.metrics.stats import EngineCounters
-from minivllm.engine.worker.expert_load import step_expert_load
+from minivllm.engine.worker.expert_load import ExpertLoad
 from minivllm.entrypoints.openai.server import build_app
 
 MODEL = "tiny-moe"
@@ -70,7 +70,7 @@ def test_a_dense_model_reports_no_expert_load(qwen3_dir):
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3), use_tqdm=False)
     s = llm.get_stats()
     assert s.num_steps > 0 and s.expert_load == s.expert_load_total == ()
-    assert step_expert_load(llm.llm_engine.model) == ()
+    assert ExpertLoad(llm.llm_engine.model).layers == [] and llm.llm_engine.model_runner.expert_load.read() == ()
 
 
 def test_the_load_sums_layers_and_the_total_sums_steps():
@@ -78,8 +78,8 @@ def test_the_load_sums_layers_and_the_total_sums_steps():
         return SimpleNamespace(last_load=torch.tensor(load))
 
     model = SimpleNamespace(expert_layers=lambda: [layer(3, 0, 1, 2), layer(2, 1, 3, 0)])
-    assert step_expert_load(model) == (5, 1, 4, 2)  # the module docstring's example
-    assert step_expert_load(SimpleNamespace(expert_layers=lambda: [])) == ()
+    assert ExpertLoad(model).read() == (5, 1, 4, 2)  # the module docstring's example
+    assert ExpertLoad(SimpleNamespace(expert_layers=lambda: [])).read() == ()
     c = EngineCounters()
     c.count_step(3, 0, 0.0, 0.0, (5, 1, 4, 2))
     c.count_step(0, 1, 0.0, 0.0, ())  # a dense step (never for one model; the total is untouched)

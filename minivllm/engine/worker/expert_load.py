@@ -12,6 +12,8 @@ the total as `minivllm:moe_expert_routes_total{expert}`.
         expert_load         (5, 1, 4, 2)      what the step reports
 
 What it promises, and why:
+  * The sparse layers are found once, when the runner is built (`ExpertLoad(model)`): a walk of the model's
+    modules costs ~16 us a layer, 0.76 ms a step on a 48-layer MoE, more than the rest of this together.
   * One host sync per step for an MoE model (the layers' counts stacked on the device, summed, one
     `.tolist()`), none for a dense model: it has no `expert_layers`, the answer is () without a tensor.
   * Expert e of one layer and expert e of the next are different weights: the sum is per expert INDEX, the
@@ -26,16 +28,21 @@ What it promises, and why:
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from minivllm.models.interface import CausalLM
+from minivllm.layers.fused_moe import FusedMoE
 
 
-def step_expert_load(model: CausalLM) -> tuple[int, ...]:
-    """Routes per expert index of `model`'s last forward, summed over its sparse layers; () if it has none."""
-    expert_layers = getattr(model, "expert_layers", None)  # only a mixture of experts has them
-    if expert_layers is None:
-        return ()
-    loads = [layer.last_load for layer in expert_layers() if layer.last_load is not None]  # (E,) each
-    if not loads:
-        return ()
-    return tuple(torch.stack(loads).sum(dim=0).tolist())  # (num_layers, E) -> (E,): the step's one host sync
+class ExpertLoad:
+    """A model's sparse layers, found once; `read()` after each forward gives the step's routes per expert."""
+
+    def __init__(self, model: nn.Module) -> None:
+        expert_layers = getattr(model, "expert_layers", None)  # only a mixture of experts has them
+        self.layers: list[FusedMoE] = expert_layers() if expert_layers is not None else []
+
+    def read(self) -> tuple[int, ...]:
+        """Routes per expert index of the last forward, summed over the sparse layers; () for a dense model."""
+        loads = [layer.last_load for layer in self.layers if layer.last_load is not None]  # (E,) each
+        if not loads:
+            return ()
+        return tuple(torch.stack(loads).sum(dim=0).tolist())  # (num_layers, E) -> (E,): the step's one host sync

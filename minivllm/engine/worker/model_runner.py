@@ -41,7 +41,7 @@ from minivllm.cpu.tuner import Tuning
 from minivllm.engine.request.step_types import ModelRunnerOutput, RowGroupOutput, SchedulerOutput
 from minivllm.engine.spec_decode.rejection_sampler import Verifier, verify_drafts
 from minivllm.engine.worker.cuda_graphs import CUDAGraphRunner
-from minivllm.engine.worker.expert_load import step_expert_load
+from minivllm.engine.worker.expert_load import ExpertLoad
 from minivllm.engine.worker.hybrid_inputs import linear_attn_metadata, linear_attn_slots
 from minivllm.engine.worker.kv_cache import allocate_kv_cache
 from minivllm.engine.worker.loading import RankModel
@@ -100,6 +100,7 @@ class ModelRunner:
         self.one_rank = one_rank
         # On a GPU, compiled decode steps of one rank replay CUDA graphs (cuda_graphs.py); None: no graphs.
         self.cuda_graphs: CUDAGraphRunner | None = None  # set by runner_builder.enable_cuda_graphs
+        self.expert_load = ExpertLoad(model)  # a mixture of experts: its sparse layers, whose routes each step reports
 
     # --- one step on one rank, or on every rank inside `on_every_rank` --------------------------
     @torch.inference_mode()
@@ -121,7 +122,7 @@ class ModelRunner:
         self.sample(batch, logits, result)
         if self.state_tensors is not None:  # a verification publishes the state after its accepted drafts
             self.state_tensors.keep_accepted(plan.scheduled, result)
-        return ModelRunnerOutput(result, forward_s, step_expert_load(self.model))  # MoE: routes per expert
+        return ModelRunnerOutput(result, forward_s, self.expert_load.read())
 
     # --- 1. pack ---------------------------------------------------------------------------------
     def prepare_inputs(self, plan: SchedulerOutput) -> StepBatch:
