@@ -49,7 +49,8 @@ def test_a_token_has_the_same_bits_in_any_batch_and_matches_the_reference(dtype)
 
 def test_the_mode_gives_every_expert_layer_the_tiled_method(tmp_path):
     path = tiny_moe_checkpoint(tmp_path, "qwen2_moe")  # a shared expert and its gate: Linears, tiled too
-    model = LLM(str(path), warmup=False, dtype="float32", batch_invariant=True, num_kv_blocks=16).llm_engine.model
+    # warmed up: the CPU's packed MoE method (cpu/attach.py) must not replace the tiled one
+    model = LLM(str(path), dtype="float32", batch_invariant=True, num_kv_blocks=16).llm_engine.model
     experts = model.expert_layers()
     assert experts and all(isinstance(m.moe_method, TiledMoeMethod) for m in experts)
     linears = [m for m in model.modules() if hasattr(m, "quant_method")]

@@ -27,7 +27,8 @@ The mode (`EngineConfig.batch_invariant`, vLLM's VLLM_BATCH_INVARIANT) removes e
     is depends on the whole batch (a decode row alone is 1 row for each of its k experts; beside 15 others,
     maybe 5). Its products are tiled too (`TiledMoeMethod`). The rest is already per row: the router is a
     `Linear` (tiled), softmax and top-k run along each row, silu(gate) * up is elementwise, and a token's k
-    weighted outputs are added into a float32 zero in ascending expert order, whoever else was routed.
+    weighted outputs are added into a float32 zero in ascending expert order, whoever else was routed. (The
+    CPU's packed experts, cpu/moe_method.py, are never attached: warm-up measures and attaches nothing here.)
 
 `TiledLinearMethod` is the mode's matmul, a linear method (layers/linear.py), and `TiledMoeMethod` its experts'
 (a `FusedMoE`'s moe_method); `set_batch_invariant_methods` gives every `Linear` and every `FusedMoE` of the model
