@@ -21,7 +21,8 @@ from minivllm.teaching.capstone_fair_share import check_fair_share, check_tenant
 from minivllm.teaching.capstone_watch import RequestChangedError
 from minivllm.teaching.hands_on import AssignmentError
 from minivllm.teaching.policy_behaviour import (ARRIVAL_STEPS, MAX_WAIT_STEPS, Assignment, PolicyBehaviourError,
-                                                check_bounded_wait, check_policy_behaviour, check_victim)
+                                                check_bounded_wait, check_open_load, check_policy_behaviour,
+                                                check_victim)
 
 MISTAKES = Path(__file__).resolve().parent / "capstone_mistakes"
 sys.path.insert(0, str(MISTAKES))  # the mistakes import the references by module name, as a student's file would
@@ -42,6 +43,8 @@ VICTIM = "under memory pressure the least urgent running request is preempted"
 READ_ONLY = "a policy reads the requests and the queue it is given and never changes them"
 STARTS = "a stream of urgent arrivals cannot keep it out"
 FINISHES = "bounded wait holds to the finish"
+ORDER = "a more urgent request (lower `priority`) is admitted before a less urgent one"
+PRUNED = "state kept per request is dropped once the request has finished"
 SHARES = "each gets about half of the admissions, whatever their arrival rates"
 TENANT_VICTIM = "the victim comes from the tenant holding the most running requests"
 
@@ -71,6 +74,9 @@ def test_a_policy_breaking_the_seam_fails_naming_the_rule(mistake, rule):
     ("writes_own_field", RequestChangedError, READ_ONLY, "changed `waited` of request 'r0' from <not set> to 1"),
     ("sorts_candidates", RequestChangedError, READ_ONLY, "choose_victim changed the candidates"),
     ("never_ages", PolicyBehaviourError, STARTS, "(after the arrivals stopped)"),
+    ("ages_the_probe_only", PolicyBehaviourError, STARTS, "(priority 0) beside one arrival of priority -2 per step"),
+    ("shortest_first", PolicyBehaviourError, ORDER, "your policy admitted ['r0']"),
+    ("never_pruned", PolicyBehaviourError, PRUNED, "entries in self.arrived"),
     ("forgets_age", PolicyBehaviourError, FINISHES, "was preempted 1 time(s) (steps [15]), finished at step 32"),
 ])
 def test_a_wrong_aging_policy_fails_naming_the_rule(mistake, error, rule, seen):
@@ -145,6 +151,13 @@ def test_the_engine_policies_handed_in_as_they_are_are_refused(policy):
 def test_the_reference_policies_keep_the_submission_rule():
     check_own_policy(load("reference_aging"))
     check_own_policy(load("reference_fair_share"))
+
+
+def test_open_load_starves_a_policy_without_aging():
+    """Rule 5 on its own: under the random stream a policy without aging keeps some request out too long."""
+    with pytest.raises(PolicyBehaviourError, match="every request starts within 50 steps of arriving"):
+        check_open_load(load("never_ages")())
+    check_open_load(load("reference_aging")())
 
 
 def test_bounded_wait_bounds_start_and_finish():

@@ -13,7 +13,7 @@ into the queue, fails naming the field). Three parts, in order:
      a more urgent request is admitted first; the least urgent is preempted (whichever arrived first);
      a low-priority request beside a stream of urgent arrivals, under memory pressure, starts within
      a bounded number of steps and then finishes within twice the steps it needs alone; state kept
-     per request is dropped once it no longer waits; under random load every request starts in
+     per request is dropped once the request finished; under random load every request starts in
      bounded time and finishes. `--fair-share` grades the fair-share assignment instead of the three
      priority rules (there `priority` is a tenant): two tenants sending at 2 : 1 each get about half
      of the admissions while both wait, and the victim comes from the tenant holding the most

@@ -20,9 +20,10 @@ the RULE and what was seen:
   3. bounded wait, to the finish (open-loop arrivals under memory pressure): `max_num_seqs=2`, a pool of
      `BOUNDED_POOL_BLOCKS` blocks (the long request alone needs 12 of them), two urgent requests
      queued, one long low-priority request, then one short urgent arrival per step for
-     `ARRIVAL_STEPS` steps. Priority alone never runs the long one while arrivals go on; an aging
-     policy must start it within `MAX_WAIT_STEPS` steps AND then finish it within
-     `FINISH_SLACK` x the steps it needs alone (one prefill step and max_tokens - 1 decodes). Why that
+     `ARRIVAL_STEPS` steps; run twice, at priorities 2 beside 0 and 0 beside -2 (a policy that ages
+     only the level of one probe fails the other). Priority alone never runs the long one while
+     arrivals go on; an aging policy must start it within `MAX_WAIT_STEPS` steps AND then finish it
+     within `FINISH_SLACK` x the steps it needs alone (one prefill step and max_tokens - 1 decodes). Why that
      bound is fair: a request that waited long enough to start has aged past the newcomers; from then
      on they are less urgent, and preempting it for them throws away its wait and its work (the
      recompute starts from its prompt). An aging policy that forgets the age once the request runs,
@@ -35,10 +36,10 @@ the RULE and what was seen:
      (docs/concepts/scheduling.md);
   4. stale state: after the scenarios (hundreds of requests finished), the policy's own containers
      (dicts, lists, sets held as attributes) hold at most `MAX_STATE_ENTRIES` entries: state kept per
-     request must be dropped once the request is no longer waiting;
+     request must be dropped once the request has finished (`seq.is_finished`);
   5. open load: random arrivals every step with mixed priorities (some n > 1) under memory pressure
-     (preemptions); every request starts within `MAX_WAIT_STEPS` of arriving and finishes, and every
-     block comes back.
+     (preemptions), enough that a policy without aging keeps a request out for over 60 steps; every
+     request starts within `MAX_WAIT_STEPS` of arriving and finishes, and every block comes back.
 For `Assignment.FAIR_SHARE`, rules 1-3 are replaced by the tenant rules (teaching/capstone_fair_share.py).
 """
 
@@ -58,6 +59,7 @@ MAX_WAIT_STEPS = 50     # bounded wait: steps a request may wait while more urge
 FINISH_SLACK = 2        # bounded wait to the finish: once started, within 2 x the steps it needs alone
 BOUNDED_POOL_BLOCKS = 12  # the bounded-wait scenario's pool: the long request's 48 tokens fill it
 ARRIVAL_STEPS = 300     # urgent arrivals in the bounded-wait scenario: far past the bound
+BOUNDED_WAIT_LEVELS = ((2, 0), (0, -2))  # (the long request's priority, the arrivals'): aging is not one level's
 MAX_STATE_ENTRIES = 16  # entries the policy may still hold once (nearly) every request has finished
 
 
@@ -95,16 +97,17 @@ def check_victim(make_policy: Callable[[], SchedulingPolicy]) -> None:
                         f"{victim.request_id} (the {'newest' if victim is running[-1] else 'first admitted'})")
 
 
-def check_bounded_wait(policy: SchedulingPolicy) -> None:
-    """Rule 3: the issue's scenario under memory pressure (module docstring): the long request starts
-    within the bound, then finishes within `FINISH_SLACK` x the steps it needs alone."""
+def check_bounded_wait(policy: SchedulingPolicy, low: int = 2, urgent: int = 0) -> None:
+    """Rule 3: the issue's scenario under memory pressure (module docstring), the long request at priority
+    `low` beside arrivals at `urgent`: it starts within the bound, then finishes within `FINISH_SLACK` x
+    the steps it needs alone."""
     run = ScenarioRun(policy, max_num_seqs=2, num_blocks=BOUNDED_POOL_BLOCKS)
-    run.add(prompt_len=3, max_tokens=4, priority=0)
-    run.add(prompt_len=3, max_tokens=4, priority=0)
-    long = run.add(prompt_len=40, max_tokens=8, priority=2)
+    run.add(prompt_len=3, max_tokens=4, priority=urgent)
+    run.add(prompt_len=3, max_tokens=4, priority=urgent)
+    long = run.add(prompt_len=40, max_tokens=8, priority=low)
     for _ in range(ARRIVAL_STEPS):
         run.step()
-        run.add(prompt_len=2, max_tokens=2, priority=0)
+        run.add(prompt_len=2, max_tokens=2, priority=urgent)
     run.drain()
     rid = long.request_id
     started, finished = run.started[rid], run.finished[rid]
@@ -112,7 +115,7 @@ def check_bounded_wait(policy: SchedulingPolicy) -> None:
         raise fail(run.name,
                     f"a waiting request grows more urgent the longer it waits, so a stream of urgent arrivals cannot "
                     f"keep it out: it starts within {MAX_WAIT_STEPS} steps",
-                    f"two seats, {rid} (priority 2) beside one priority-0 arrival per step: it first ran "
+                    f"two seats, {rid} (priority {low}) beside one arrival of priority {urgent} per step: it first ran "
                     f"at step {started}" + (" (after the arrivals stopped)" if started >= ARRIVAL_STEPS else ""))
     alone = 1 + long.sampling_params.max_tokens - 1  # one prefill step (40 tokens < the budget), then decodes
     if finished - started > FINISH_SLACK * alone:
@@ -120,7 +123,7 @@ def check_bounded_wait(policy: SchedulingPolicy) -> None:
                     f"bounded wait holds to the finish: a request that aged enough to start keeps its age while it "
                     f"runs and across a preemption, so newer arrivals never take its blocks; it finishes within "
                     f"{FINISH_SLACK} x the {alone} steps it needs alone of its first start",
-                    f"two seats, a {BOUNDED_POOL_BLOCKS}-block pool, one priority-0 arrival per step: "
+                    f"two seats, a {BOUNDED_POOL_BLOCKS}-block pool, one arrival of priority {urgent} per step: "
                     f"{run.history(rid)}")
 
 
@@ -130,7 +133,7 @@ def check_state_pruned(policy: SchedulingPolicy, num_finished: int) -> None:
     big = {k: n for k, n in sizes.items() if n > MAX_STATE_ENTRIES}
     if big:
         raise fail(type(policy).__name__,
-                    "state kept per request is dropped once the request is no longer waiting (the policy lives as "
+                    "state kept per request is dropped once the request has finished (the policy lives as "
                     "long as the engine: state that only grows is a memory leak)",
                     f"after {num_finished} requests finished your policy still holds " +
                     ", ".join(f"{n} entries in self.{k}" for k, n in big.items()))
@@ -142,7 +145,7 @@ def check_open_load(policy: SchedulingPolicy, seed: int = 0, steps: int = 200) -
     run = ScenarioRun(policy, max_num_seqs=4, num_blocks=12, budget=16)
     for _ in range(steps):
         n = rng.choice([1, 1, 1, 2])  # an n = 2 request: two sibling sequences, half the tokens each (same load)
-        run.add(prompt_len=rng.randint(1, 12), max_tokens=rng.randint(1, 6 // n), priority=rng.randint(-2, 2), n=n)
+        run.add(prompt_len=rng.randint(1, 12), max_tokens=rng.randint(1, 7 // n), priority=rng.randint(-2, 2), n=n)
         run.step()
     run.drain()
     worst = max(run.arrived, key=lambda r: run.started.get(r, 10**9) - run.arrived[r])
@@ -168,7 +171,8 @@ def check_policy_behaviour(make_policy: Callable[[], SchedulingPolicy],
         check_priority_order(make_policy)
         check_victim(make_policy)
         policy = make_policy()
-        check_bounded_wait(policy)
-        check_state_pruned(policy, ARRIVAL_STEPS + 3)
+        for low, urgent in BOUNDED_WAIT_LEVELS:
+            check_bounded_wait(policy, low, urgent)
+        check_state_pruned(policy, len(BOUNDED_WAIT_LEVELS) * (ARRIVAL_STEPS + 3))
     policy = make_policy()
     check_state_pruned(policy, check_open_load(policy))
