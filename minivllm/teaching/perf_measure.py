@@ -10,12 +10,17 @@ sides equally, and the figure kept is the median of the trials (one stalled tria
     python -m minivllm.teaching.perf_measure <part> <student|engine> <file> [--quick --set-mib N --rounds N]
 
 is one trial: it builds the part's workload (teaching/perf_workloads.py), runs a round untimed (first
-calls allocate and pick kernels), times `rounds` rounds, and prints one JSON line: each case's median time
-per unit and, measured after the timing in the same process, the read bandwidth: `x.sum()` over a buffer
-as big as the working set, the ceiling a reading kernel can hope for FROM THE SAME PLACE (on a 2-core Zen 5
-with a 32 MiB L3, x.sum() read 64 MiB at ~33 GB/s but 256 MiB at ~18: a ceiling measured on another
-size is another machine's). `alternate` runs the trials and takes the
-medians. Only the median ratio means anything; on a shared machine every absolute time includes waits.
+calls allocate and pick kernels), times `rounds` rounds, and prints one JSON line with two figures:
+
+  * each case's time per unit in its FASTEST round: the code's own cost. On a shared machine a round can
+    only gain waits, so the fastest has the fewest (the ceiling below is likewise the fastest of its reads).
+  * the read bandwidth, measured after the timing in the same process: `x.sum()` over a buffer as big as
+    the working set, the ceiling a reading kernel can hope for FROM THE SAME PLACE. On a 2-core Zen 5 with
+    a 32 MiB L3, x.sum() read 64 MiB at ~33 GB/s but 256 MiB at ~18: a ceiling measured on another size
+    is another machine's.
+
+`alternate` runs the trials and takes the medians. Only ratios mean anything: on a shared machine every
+absolute time includes waits.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ def build_cases(part: str, side: str, path: str, settings: PerfSettings) -> tupl
 
 
 def time_case(case: TimedCase, rounds: int) -> float:
-    """The median of `rounds` timed rounds, in seconds per unit, after one untimed round."""
+    """The fastest of `rounds` timed rounds, in seconds per unit, after one untimed round."""
     case.run_round()
     if case.sync:
         case.sync()
@@ -81,7 +86,7 @@ def time_case(case: TimedCase, rounds: int) -> float:
         if case.sync:
             case.sync()
         times.append((time.perf_counter() - start) / case.units)
-    return statistics.median(times)
+    return min(times)
 
 
 def trial(part: str, side: str, path: str, settings: PerfSettings) -> dict:

@@ -26,8 +26,9 @@ def intensity(label: str) -> float:
     return 2 * int(rows) / (2 if dtype == "bfloat16" else 4)
 
 
-def plot_roofline(result: PerfResult, path: str | Path, cpu: str) -> Path:
-    """Save the roofline of a speed result as a PNG at `path` (its folder must exist); return the path."""
+def plot_roofline(result: PerfResult, path: str | Path, machine: str) -> Path:
+    """Save the roofline of a speed result as a PNG at `path` (its folder must exist); return the path.
+    `machine`: the CPU and ISA levels in words, the title's first line."""
     import matplotlib
 
     matplotlib.use("Agg")  # a file, no window: the track runs in terminals and on CI
@@ -54,7 +55,7 @@ def plot_roofline(result: PerfResult, path: str | Path, cpu: str) -> Path:
     ax.set_ylabel("weight bytes read per second (GB/s)")
     ax.set_ylim(bottom=0, top=1.15 * max([result.read_gb_s] + [c.gb_s(min(c.student_s, c.engine_s))
                                                                 for c in result.cases]))
-    ax.set_title(f"few-row matmul on {cpu}\n{result.student_name} vs {result.engine_name}", fontsize=9)
+    ax.set_title(f"few-row matmul on {machine}\n{result.student_name} vs {result.engine_name}", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: never over a point
     fig.tight_layout()
     fig.savefig(path, dpi=120)

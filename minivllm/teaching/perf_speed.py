@@ -36,9 +36,9 @@ from minivllm.teaching.hands_on import AssignmentError
 
 MATMUL_FUNCTION, PACK_FUNCTION = "few_row_matmul", "pack_weight"
 # What a submission's code may not name (its comments and docstrings may): the engine's kernel, its packing,
-# its op library, the package they live in.
+# its op library, the package they live in, and the graders with their reference solutions.
 ENGINE_NAMES = frozenset({"skinny_gemm", "pack_skinny_weight", "minivllm_cpu"})
-ENGINE_PACKAGE = "minivllm.kernels"
+REFUSED_PACKAGES = ("minivllm.kernels", "minivllm.teaching", "tests")
 # y ~ N(0, 1) (W is scaled by in ** -0.5). fp32: another summation order moves y by ~in * 6e-8 < 1e-4.
 # bf16: both sides sum in fp32 and round once, so they differ by at most an ulp of y (2 ** -7 at 1-2);
 # summing in bf16 instead drifts by ~sqrt(in) * 2 ** -9 ~ 0.08 over 1536 terms, five times the tolerance.
@@ -89,9 +89,11 @@ MIXES = ((1, 192, 576, torch.float32), (5, 1536, 576, torch.float32), (8, 576, 1
 
 def engine_name_used(source: str) -> str | None:
     """The first name of the engine's kernel that `source`'s code imports or uses (not its comments), or None:
-    an import of its package, a name or attribute `skinny_gemm` / `minivllm_cpu`, or such a string."""
+    an import of its package (or of the graders'), a name or attribute `skinny_gemm` / `minivllm_cpu`, or
+    such a string."""
     def engine(word: object) -> bool:
-        return isinstance(word, str) and (word in ENGINE_NAMES or word.startswith(ENGINE_PACKAGE))
+        return isinstance(word, str) and (word in ENGINE_NAMES or any(
+            word == package or word.startswith(package + ".") for package in REFUSED_PACKAGES))
 
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and engine(node.module):
@@ -116,7 +118,8 @@ def load_speed_solution(path: str | Path) -> SpeedSolution:
     named = engine_name_used(path.read_text())
     if named:
         raise AssignmentError(f"{path}: rule 'own kernel': the speed assignment is your own matmul; it may not "
-                              f"use the engine's (your code names {named!r}), which would score the engine's speed")
+                              f"use the engine's or the graders' (your code names {named!r}): that would score "
+                              "their speed, not yours")
     name = f"hands_on_speed_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

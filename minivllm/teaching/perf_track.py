@@ -62,13 +62,15 @@ def _share(value: float | None) -> str:
 
 
 def table(result: PerfResult) -> str:
-    """The result as a small fixed-width table (times per unit of work, in microseconds)."""
+    """The result as a small fixed-width table: times per unit of work in microseconds, their ratio (yours /
+    the engine's), speed (the engine's time / yours: the engine's speed is 1.00x), GB/s and shares of the limit."""
     width = max(len(c.label) for c in result.cases) + 2
-    lines = [f"{'case':<{width}}{'yours us':>10}{'engine us':>11}{'yours/engine':>14}{'yours GB/s':>12}"
+    lines = [f"{'case':<{width}}{'yours us':>10}{'engine us':>11}{'yours/engine':>14}{'speed':>7}{'yours GB/s':>12}"
              f"{'of limit':>10}{'engine of limit':>17}"]
     for c in result.cases:
         gb_s = c.gb_s(c.student_s)
         lines.append(f"{c.label:<{width}}{_us(c.student_s):>10}{_us(c.engine_s):>11}{c.ratio:>14.2f}"
+                     f"{f'{1 / c.ratio:.2f}x':>7}"
                      f"{'-' if gb_s is None else f'{gb_s:.1f}':>12}{_share(result.of_limit(c.student_s, c)):>10}"
                      f"{_share(result.of_limit(c.engine_s, c)):>17}")
     return "\n".join(lines)
@@ -78,11 +80,11 @@ def report(result: PerfResult) -> str:
     limited = any(c.bytes_per_unit is not None for c in result.cases)
     head = [f"{result.part}: {result.student_name} vs the engine's {result.engine_name}",
             f"machine: {machine_line()}; {torch.get_num_threads()} thread(s)",
-            f"{result.trials} fresh process(es) a side, alternating which goes first; medians of the trials"]
+            f"{result.trials} fresh process(es) a side, alternating which goes first; each process's fastest of "
+            "its rounds, the median of the trials"]
     if limited:
-        head.append(f"limit: read bandwidth {result.read_gb_s:.1f} GB/s (x.sum() over the working set, the median of "
-                    "every trial); "
-                    "of limit = bytes a unit must read / its time / that bandwidth")
+        head += [f"limit: read bandwidth {result.read_gb_s:.1f} GB/s (x.sum() over the working set, the median of "
+                 "every trial)", "of limit = the bytes a unit must read / its time / that bandwidth"]
     else:
         head.append("no bandwidth limit applies to this part: the ratio is the figure")
     return "\n".join(head + [table(result)])
@@ -123,10 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     result = alternate(args.part, args.path, settings, args.trials)
     print(report(result))
     if args.plot:
-        from minivllm.cpu.cpu_info import CpuInfo
         from minivllm.teaching.perf_roofline import plot_roofline
 
-        print(f"roofline saved to {plot_roofline(result, args.plot, CpuInfo.read().model_name)}")
+        print(f"roofline saved to {plot_roofline(result, args.plot, machine_line())}")
     return 0
 
 
