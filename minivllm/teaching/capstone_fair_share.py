@@ -16,7 +16,8 @@ seam's contract and drain every request, so only a check on tenants can tell the
      with n = 2 every other step (its two sibling sequences, fan_out, as the engine queues them: the same
      arrival index and priority, one request id each; each is an admission, as each takes a seat and
      blocks). Five seats and a pool of seven blocks: both tenants stay backlogged, and a victim is
-     chosen about every other step, half of the time between tenants holding unequal numbers. Of the admissions made while both had work waiting, each tenant's share must lie within
+     chosen about every other step, half of the time between tenants holding unequal numbers. Of the
+     admissions made while both had work waiting, each tenant's share must lie within
      `SHARE_TOLERANCE` of one half; and every victim the policy chose during the run must belong to a
      tenant holding the most of that call's candidates, or the most of all running requests then (a
      policy may count either: the candidates are what it is shown, the running ones what it can track).
@@ -68,8 +69,8 @@ def check_tenant_shares(make_policy: Callable[[], SchedulingPolicy]) -> dict[int
         raise fail(run.name, "while two tenants both have requests waiting, each gets about half of the admissions, "
                              "whatever their arrival rates (a tenant cannot take the engine by sending more)",
                    f"tenant 0 sent 2 requests a step, tenant 1 one (an n = 2 request every other step: two "
-                   f"sequences, two admissions); of the {total} admissions made while both waited tenant 0 got {admitted[0]} ({shares[0]:.0%}) and "
-                   f"tenant 1 {admitted[1]} ({shares[1]:.0%}); allowed: {0.5 - SHARE_TOLERANCE:.0%} to "
+                   f"sequences, two admissions); of the {total} admissions made while both waited tenant 0 got "
+                   f"{admitted[0]} ({shares[0]:.0%}) and tenant 1 {admitted[1]} ({shares[1]:.0%}); allowed: {0.5 - SHARE_TOLERANCE:.0%} to "
                    f"{0.5 + SHARE_TOLERANCE:.0%} each")
     for call in run.watched.victim_calls:
         held = Counter(s.priority for s in call.candidates)
