@@ -32,9 +32,10 @@ requests arriving while others run:
     them arrived first (asked both ways round);
   * bounded wait, to the finish: a priority-2 request beside one priority-0 arrival per step (and a
     priority-0 one beside priority -2), in a pool it fills alone, starts within 50 steps AND, once
-    started, finishes within twice the steps it needs alone. So the age must survive the start: a request that aged its way in must not be
-    chosen as the victim for the newcomers it overtook (choose the victim by the same aged urgency,
-    and keep the age while it runs and across a preemption);
+    started, finishes within twice the steps it needs alone. So the age must survive the start: a
+    request that aged its way in must not be chosen as the victim for the newcomers it overtook
+    (choose the victim by the same aged urgency, and keep the age while it runs and across a
+    preemption);
   * stale state: what you keep per request is dropped once the request has finished (your policy is
     never told: prune in `admission_order`, which is called every step, reading `seq.is_finished`);
   * open load: random arrivals, mixed priorities, memory pressure: each request starts within 50

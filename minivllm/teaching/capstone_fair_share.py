@@ -70,8 +70,8 @@ def check_tenant_shares(make_policy: Callable[[], SchedulingPolicy]) -> dict[int
                              "whatever their arrival rates (a tenant cannot take the engine by sending more)",
                    f"tenant 0 sent 2 requests a step, tenant 1 one (an n = 2 request every other step: two "
                    f"sequences, two admissions); of the {total} admissions made while both waited tenant 0 got "
-                   f"{admitted[0]} ({shares[0]:.0%}) and tenant 1 {admitted[1]} ({shares[1]:.0%}); allowed: {0.5 - SHARE_TOLERANCE:.0%} to "
-                   f"{0.5 + SHARE_TOLERANCE:.0%} each")
+                   f"{admitted[0]} ({shares[0]:.0%}) and tenant 1 {admitted[1]} ({shares[1]:.0%}); allowed: "
+                   f"{0.5 - SHARE_TOLERANCE:.0%} to {0.5 + SHARE_TOLERANCE:.0%} each")
     for call in run.watched.victim_calls:
         held = Counter(s.priority for s in call.candidates)
         running = Counter(s.priority for s in call.running)
