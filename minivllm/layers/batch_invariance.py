@@ -44,9 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.fused_moe import FusedMoE, MoeMethodBase
+from minivllm.layers.fused_moe import FusedMoE, TorchMoeMethod
 from minivllm.layers.linear import LinearMethodBase, set_linear_method
-from minivllm.layers.moe_router import sort_tokens_by_expert
 
 TILE_ROWS = 16
 
@@ -94,29 +93,20 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 @dataclass(frozen=True)
-class TiledMoeMethod(MoeMethodBase):
-    """A `FusedMoE`'s experts with `tiled_linear`: TorchMoeMethod's computation (layers/fused_moe.py), the active
-    experts only, each one's products over its rows in fixed tiles, so a row's bits never depend on how many
-    other rows its expert serves in the step."""
+class TiledMoeMethod(TorchMoeMethod):
+    """A `FusedMoE`'s experts as TorchMoeMethod computes them on CPU (layers/fused_moe.py: the active experts
+    only, in ascending order), each one's products over its rows in fixed tiles (`tiled_linear`), so a row's bits
+    never depend on how many other rows its expert serves in the step. Never the Triton kernel: its blocks of
+    sorted routes are sized by the batch."""
 
     tile_rows: int = TILE_ROWS
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:  # x (T, H), topk_* (T, k) -> (T, H)
-        routes = sort_tokens_by_expert(topk_ids, layer.num_experts)
-        weights = topk_weights.flatten()[routes.route_ids]  # (T*k,) each sorted route's weight, float32
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
-        I = layer.intermediate_size
-        offsets = routes.offsets.tolist()  # one host sync: which experts are active, and their rows
-        for e in range(layer.num_experts):  # ascending: a token's k outputs are added in one order, always
-            start, stop = offsets[e], offsets[e + 1]
-            if start == stop:
-                continue
-            rows = routes.token_ids[start:stop]  # (n,) the tokens this expert serves
-            gate, up = tiled_linear(x[rows], layer.w13_weight[e], None, self.tile_rows).split(I, dim=-1)  # (n, I)
-            y = tiled_linear(F.silu(gate) * up, layer.w2_weight[e], None, self.tile_rows)  # (n, H)
-            out.index_add_(0, rows, y.float() * weights[start:stop, None])
-        return out.to(x.dtype)
+        return self.experts_one_by_one(layer, x, topk_weights, topk_ids)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # (n, in), (out, in) -> (n, out)
+        return tiled_linear(x, weight, None, self.tile_rows)
 
 
 def set_batch_invariant_methods(model: nn.Module, tile_rows: int = TILE_ROWS) -> None:

@@ -60,18 +60,26 @@ class TorchMoeMethod(MoeMethodBase):
               topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and (fused_moe := _triton_fused_moe()) is not None:
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        return self.experts_one_by_one(layer, x, topk_weights, topk_ids)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # (n, in), (out, in) -> (n, out)
+        """One expert's product over the rows routed to it (the batch-invariant method tiles it)."""
+        return F.linear(x, weight)
+
+    def experts_one_by_one(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor) -> torch.Tensor:  # x (T, H), topk_* (T, k) -> (T, H)
         routes = sort_tokens_by_expert(topk_ids, layer.num_experts)
         weights = topk_weights.flatten()[routes.route_ids]  # (T*k,) each sorted route's weight, float32
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
         I = layer.intermediate_size
         offsets = routes.offsets.tolist()  # one host sync: which experts are active, and their rows
-        for e in range(layer.num_experts):
+        for e in range(layer.num_experts):  # ascending: a token's k outputs are added in one order, always
             start, stop = offsets[e], offsets[e + 1]
             if start == stop:  # not routed to: its weights are never read
                 continue
             rows = routes.token_ids[start:stop]  # (n,) the tokens this expert serves
-            gate, up = F.linear(x[rows], layer.w13_weight[e]).split(I, dim=-1)  # (n, I) each
-            y = F.linear(F.silu(gate) * up, layer.w2_weight[e])  # (n, H)
+            gate, up = self.linear(x[rows], layer.w13_weight[e]).split(I, dim=-1)  # (n, I) each
+            y = self.linear(F.silu(gate) * up, layer.w2_weight[e])  # (n, H)
             out.index_add_(0, rows, y.float() * weights[start:stop, None])
         return out.to(x.dtype)
 
