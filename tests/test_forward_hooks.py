@@ -18,6 +18,7 @@ from minivllm.layers.norm import RMSNorm
 from minivllm.models import MODEL_REGISTRY
 from minivllm.models.llama import MLP, DecoderLayer
 from minivllm.teaching.checkpoints import make_tiny_model
+from minivllm.teaching.tiny_moe import make_tiny_moe_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
 PROMPT = [{"prompt_token_ids": [1, 2, 3, 4, 5, 6]}]
@@ -80,12 +81,14 @@ def test_a_hook_that_replaces_an_output_changes_the_tokens(model_factory):
 # name is that family's text checkpoint in the multimodal form (text_config, weights under model.language_model).
 FAMILY_OF = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
              "MistralForCausalLM": "mistral", "Qwen3_5ForCausalLM": "qwen3_5", "Gemma3ForCausalLM": "gemma3",
-             "Qwen3_5ForConditionalGeneration": "qwen3_5", "Gemma3ForConditionalGeneration": "gemma3"}
+             "Qwen3_5ForConditionalGeneration": "qwen3_5", "Gemma3ForConditionalGeneration": "gemma3",
+             "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
 
 
 def checkpoint_of(architecture: str, tmp_path_factory) -> str:
     family = FAMILY_OF[architecture]
-    path = make_tiny_model(tmp_path_factory.mktemp(family), family)
+    folder = tmp_path_factory.mktemp(family)
+    path = make_tiny_moe_model(folder, family) if family.endswith("_moe") else make_tiny_model(folder, family)
     if architecture.endswith("ForConditionalGeneration"):
         cfg = json.loads((path / "config.json").read_text())
         text = {k: v for k, v in cfg.items() if k != "architectures"}

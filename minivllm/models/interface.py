@@ -10,6 +10,7 @@ subclasses it, so the model runner calls one forward with one return type and ne
     init_rotary(max_position, device)      the RoPE tables, built once the weights are on the device
     lm_head_layer                          the layer whose weight computes the logits (the embedding when tied)
     compile_forward(sizes)                 only where `supports_compile` (models/compiled_forward.py)
+    expert_layers()                        a mixture of experts' `FusedMoE` layers, in order ([] for a dense model)
 
 A model is built from plain layers and knows nothing of how its products run on this machine: the
 engine attaches that from outside at warm-up (minivllm/cpu/attach.py). `cpu_norm_rope_kernels` says
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from minivllm.layers.attention import AttentionBackend, AttentionMetadata
+from minivllm.layers.fused_moe import FusedMoE
 from minivllm.layers.linear_attn_metadata import LinearAttnMetadata
 from minivllm.models.compiled_forward import CompiledForward
 from minivllm.models.hf_config import ModelSpec
@@ -63,6 +65,9 @@ class CausalLM(nn.Module):
     @property
     def lm_head_layer(self) -> nn.Module:  # its `weight` (V, hidden) and `quant_method` compute the logits
         raise NotImplementedError
+
+    def expert_layers(self) -> list[FusedMoE]:  # their `last_load` is a step's expert load (engine/worker/expert_load.py)
+        return []
 
     def compile_forward(self, sizes: tuple[int, ...]) -> None:
         raise ValueError(f"{type(self).__name__} cannot be compiled (supports_compile is False)")

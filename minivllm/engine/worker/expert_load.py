@@ -15,7 +15,7 @@ What it promises, and why:
   * The sparse layers are found once, when the runner is built (`ExpertLoad(model)`): a walk of the model's
     modules costs ~16 us a layer, 0.76 ms a step on a 48-layer MoE, more than the rest of this together.
   * One host sync per step for an MoE model (the layers' counts stacked on the device, summed, one
-    `.tolist()`), none for a dense model: it has no `expert_layers`, the answer is () without a tensor.
+    `.tolist()`), none for a dense model: its `expert_layers()` is empty, the answer is () without a tensor.
   * Expert e of one layer and expert e of the next are different weights: the sum is per expert INDEX, the
     load-balance view of a step (does the router spread tokens, or crowd a few experts?), not a map per layer
     (that would be E x layers series on /metrics).
@@ -28,17 +28,16 @@ What it promises, and why:
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from minivllm.layers.fused_moe import FusedMoE
+from minivllm.models.interface import CausalLM
 
 
 class ExpertLoad:
     """A model's sparse layers, found once; `read()` after each forward gives the step's routes per expert."""
 
-    def __init__(self, model: nn.Module) -> None:
-        expert_layers = getattr(model, "expert_layers", None)  # only a mixture of experts has them
-        self.layers: list[FusedMoE] = expert_layers() if expert_layers is not None else []
+    def __init__(self, model: CausalLM) -> None:
+        self.layers: list[FusedMoE] = model.expert_layers()  # [] for a dense model
 
     def read(self) -> tuple[int, ...]:
         """Routes per expert index of the last forward, summed over the sparse layers; () for a dense model."""
