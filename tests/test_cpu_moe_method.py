@@ -9,7 +9,7 @@ import torch
 from helpers import prompt_logits, varied_prompts
 from moe_helpers import hf_moe_model, tiny_moe_checkpoint
 
-from minivllm import LLM
+from minivllm import LLM, SamplingParams
 from minivllm.cpu.attach import describe
 from minivllm.cpu.moe_method import CpuMoeMethod, attach_moe_method
 from minivllm.kernels.cpu_build import load_cpu_kernels
@@ -87,3 +87,20 @@ def test_the_engines_moe_model_with_the_cpu_method_matches_hf(tmp_path):
         with torch.no_grad():
             expected = hf(torch.tensor([ids])).logits[0]
         torch.testing.assert_close(prompt_logits(llm, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_warm_up_attaches_it_and_greedy_decoding_equals_hfs(tmp_path):
+    """The engine's own warm-up (engine/worker/warmup.py -> cpu/attach.py) gives every FusedMoE the method; a
+    decode of 12 tokens (skinny_gemm at one row) gives HF generate's tokens."""
+    path = tiny_moe_checkpoint(tmp_path, "qwen3_moe")
+    hf = hf_moe_model(path)
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=64)  # warm-up on (the default)
+    layers = [m for m in llm.llm_engine.model.modules() if isinstance(m, FusedMoE)]
+    assert len(layers) == 2 and all(isinstance(m.moe_method, CpuMoeMethod) for m in layers)
+    prompt = list(range(5, 22))
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert out[0].outputs[0].token_ids == ref
