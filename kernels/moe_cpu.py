@@ -131,6 +131,8 @@ def cpu_fused_moe(hidden: torch.Tensor, packed: PackedExperts, topk_weights: tor
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
         raise ValueError(f"cpu_fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be (T, k) with T = {T}")
+    if T == 0:  # no tokens, no routes: nothing to read
+        return torch.zeros_like(hidden)
     routes = sort_routes(topk_weights, topk_ids)
     if routes.experts and not 0 <= routes.experts[0][0] <= routes.experts[-1][0] < packed.num_experts:
         raise ValueError(f"cpu_fused_moe: topk_ids must lie in [0, {packed.num_experts}); got "

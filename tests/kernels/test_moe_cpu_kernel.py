@@ -71,6 +71,13 @@ def test_experts_no_route_chose_are_never_read(dtype):
     torch.testing.assert_close(out, naive_fused_moe(x, w13, w2, topk_weights, topk_ids), **TOL[dtype])
 
 
+def test_a_step_of_no_tokens_reads_nothing():
+    w13, w2 = make_experts(4, 32, 16, torch.bfloat16, seed=9)
+    out = cpu_fused_moe(torch.empty(0, 32).bfloat16(), pack_moe_experts(w13, w2), torch.empty(0, 2),
+                        torch.empty(0, 2, dtype=torch.long))
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16
+
+
 def test_a_misrouted_token_is_caught():
     """The comparison fails a kernel that reads another expert for one route: the test can fail."""
     w13, w2 = make_experts(8, 64, 32, torch.float32, seed=3)
