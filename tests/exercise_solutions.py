@@ -105,19 +105,31 @@ def kv_heads_of_rank(num_kv_heads, rank, world_size):
 
 
 class AgingPolicy(SchedulingPolicy):
-    """The capstone, priority with aging: a lower `priority` first, but each AGING_STEPS steps spent
-    waiting make a request one level more urgent; the victim is the least urgent running request."""
+    """The capstone, priority with aging: a lower `priority` first, but each AGING_STEPS steps since a
+    request arrived make it one level more urgent. The age is kept while it runs and across a preemption,
+    and the victim is the least urgent by the same aged urgency: a request that aged its way in is not
+    preempted for the newcomers it overtook, so it finishes, not only starts, in bounded time."""
 
     name = "aging"
     AGING_STEPS = 4
 
     def __init__(self):
-        self.waited = {}  # request id -> steps waited; rebuilt from `waiting` each step, so it never outgrows it
+        self.clock = 0  # calls of admission_order so far
+        self.arrived = {}  # request id -> (sequence, clock when first seen); dropped once it finishes
+
+    def _urgency(self, seq):
+        return seq.priority - (self.clock - self.arrived[seq.request_id][1]) / self.AGING_STEPS
+
+    def _see(self, seqs):
+        for s in seqs:
+            self.arrived.setdefault(s.request_id, (s, self.clock))
 
     def admission_order(self, waiting):
-        self.waited = {s.request_id: self.waited.get(s.request_id, -1) + 1 for s in waiting}
-        return sorted(waiting, key=lambda s: (s.priority - self.waited[s.request_id] / self.AGING_STEPS,
-                                              s.arrival_index))
+        self.clock += 1
+        self.arrived = {r: (s, t) for r, (s, t) in self.arrived.items() if not s.is_finished}
+        self._see(waiting)
+        return sorted(waiting, key=lambda s: (self._urgency(s), s.arrival_index))
 
     def choose_victim(self, candidates):
-        return max(candidates, key=lambda s: (s.priority, s.arrival_index))
+        self._see(candidates)
+        return max(candidates, key=lambda s: (self._urgency(s), s.arrival_index))
