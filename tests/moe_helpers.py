@@ -4,7 +4,7 @@
     path = tiny_moe_checkpoint(tmp_path, layout="fused", config_keys="transformers4", norm_topk_prob=False)
     hf = hf_moe_model(path)                                            # HF's model, fp32, eval
 
-Saved by HF's own `save_pretrained` (config.json, model.safetensors with per-expert keys, which is what
+Built by minivllm.teaching.tiny_moe (the notebook's checkpoints), saved by HF's own `save_pretrained` (config.json, model.safetensors with per-expert keys, which is what
 transformers 5 writes), beside the byte-level tokenizer of minivllm.teaching.checkpoints, so the engine
 loads it exactly as a downloaded model. Two rewrites give the other forms a checkpoint may take:
   layout="fused"                    the experts as transformers 5 holds them in memory: one
@@ -19,59 +19,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
-from minivllm.teaching.checkpoints import make_tokenizer
-
-FAMILIES = {
-    "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", dict(head_dim=16, norm_topk_prob=True)),
-    "qwen2_moe": (Qwen2MoeConfig, "Qwen2MoeForCausalLM", dict(shared_expert_intermediate_size=48)),
-}
+from minivllm.teaching.tiny_moe import load_hf_model, make_tiny_moe_model
 
 
 def tiny_moe_checkpoint(path: str | Path, family: str = "qwen3_moe", *, layout: str = "per_expert",
                         config_keys: str = "transformers5", seed: int = 0, **overrides) -> Path:
-    """Build, save and return a tiny random `family` checkpoint in folder `path` (see the module docstring)."""
-    path = Path(path)
-    config_cls, arch, defaults = FAMILIES[family]
-    tokenizer = make_tokenizer(384)
-    config = config_cls(**{
-        **dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-               max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-               bos_token_id=None, pad_token_id=tokenizer.pad_token_id),
-        **defaults, **overrides})
-    config.architectures = [arch]
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random init is tiny; widen it so logits (and router choices) are not near-ties
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-            elif "bias" in name:
-                p.normal_(0.0, 0.05)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(path)
-    finally:
-        hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(path)
-    if layout == "fused":
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    """Build, save and return a tiny random `family` checkpoint in folder `path` (see the module docstring):
+    teaching/tiny_moe.py's checkpoint (the notebook's), in the layout and config keys asked."""
+    if layout not in ("per_expert", "fused"):
+        raise ValueError(f"layout={layout!r}: 'per_expert' or 'fused'")
+    if config_keys not in ("transformers5", "transformers4"):
+        raise ValueError(f"config_keys={config_keys!r}: 'transformers5' or 'transformers4'")
+    path = make_tiny_moe_model(path, family, seed=seed, **overrides)
+    if layout == "fused":  # what transformers 5 holds in memory: each layer's experts as two 3-D tensors
+        state = {k: v.contiguous() for k, v in load_hf_model(path).state_dict().items()}
         assert any(k.endswith("experts.gate_up_proj") for k in state), "transformers' in-memory form changed"
         for f in path.glob("*.safetensors"):
             f.unlink()
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    elif layout != "per_expert":
-        raise ValueError(f"layout={layout!r}: 'per_expert' or 'fused'")
     if config_keys == "transformers4":
         _as_transformers4_config(path / "config.json")
-    elif config_keys != "transformers5":
-        raise ValueError(f"config_keys={config_keys!r}: 'transformers5' or 'transformers4'")
     return path
 
 
@@ -87,6 +56,4 @@ def _as_transformers4_config(config_json: Path) -> None:
     config_json.write_text(json.dumps(cfg, indent=2))
 
 
-def hf_moe_model(path: str | Path):
-    """HF transformers' model of a tiny checkpoint (per-expert layout), fp32, eval mode."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+hf_moe_model = load_hf_model  # HF transformers' model of a tiny checkpoint, fp32, eval mode
