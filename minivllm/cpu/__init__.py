@@ -9,6 +9,7 @@
     planned_linear.py     `PlannedLinearMethod`: a `Linear`'s product through the plan's form
     norm_rope_kernels.py  whether RMSNorm, RoPE and silu·mul run minivllm's C++ kernels, chosen by timing
     decode_kernels.py     whether decode attention and greedy sampling run minivllm's C++ kernels, likewise
+    moe_method.py         `CpuMoeMethod`: a FusedMoE's experts packed once, only the active ones read (skinny kernels)
     attach.py             `attach_cpu_kernels`: warm-up's entry, the choices handed to a built model's layers
 
 None of it is part of a model: model classes build plain layers (minivllm/layers/), and the engine's
