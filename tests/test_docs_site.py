@@ -47,6 +47,8 @@ DOCS = ROOT / "docs"
 STUDENT_PAGES = ("index.md", "getting-started.md", "syllabus.md", "hands-on.md", "submitting.md")
 COURSE_INSTALL = 'pip install -e ".[notebooks]" jupyterlab'
 COUNT_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight")
+NUMBER_WORDS = {w: n for n, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+                                            "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
 
 
 def test_course_pages_keep_answers_with_the_teachers_and_agree():
@@ -70,6 +72,10 @@ def test_course_pages_keep_answers_with_the_teachers_and_agree():
         installs = re.findall(r"pip install -e \S+(?: jupyterlab)?", text)
         course = [line for line in installs if "notebooks" in line or "jupyterlab" in line]
         assert all(line == COURSE_INSTALL for line in course), f"{name}: {course}, not {COURSE_INSTALL!r}"
+    for name in (*STUDENT_PAGES, "teachers.md"):  # the notebooks, counted in words or digits
+        for word in re.findall(r"\b(\w+) (?:notebooks|runnable walk-throughs)\b", (DOCS / name).read_text()):
+            count = int(word) if word.isdigit() else NUMBER_WORDS.get(word.lower())
+            assert count in (None, len(NOTEBOOKS)), f"{name} counts {word} notebooks; there are {len(NOTEBOOKS)}"
     for name in ("hands-on.md", "submitting.md"):
         text = (DOCS / name).read_text()
         missing = [part for part in parts if f"{part}/" not in text]
