@@ -47,8 +47,9 @@ DOCS = ROOT / "docs"
 STUDENT_PAGES = ("index.md", "getting-started.md", "syllabus.md", "hands-on.md", "submitting.md")
 COURSE_INSTALL = 'pip install -e ".[notebooks]" jupyterlab'
 COUNT_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight")
-NUMBER_WORDS = {w: n for n, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
-                                            "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
+NUMBER_WORDS = {w: n for n, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
+                                            "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty"
+                                            .split())}
 
 
 def test_course_pages_keep_answers_with_the_teachers_and_agree():
