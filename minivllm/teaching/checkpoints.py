@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen3Config)
 
 CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",
@@ -104,10 +104,16 @@ def make_tiny_model(path: str | Path, family: str = "qwen3", *, vocab_size: int 
             if family == "qwen3_5" and name.endswith(("conv1d.weight", "norm.weight")):
                 # conv taps and norm scales too (the gated norm's weight is used as is, the others as 1 + w)
                 p.normal_(1.0 if "linear_attn.norm" in name else 0.0, 0.3)
+    return save_quietly(model, tokenizer, path)
+
+
+def save_quietly(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
+    """`save_pretrained` of a model and its tokenizer into `path`, without transformers' progress bars (no
+    "Writing model shards" noise in notebooks and tests); returns `path`."""
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" noise in notebooks and tests
+    hf_logging.disable_progress_bar()
     try:
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)

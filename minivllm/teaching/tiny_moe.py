@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
 from minivllm.models.hf_config import ModelSpec, parse_model_spec
-from minivllm.teaching.checkpoints import make_tokenizer
+from minivllm.teaching.checkpoints import make_tokenizer, save_quietly
 
 FAMILIES = {  # family: (config class, architecture, what differs from the shared defaults)
     "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", dict(head_dim=16, norm_topk_prob=True)),
@@ -74,17 +74,7 @@ def make_tiny_moe_model(path: str | Path, family: str = "qwen3_moe", *, vocab_si
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" noise in notebooks and tests
-    try:
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    return path
+    return save_quietly(model, tokenizer, path)
 
 
 def load_hf_model(path: str | Path) -> Any:
