@@ -26,7 +26,7 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         layer.weight.copy_(weight)
         if bias is not None:
             layer.bias.copy_(bias)
-    assert quantize_model(torch.nn.Sequential(layer), "int8", torch.device("cpu"), reduce_range=not VNNI) == 1
+    assert quantize_model(torch.nn.Sequential(layer), "int8", torch.device("cpu"), reduce_range=not VNNI).layers == 1
     return layer
 
 

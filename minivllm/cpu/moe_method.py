@@ -18,8 +18,8 @@ does for its weights (cpu/matmul_forms.py `weight.skinny`), would double the mod
 reading `w13_weight` afterwards sees the packed shape (and F.linear refuses it): only this method reads it.
 Prefill-sized experts lay their weight back out for F.linear, one expert at a time (kernels/moe_cpu.py).
 
-Inside a compiled forward the whole computation is one opaque op, `minivllm::cpu_fused_moe`: the routes'
-sizes are data (which experts, how many rows), which a graph of fixed shapes cannot hold.
+Eager only: MoE models are never compiled (Qwen3MoeForCausalLM.supports_compile is False), because the
+routes' sizes are data (which experts, how many rows), which a graph of fixed shapes cannot hold.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from torch import nn
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.moe_cpu import PackedExperts, can_pack_moe, cpu_fused_moe, pack_moe_experts
-from minivllm.layers.custom_op import direct_register_custom_op
 from minivllm.layers.fused_moe import FusedMoE, MoeMethodBase
 
 
@@ -55,9 +54,6 @@ class CpuMoeMethod(MoeMethodBase):
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:  # x (T, H), topk_* (T, k) -> (T, H)
-        if torch.compiler.is_compiling():
-            return torch.ops.minivllm.cpu_fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                                    layer.hidden_size, layer.intermediate_size)
         packed = PackedExperts(layer.w13_weight, layer.w2_weight, layer.hidden_size, layer.intermediate_size)
         return cpu_fused_moe(x, packed, topk_weights, topk_ids)
 
@@ -82,16 +78,3 @@ def attach_moe_method(model: nn.Module) -> str | None:
     packed_bytes = sum(t.nbytes for layer in layers for t in (layer.w13_weight, layer.w2_weight))
     return (f"MoE experts: minivllm's packed skinny kernels, active experts only ({len(layers)} layers, "
             f"{packed_bytes / 1e6:.1f} MB packed in place of the checkpoint's layout)")
-
-
-def _cpu_fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, hidden_size: int, intermediate_size: int) -> torch.Tensor:
-    return cpu_fused_moe(x, PackedExperts(w13, w2, hidden_size, intermediate_size), topk_weights, topk_ids)
-
-
-def _cpu_fused_moe_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, hidden_size: int, intermediate_size: int) -> torch.Tensor:
-    return torch.empty_like(x)  # shapes only, for tracing
-
-
-direct_register_custom_op("cpu_fused_moe", _cpu_fused_moe_op, _cpu_fused_moe_fake)

@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.bench_peers import level_line
 from minivllm.entrypoints.roofline import ceiling_report, matmul_weights, measure_peaks, report, single_stream_ceiling
+from minivllm.layers.fused_moe import count_experts
 from minivllm.cpu.attach import describe
 from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.teaching.checkpoints import make_tiny_model
@@ -134,7 +135,7 @@ def throughput(model: str | None = None, num_requests: int = 32, hf_cb: bool = T
         warmup = workload(num_requests, spec.vocab_size, seed=1)  # same shape, other tokens: no cache hits
         tokens = sum(outputs)
         weights = matmul_weights(llm.llm_engine.model)
-        print(f"model: {spec.architecture} {(weights.decoder_params + weights.lm_head_params) / 1e6:.1f}M matmul "
+        print(f"model: {spec.architecture} {weights.total_params / 1e6:.1f}M matmul "
               f"params, {_describe(llm)}, {torch.get_num_threads()} threads, {level_line()}; {len(prompts)} requests, "
               f"{sum(map(len, prompts))} prompt tokens, {tokens} output tokens")
         print_matmul_plan(llm)
@@ -215,6 +216,8 @@ def _describe(llm: LLM) -> str:
     """The precision the engine runs in, e.g. "bfloat16 (dtype auto)" or "bfloat16, int8 weights"."""
     config = llm.llm_engine.config
     quantized = f", {config.quantization} weights" if config.quantization else ""
+    if quantized and count_experts(llm.llm_engine.model) is not None:  # int8 leaves them (layers/quantization.py)
+        quantized += f", experts {_name(llm.llm_engine.dtype)}"
     return f"{_name(llm.llm_engine.dtype)} (dtype {config.dtype}){quantized}"
 
 

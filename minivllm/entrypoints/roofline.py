@@ -23,6 +23,11 @@ its rate is what a perfect matmul kernel would stream at. The read buffer is at 
 weights a token streams (whichever is larger): a buffer that fits the last-level cache would measure the
 cache. A model whose weights fit that cache can still pass the "ceiling" (over 100 %); that is the
 cache, not a mistake.
+
+A mixture of experts stores every expert but a token reads only k of each sparse layer's E: the
+bytes and FLOPs a token are counted with the top_k/E share of each FusedMoE's w13 + w2 (its k experts),
+the params line with all of them (`MatmulWeights.total_params`). The counting is
+layers/fused_moe.py's `count_experts`, the same the MoE notebook's decode_bytes uses.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 
 from minivllm.cpu.cpu_info import CpuInfo
 from minivllm.cpu.matmul_forms import default_form, matmul
+from minivllm.layers.fused_moe import count_experts
 from minivllm.layers.linear import Linear
 from minivllm.layers.quantization import Int8LinearMethod
 
@@ -47,11 +53,17 @@ class Peaks(NamedTuple):
 
 
 class MatmulWeights(NamedTuple):
-    """What one decode step multiplies by: the decoder's matmul weights and the LM head's."""
+    """What one token multiplies by: the decoder's matmul weights and the LM head's."""
 
-    decoder_params: int
+    decoder_params: int  # a mixture of experts: its k experts a layer, not all E
     lm_head_params: int
     bytes: int  # both, as stored (int8 weights count one byte each, plus their scales)
+    idle_expert_params: int = 0  # stored but not read by one token: the other E - k experts a layer
+
+    @property
+    def total_params(self) -> int:
+        """Every matmul weight the model stores."""
+        return self.decoder_params + self.lm_head_params + self.idle_expert_params
 
 
 def measure_peaks(dtype: torch.dtype, copy_bytes: int = 256 << 20, n: int = 2048,
@@ -94,6 +106,7 @@ def ceiling_report(cpu: CpuInfo, peaks: Peaks, weights: MatmulWeights, tok_s: fl
 
 
 def matmul_weights(model: nn.Module) -> MatmulWeights:
+    """The matmul weights one token reads, as stored: every decoder Linear, k experts a sparse layer, the LM head."""
     decoder, decoder_bytes = 0, 0
     for name, m in model.named_modules():
         if name.endswith("lm_head"):
@@ -102,8 +115,13 @@ def matmul_weights(model: nn.Module) -> MatmulWeights:
             int8 = isinstance(m.quant_method, Int8LinearMethod)
             decoder += m.in_features * m.out_features
             decoder_bytes += Int8LinearMethod.weight_bytes(m) if int8 else m.weight.nbytes
+    idle = 0
+    if (experts := count_experts(model)) is not None:  # one token: its k experts a sparse layer
+        decoder += experts.token_params
+        decoder_bytes += experts.token_bytes
+        idle = experts.total_params - experts.token_params
     head = model.lm_head_weight
-    return MatmulWeights(decoder, head.numel(), decoder_bytes + head.nbytes)
+    return MatmulWeights(decoder, head.numel(), decoder_bytes + head.nbytes, idle)
 
 
 def report(peaks: Peaks, weights: MatmulWeights, seconds: float, steps: int, rows_computed: int,

@@ -21,19 +21,25 @@ How the sum is computed is the layer's `moe_method` (vLLM's name), set from outs
 Every method computes the contract of `naive_fused_moe` (kernels/fused_moe.py): float32 sums, the output
 in x's dtype. Under tensor parallelism I is this rank's share of every expert and the output a partial
 sum: the MoE block all-reduces it once (models/qwen3_moe.py). `last_load` keeps the routes per expert of
-the last forward, the step's expert load (the engine's stats read it).
+the last forward, the step's expert load (the engine's stats read it), counted on the device without a host
+sync (`count_routes`).
+
+`count_experts(model)` counts a model's experts once for every reader: all of them are stored, but one token
+reads only k of each layer's E, so a decode step of one token reads top_k/E of the experts' bytes
+(the bench's roofline and single-stream ceiling, entrypoints/roofline.py; the notebook's decode_bytes,
+teaching/moe_viz.py).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.moe_router import select_experts, sort_tokens_by_expert
+from minivllm.layers.moe_router import count_routes, select_experts, sort_tokens_by_expert
 
 
 class MoeMethodBase(Protocol):
@@ -102,9 +108,43 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:  # (T, H), (T, E) -> (T, H)
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)  # (T, k) each
-        self.last_load = torch.bincount(topk_ids.flatten(), minlength=self.num_experts)  # (E,)
+        self.last_load = count_routes(topk_ids.flatten(), self.num_experts)  # (E,)
         return self.moe_method.apply(self, x, topk_weights, topk_ids)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}")
+
+
+class ExpertWeights(NamedTuple):
+    """A model's experts, counted: every sparse layer has the same E, k and I (models/moe_config.py)."""
+    sparse_layers: int
+    num_experts: int  # E a layer
+    top_k: int  # k: the experts one token reads a layer
+    expert_params: int  # one expert of one layer: w13 (2I x H) + w2 (H x I), this rank's share
+    expert_bytes: int  # the same, as stored (a packed layout holds the same weights in another order)
+
+    @property
+    def total_params(self) -> int:
+        """Every expert of every sparse layer: what the model stores."""
+        return self.sparse_layers * self.num_experts * self.expert_params
+
+    @property
+    def token_params(self) -> int:
+        """What one token reads: its k experts a layer (the top_k/E share of the experts)."""
+        return self.sparse_layers * self.top_k * self.expert_params
+
+    @property
+    def token_bytes(self) -> int:
+        return self.sparse_layers * self.top_k * self.expert_bytes
+
+
+def count_experts(model: nn.Module) -> ExpertWeights | None:
+    """The `FusedMoE` layers of `model` counted (None: a dense model). Works on the meta device (shapes only)."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not layers:
+        return None
+    first = layers[0]
+    H, I, E = first.hidden_size, first.intermediate_size, first.num_experts
+    stored = first.w13_weight.nbytes + first.w2_weight.nbytes  # all E experts of one layer, as stored
+    return ExpertWeights(len(layers), E, first.top_k, 3 * I * H, stored // E)

@@ -16,6 +16,13 @@ Expert e's rows are `token_ids[offsets[e]:offsets[e+1]]`; `counts` is the step's
 expert with count 0 is never read (at decode, most of them). This is vLLM's `select_experts` (softmax
 scoring, `renormalize` = HF's `norm_topk_prob`) and the sort that its `moe_align_block_size` pads into
 blocks for the Triton kernel (kernels/fused_moe.py).
+
+The top-k weights stay in float32, as vLLM keeps them; HF casts them to the model's dtype before weighting
+the experts (`router_top_value.to(router_logits.dtype)`). In float32 the two are the same, exactly; in
+bf16 / fp16 they agree within that dtype's rounding, not bit for bit.
+
+The load per expert is counted with `scatter_add_` into zeros (`count_routes`), not `torch.bincount`: on
+CUDA bincount reads the ids' min and max back to the host, two syncs in every sparse layer of every step.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ class SortedRoutes(NamedTuple):
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> RoutingResult:
     """router_logits (T, E) -> the k experts of each token and their weights, as HF's Qwen-MoE routers:
-    softmax in float32 over all E, the top k of it, divided by their sum if `renormalize`."""
+    softmax in float32 over all E, the top k of it, divided by their sum if `renormalize`. The weights stay
+    float32 (vLLM's choice; HF casts them to the model dtype first: equal in fp32, within rounding in bf16)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (T, E)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # (T, k) each
     if renormalize:
@@ -53,7 +61,14 @@ def sort_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int) -> SortedRou
     k = topk_ids.shape[1]
     flat = topk_ids.flatten()  # (T*k,)
     route_ids = torch.argsort(flat, stable=True)  # (T*k,)
-    counts = torch.bincount(flat, minlength=num_experts)  # (E,)
+    counts = count_routes(flat, num_experts)  # (E,)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_ids.device)
     torch.cumsum(counts, dim=0, out=offsets[1:])
     return SortedRoutes(route_ids // k, flat[route_ids], counts, offsets, route_ids)
+
+
+def count_routes(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """expert_ids (N,) int64 -> (E,) int64 routes per expert, on the ids' device without a host sync
+    (torch.bincount reads the ids' min and max back to the host on CUDA)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)  # (E,)
+    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))

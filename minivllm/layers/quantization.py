@@ -45,7 +45,10 @@ small ops between them are a larger share of the step.
 
 What stays in float: the embedding (a lookup, nothing streamed), norms, attention and its KV cache,
 and the LM head (quantizing it too measured +5.9 % perplexity on SmolLM2 instead of +4.3 %, an
-earlier version's figures).
+earlier version's figures). In a mixture of experts int8 covers attention and the dense MLPs only: the
+experts stay in the model's dtype (a `FusedMoE`, not a `Linear`), and so do the routers (`mlp.gate`,
+Qwen2-MoE's `shared_expert_gate`), which vLLM builds with quant_config=None: an int8 router changed the
+top-2 experts of 1 % of token-layers on a tiny model. `QuantizedModel.summary` says so at start-up.
 Activations are full 8-bit where the CPU has VNNI; without it AVX2's 16-bit pair sums could saturate,
 so 7-bit activations are used there (`reduce_range`: scale 1/63, zero point 64, q_x + 64 in 1..127).
 Which one is the caller's to say (the loader asks minivllm/cpu/'s `CpuInfo`): this module reads no CPU.
@@ -61,14 +64,17 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from minivllm.layers.custom_op import direct_register_custom_op
+from minivllm.layers.fused_moe import FusedMoE
 from minivllm.layers.linear import Linear, LinearMethodBase, UnquantizedLinearMethod
 
 QUANTIZATIONS = ("int8",)
+ROUTERS = ("gate", "shared_expert_gate")  # beside a FusedMoE: which experts run, and the shared expert's share
 
 
 # Inside a compiled forward (models/compiled_forward.py) the int8 product is an opaque op: Dynamo cannot
@@ -142,9 +148,24 @@ class Int8LinearMethod(LinearMethodBase):
         return f"Int8LinearMethod(per-channel int8 weights, {7 if self.reduce_range else 8}-bit activations)"
 
 
-def quantize_model(model: nn.Module, method: str, device: torch.device, reduce_range: bool) -> int:
-    """Give every plain `Linear` of `model` but the LM head an `Int8LinearMethod` and quantize its weight,
-    in place; returns how many. `reduce_range`: 7-bit activations (a CPU without VNNI: ask
+class QuantizedModel(NamedTuple):
+    """What `quantize_model` did, for the start-up line."""
+    layers: int  # Linears now int8: attention and dense MLPs (the shared expert's too)
+    routers: int  # MoE routers kept in float (ROUTERS)
+    expert_layers: int  # FusedMoE layers, whose experts stay in the model's dtype
+
+    def summary(self, dtype: torch.dtype) -> str:
+        name = str(dtype).removeprefix("torch.")
+        said = f"quantization int8: {self.layers} linear layers (attention, dense MLPs); the LM head stays {name}"
+        if self.expert_layers:
+            said += (f"; the experts of {self.expert_layers} sparse layers and {self.routers} routers stay {name} "
+                     "(int8 covers attention and dense MLPs only)")
+        return said
+
+
+def quantize_model(model: nn.Module, method: str, device: torch.device, reduce_range: bool) -> QuantizedModel:
+    """Give every plain `Linear` of `model` but the LM head and the MoE routers an `Int8LinearMethod` and
+    quantize its weight, in place; returns what it did. `reduce_range`: 7-bit activations (a CPU without VNNI: ask
     `minivllm.cpu.cpu_info.CpuInfo`). CPU only: fbgemm's kernels have no CUDA version (use
     dtype="bfloat16" there)."""
     if method not in QUANTIZATIONS:
@@ -155,10 +176,18 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, reduce_r
     if torch.backends.quantized.engine == "none":
         raise ValueError("this torch build has no int8 CPU kernels (torch.backends.quantized.engine is 'none')")
     int8 = Int8LinearMethod(reduce_range)
-    targets = [child for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, Linear) and name != "lm_head"
-               and isinstance(child.quant_method, UnquantizedLinearMethod)]
+    targets, routers = [], 0
+    for parent in model.modules():
+        beside_experts = any(isinstance(c, FusedMoE) for c in parent.children())
+        for name, child in parent.named_children():
+            if not isinstance(child, Linear) or name == "lm_head":
+                continue
+            if beside_experts and name in ROUTERS:  # vLLM: quant_config=None for the router
+                routers += 1
+            elif isinstance(child.quant_method, UnquantizedLinearMethod):
+                targets.append(child)
     for layer in targets:
         layer.quant_method = int8
         int8.process_weights_after_loading(layer)
-    return len(targets)
+    experts = sum(isinstance(m, FusedMoE) for m in model.modules())
+    return QuantizedModel(len(targets), routers, experts)

@@ -111,6 +111,8 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(LMHeadMixin, CausalLM):
     """Also the text decoder of Gemma3ForConditionalGeneration."""
 
+    eager_reason = "compile_forward is written for the Llama decoder (models/llama.py), not for Gemma 3's layers"
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(spec)
         if spec.local_rope is None or spec.query_pre_attn_scalar is None:

@@ -9,7 +9,8 @@ subclasses it, so the model runner calls one forward with one return type and ne
                                                                 the logits are gathered on rank 0)
     init_rotary(max_position, device)      the RoPE tables, built once the weights are on the device
     lm_head_layer                          the layer whose weight computes the logits (the embedding when tied)
-    compile_forward(sizes)                 only where `supports_compile` (models/compiled_forward.py)
+    compile_forward(sizes)                 only where `supports_compile` (models/compiled_forward.py);
+                                           elsewhere `eager_reason` says why not
     expert_layers()                        a mixture of experts' `FusedMoE` layers, in order ([] for a dense model)
 
 A model is built from plain layers and knows nothing of how its products run on this machine: the
@@ -37,6 +38,8 @@ from minivllm.models.hf_config import ModelSpec
 
 class CausalLM(nn.Module):
     supports_compile: ClassVar[bool] = False  # can `compile_forward` make graphs of its forward?
+    # Why not, in words the engine logs and `minivllm bench` prints (engine/worker/loading.py): each family its own.
+    eager_reason: ClassVar[str] = "its forward is not written for torch.compile"
     needs_state_pool: ClassVar[bool] = False  # hybrid: linear-attention layers with a recurrent state
     cpu_norm_rope_kernels: ClassVar[bool] = False  # Llama's RMSNorm, rotate-half RoPE and silu·mul MLP
 

@@ -10,7 +10,11 @@ which checkpoint tensor goes to which slice of which packed parameter:
 Mixture-of-experts checkpoints store each expert's gate/up/down (or, fused, all experts in one tensor):
 they go into `FusedMoE`'s stacked `w13_weight` / `w2_weight` (models/moe_weights.py says where).
 
-Every parameter must be filled completely (every element written once), or loading fails naming what is missing.
+Every parameter must be filled completely and every place in it written once: the loader keeps, per parameter,
+which checkpoint tensor wrote each row (`WrittenBy`; a row is the last dimension, which every copy writes
+whole, or one element of a 1-D parameter). A second write to a row (a key in two shards, a layer stored both
+fused and per expert) is refused naming both tensors, since whichever came last would win silently and could
+hide a missing one; a row no tensor wrote is named (an expert's, by expert and projection).
 
 Tensor parallelism (`layout`, models/sharding.py): each rank reads only its slice of every sharded
 tensor, `safe_open(...).get_slice(name)[rows]` (or `[:, columns]`), straight from the memory-mapped
@@ -27,7 +31,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.models.hf_config import ModelSpec
-from minivllm.models.moe_weights import expert_copies, is_expert_tensor
+from minivllm.models.moe_weights import Index, describe_unfilled, expert_copies, is_expert_tensor
 from minivllm.models.qwen3_5 import text_weight_name
 from minivllm.models.sharding import ShardLayout, WeightSlice
 
@@ -60,6 +64,28 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+class WrittenBy:
+    """Which checkpoint tensor wrote each row of each parameter: 0 for none, i for `names[i - 1]`."""
+
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+        self.names: list[str] = []
+        self.writer = {name: torch.zeros(p.shape[:-1] if p.dim() > 1 else p.shape, dtype=torch.int32)
+                       for name, p in params.items()}  # (rows of the parameter,), on the CPU
+
+    def mark(self, path: Path, name: str, target: str, index: Index) -> None:
+        rows = self.writer[target][index]  # the same part of the mask as of the parameter
+        if (earlier := int(rows.max()) if rows.numel() else 0) > 0:
+            raise ValueError(f"{path.name}: {name} writes {target} where {self.names[earlier - 1]} already did; a "
+                             "checkpoint holds each weight once (a key in two shards, or a layer stored both fused "
+                             "and per expert?)")
+        self.names.append(name)
+        rows.fill_(len(self.names))
+
+    def unfilled(self) -> list[str]:
+        """The parameters some row of which no tensor wrote, with the experts and projections it lacks."""
+        return [describe_unfilled(n, w == 0) for n, w in self.writer.items() if bool((w == 0).any())]
+
+
 def read_tensor(f: safe_open, name: str, piece: WeightSlice | None) -> torch.Tensor:
     """The whole tensor, or only its `piece` (rows or columns) when the rank holds a slice."""
     if piece is None:
@@ -73,7 +99,7 @@ def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path, layou
     model_dir = Path(model_dir)
     local_spec = layout.rank_spec(spec) if layout is not None else spec  # sizes of this rank's packed tensors
     params = dict(model.named_parameters())
-    filled: dict[str, int] = {name: 0 for name in params}  # elements written, per parameter
+    written = WrittenBy(params)
     for path in safetensors_files(model_dir):
         try:
             f = safe_open(str(path), framework="pt")
@@ -89,9 +115,9 @@ def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path, layou
                 if not copies:
                     raise ValueError(f"{path.name}: unexpected tensor {name!r} for {spec.architecture}; "
                                      "is config.json from the same checkpoint?")
-                for target, dest, tensor in copies:
-                    _copy(path, name, dest, tensor)
-                    filled[target] += dest.numel()
+                for target, where, tensor in copies:
+                    written.mark(path, name, target, where)
+                    _copy(path, name, params[target].data[where], tensor)
                 continue
             target, rows = name, None
             parts = name.split(".")
@@ -105,12 +131,12 @@ def load_weights(model: nn.Module, spec: ModelSpec, model_dir: str | Path, layou
             tensor = read_tensor(f, ckpt_name, layout.checkpoint_slice(name) if layout is not None else None)
             if rows is None and target != name:
                 rows = _shard_bounds(local_spec, packed, index, param.shape[0])
-            dest = param.data if rows is None else param.data[rows[0]:rows[1]]
-            _copy(path, name, dest, tensor)
-            filled[target] += dest.numel()
-    missing = [n for n, p in params.items() if filled[n] < p.numel()]
+            where = () if rows is None else (slice(rows[0], rows[1]),)
+            written.mark(path, name, target, where)
+            _copy(path, name, param.data[where], tensor)
+    missing = written.unfilled()
     if missing:
-        raise ValueError(f"{model_dir}: the checkpoint lacks weights for {missing[:5]}"
+        raise ValueError(f"{model_dir}: the checkpoint lacks weights for {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''} (corrupt or truncated checkpoint)")
 
 

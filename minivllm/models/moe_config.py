@@ -18,9 +18,10 @@ the other layers keep the dense MLP of `intermediate_size`.
     decoder_sparse_step, mlp_only_layers the sparse layers  the sparse layers
 
 transformers 5 writes Qwen3-MoE's expert count as "num_local_experts" (its attribute map), transformers 4
-as "num_experts": both are read. The router's auxiliary loss (`router_aux_loss_coef`,
-`output_router_logits`) only matters for training and is ignored; what would change inference and is
-not implemented is refused by name.
+as "num_experts": both are read (both present and different: refused). The router's auxiliary loss
+(`router_aux_loss_coef`, `output_router_logits`) only matters for training and is ignored; what would change
+inference and is not implemented is refused by name, and so is a missing num_experts_per_tok or
+moe_intermediate_size (HF would fall back to its class's defaults, a guess about someone else's model).
 """
 
 from __future__ import annotations
@@ -60,9 +61,16 @@ class MoeSpec:
 
 def parse_moe_spec(arch: str, cfg: dict[str, Any], num_layers: int) -> MoeSpec:
     """The MoE numbers of a config.json of `arch` (one of MOE_ARCHITECTURES)."""
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if experts is None:
+    experts, local = cfg.get("num_experts"), cfg.get("num_local_experts")
+    if experts is None and local is None:
         raise ValueError(f"{arch}: config.json gives neither num_experts nor num_local_experts")
+    if experts is not None and local is not None and int(experts) != int(local):
+        raise ValueError(f"{arch}: config.json gives num_experts={experts} and num_local_experts={local}; they name "
+                         "the same count: keep the one that matches the checkpoint's experts")
+    experts = experts if experts is not None else local
+    for field in ("num_experts_per_tok", "moe_intermediate_size"):  # HF's class defaults are a guess: refuse
+        if cfg.get(field) is None:
+            raise ValueError(f"{arch}: config.json lacks {field}; add it (the checkpoint's own config.json has it)")
     only = tuple(int(i) for i in cfg.get("mlp_only_layers") or ())
     outside = [i for i in only if not 0 <= i < num_layers]
     if outside:
@@ -71,8 +79,8 @@ def parse_moe_spec(arch: str, cfg: dict[str, Any], num_layers: int) -> MoeSpec:
     if arch == "Qwen2MoeForCausalLM" and shared < 1:
         raise ValueError(f"shared_expert_intermediate_size={shared}: Qwen2MoeForCausalLM always has a shared expert; "
                          "give its width in config.json")
-    return MoeSpec(num_experts=int(experts), num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
-                   moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)),
+    return MoeSpec(num_experts=int(experts), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                   moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                    shared_expert_intermediate_size=shared,
                    decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)), mlp_only_layers=only)

@@ -13,7 +13,9 @@ Checkpoints store the experts in one of two layouts; both are read:
 Under tensor parallelism a rank holds rows [r I/N, (r+1) I/N) of every expert's gate and of its up
 (w13's two halves) and the same columns of its down (models/sharding.py), read as slices straight from
 the memory-mapped file. `expert_copies` says which slice of the file goes to which slice of which
-parameter; the loader checks the shapes, copies, and counts what it filled (models/loader.py).
+parameter; the loader checks the shapes, copies, and marks what it filled (models/loader.py): a place written
+twice (a fused and a per-expert tensor for one layer, a key in two shards) is refused, and a place left
+unwritten is named by `describe_unfilled` as expert e's gate_proj / up_proj / down_proj.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weigh
 _FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up|down)_proj")
 
 
+Index = tuple[int | slice, ...]
+
+
 class ExpertCopy(NamedTuple):
     target: str  # the parameter's name: ...mlp.experts.w13_weight or ...mlp.experts.w2_weight
-    dest: torch.Tensor  # the slice of that parameter to fill
+    index: Index  # the part of that parameter to fill: param[index]; never the last dimension
     source: torch.Tensor  # what the checkpoint holds for it (this rank's slice)
 
 
@@ -50,16 +55,20 @@ def expert_copies(f: safe_open, ckpt_name: str, name: str, params: dict[str, tor
         target = f"{prefix}.{'w2_weight' if proj == 'down' else 'w13_weight'}"
         if target not in params:
             return []
+        num_experts = params[target].shape[0]
+        if expert >= num_experts:
+            raise ValueError(f"{name}: expert {expert} is past config.json's num_experts={num_experts} (experts "
+                             f"0..{num_experts - 1}); is config.json from the same checkpoint?")
         param = params[target].data[expert]  # (2I, H) or (H, I): this rank's sizes
         sliced = f.get_slice(ckpt_name)
         if proj == "down":
             I = param.shape[1]
             _check_shape(name, sliced.get_shape(), (param.shape[0], I * n))
-            return [ExpertCopy(target, param, sliced[:, rank * I:(rank + 1) * I])]
+            return [ExpertCopy(target, (expert,), sliced[:, rank * I:(rank + 1) * I])]
         I = param.shape[0] // 2
         _check_shape(name, sliced.get_shape(), (I * n, param.shape[1]))
-        half = param[:I] if proj == "gate" else param[I:]
-        return [ExpertCopy(target, half, sliced[rank * I:(rank + 1) * I])]
+        half = slice(0, I) if proj == "gate" else slice(I, 2 * I)
+        return [ExpertCopy(target, (expert, half), sliced[rank * I:(rank + 1) * I])]
     m = _FUSED.fullmatch(name)
     target = f"{m[1]}.{'w13_weight' if m[2] == 'gate_up' else 'w2_weight'}"
     if target not in params:
@@ -69,12 +78,26 @@ def expert_copies(f: safe_open, ckpt_name: str, name: str, params: dict[str, tor
     if m[2] == "down":
         I = param.shape[2]
         _check_shape(name, sliced.get_shape(), (param.shape[0], param.shape[1], I * n))
-        return [ExpertCopy(target, param, sliced[:, :, rank * I:(rank + 1) * I])]
+        return [ExpertCopy(target, (), sliced[:, :, rank * I:(rank + 1) * I])]
     I = param.shape[1] // 2  # this rank's width of each half
     full = I * n  # the checkpoint's
     _check_shape(name, sliced.get_shape(), (param.shape[0], 2 * full, param.shape[2]))
-    return [ExpertCopy(target, param[:, :I], sliced[:, rank * I:(rank + 1) * I]),  # gate rows
-            ExpertCopy(target, param[:, I:], sliced[:, full + rank * I:full + (rank + 1) * I])]  # up rows
+    return [ExpertCopy(target, (slice(None), slice(0, I)), sliced[:, rank * I:(rank + 1) * I]),  # gate rows
+            ExpertCopy(target, (slice(None), slice(I, 2 * I)), sliced[:, full + rank * I:full + (rank + 1) * I])]
+
+
+def describe_unfilled(target: str, unfilled: torch.Tensor) -> str:
+    """`target` (a parameter), with the experts and projections `unfilled` (its loader mask, True where no
+    tensor wrote: (E, 2I) for w13, (E, H) for w2) says are missing; `target` alone for any other parameter."""
+    if target.endswith("w13_weight"):
+        I = unfilled.shape[1] // 2
+        missing = [f"expert {e}'s {proj}_proj" for e in range(unfilled.shape[0])
+                   for proj, rows in (("gate", slice(0, I)), ("up", slice(I, 2 * I))) if unfilled[e, rows].any()]
+    elif target.endswith("w2_weight"):
+        missing = [f"expert {e}'s down_proj" for e in range(unfilled.shape[0]) if unfilled[e].any()]
+    else:
+        return target
+    return f"{target} ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})"
 
 
 def _check_shape(name: str, shape: list[int], expected: tuple[int, ...]) -> None:

@@ -191,6 +191,7 @@ class Qwen3_5ForCausalLM(LMHeadMixin, CausalLM):
     part of `Qwen3_5ForConditionalGeneration`). Eager only: its linear-attention layers are not compiled."""
 
     needs_state_pool = True
+    eager_reason = "its linear-attention layers run eagerly"
 
     def __init__(self, spec: ModelSpec) -> None:
         if spec.linear_attn is None or not spec.layer_types:

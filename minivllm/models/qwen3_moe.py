@@ -75,6 +75,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Also serves Qwen2MoeForCausalLM (its switches live in `spec`)."""
 
     supports_compile = False
+    eager_reason = "the routing decides which experts run: a data-dependent loop, a graph break per layer"
     compile_forward = CausalLM.compile_forward  # refuses: Llama's would compile a graph broken at every layer
 
     def __init__(self, spec: ModelSpec, tp: ParallelContext | None = None) -> None:

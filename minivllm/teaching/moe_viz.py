@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from minivllm.layers.fused_moe import FusedMoE
+from minivllm.layers.fused_moe import FusedMoE, count_experts
 from minivllm.models.hf_config import ModelSpec
 from minivllm.teaching.viz import WIDTH, _axes, _legend_below, _patch
 
@@ -171,16 +171,11 @@ def decode_bytes(spec: ModelSpec, bytes_per_weight: float) -> DecodeBytes:
         raise ValueError(f"decode_bytes: {spec.architecture} has no experts (ModelSpec.moe is None)")
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(spec)
-    always = expert = 0
-    for name, p in model.named_parameters():
-        if name.endswith(("w13_weight", "w2_weight")):
-            expert += p[0].numel()  # (E, ...) -> one expert; summed over both weights of one layer below
-        elif "embed_tokens" not in name:
-            always += p.numel()
-    layers = model.expert_layers()
-    expert //= len(layers)  # w13 and w2 of every layer were added up: one layer's one expert
-    return DecodeBytes(int(always * bytes_per_weight), int(expert * bytes_per_weight), len(layers),
-                       spec.moe.num_experts, spec.moe.num_experts_per_tok)
+    experts = count_experts(model)  # the engine's own counting (the bench's roofline reads it too)
+    embedding = model.model.embed_tokens.weight.numel()  # looked up, not read whole (a tied LM head is it too)
+    always = sum(p.numel() for p in model.parameters()) - embedding - experts.total_params
+    return DecodeBytes(int(always * bytes_per_weight), int(experts.expert_params * bytes_per_weight),
+                       experts.sparse_layers, experts.num_experts, experts.top_k)
 
 
 def expected_active_experts(num_experts: int, top_k: int, batch: int) -> float:

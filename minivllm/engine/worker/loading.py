@@ -14,6 +14,7 @@ rank it is simply "build the model, size the pool".
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -130,7 +131,8 @@ def load_rank(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype
     """This rank's model, KV pool size and attention backend (`config.max_model_len` resolved)."""
     model = build_model(spec, config.model, device, dtype, config.max_model_len, tp, config.batch_invariant)
     if config.quantization is not None:  # after loading: the checkpoint's weights are quantized here
-        quantize_model(model, config.quantization, device, reduce_range=not CpuInfo.read().vnni)
+        quantized = quantize_model(model, config.quantization, device, reduce_range=not CpuInfo.read().vnni)
+        print(quantized.summary(dtype), file=sys.stderr)  # beside resolved_config's "quantization int8" line
     if compile_decision(model, config, device)[0]:
         model.compile_forward(config.compile_sizes)  # compiled lazily, size by size (at warm-up)
     rank_spec = ShardLayout.of(spec, tp.rank, tp.world_size).rank_spec(spec)  # `spec` itself on one rank
@@ -157,7 +159,7 @@ def compile_decision(model: CausalLM, config: EngineConfig, device: torch.device
     if config.batch_invariant:  # EngineConfig refuses enforce_eager=False with it
         return False, "eager (batch_invariant=True: one kernel per row whatever the step's size)"
     if not model.supports_compile:
-        return False, f"eager: {type(model).__name__} is not compiled (its linear-attention layers run eagerly)"
+        return False, f"eager: {type(model).__name__} is not compiled ({model.eager_reason})"
     if config.tensor_parallel_size > 1:
         return False, (f"eager: tensor_parallel_size={config.tensor_parallel_size} (its all-reduces inside a "
                        "compiled graph are not supported yet)")
