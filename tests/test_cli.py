@@ -177,3 +177,17 @@ def test_serve_flags_configure_the_served_engine(qwen3_dir, monkeypatch):
             assert follow == [404, 200]
     finally:
         engines[0].shutdown()
+
+
+def test_serve_takes_the_model_as_a_positional_argument_as_vllm_does(monkeypatch):
+    """`minivllm serve <model>` is `minivllm serve --model <model>`; both, naming two models, is refused."""
+    from minivllm.entrypoints import cli
+    from minivllm.entrypoints.openai import server
+
+    seen = []
+    monkeypatch.setattr(server, "run_server", lambda model, *args, **kwargs: seen.append(model))
+    assert cli.main(["serve", "/some/model", "--port", "8001"]) == 0
+    assert cli.main(["serve", "--model", "/some/model"]) == 0
+    assert cli.main(["serve", "/some/model", "--model", "/some/model"]) == 0
+    assert seen == ["/some/model"] * 3
+    assert cli.main(["serve", "/some/model", "--model", "/other/model"]) == 1 and len(seen) == 3

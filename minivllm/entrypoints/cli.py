@@ -3,7 +3,7 @@
     minivllm generate "The capital of France is"     stream a completion (default model: SmolLM2)
     minivllm generate --chat "Who are you?"           the prompt as a chat message
     minivllm chat [--verbose]                         an interactive chat (/reset, /exit)
-    minivllm serve [--port 8000]                      an OpenAI-compatible server on 127.0.0.1
+    minivllm serve [MODEL] [--port 8000]              an OpenAI-compatible server on 127.0.0.1 (MODEL as --model)
     minivllm bench [--single-stream]                  the benchmarks against HF transformers
     minivllm tune [--model PATH]                      measure the CPU kernels' choices now and cache them
 
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                            description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                                        "/metrics. Binds to loopback unless --host says otherwise.")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as --model gives it (vLLM's `vllm serve <model>`)")
     _model_arg(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
@@ -189,7 +191,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     given = {name: value for name in ("header_timeout_s", "body_timeout_s", "max_stored_responses")
              if (value := getattr(args, name)) is not None}  # given: else run_server's defaults
-    run_server(args.model, args.host, args.port, args.served_model_name, api_key=args.api_key,
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two models: {args.model_tag!r} (positional) and --model {args.model!r}; give one")
+    model = args.model_tag if args.model_tag is not None else args.model
+    run_server(model, args.host, args.port, args.served_model_name, api_key=args.api_key,
                max_request_bytes=args.max_request_bytes, **given, **engine_kwargs(args))
 
 
