@@ -1,9 +1,10 @@
 """The capstone's grader holds against wrong policies: each planted mistake (tests/capstone_mistakes/, one
 policy a file, as a student hands it in) fails with the rule it breaks named, and the reference policies
 (reference_aging.py, reference_fair_share.py there) pass. One test per rule, at least one mistake each:
-the victim in both arrival orders, requests read-only (fields and the queue), bounded wait to the start
-and to the finish under memory pressure, fair share judged on tenants, and the submission rule (no
-engine policy imported, called or subclassed)."""
+the victim in both arrival orders and by aged urgency, requests read-only (fields and the queue), an
+empty waiting queue answered, bounded wait to the start and to the finish under memory pressure, fair
+share judged on tenants (shares, siblings, a late tenant, victims), and the submission rule (no engine
+policy imported, called or subclassed)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import pytest
 from minivllm.engine.core.scheduling_policy import FCFSPolicy, PolicyContractError, PriorityPolicy, SchedulingPolicy
 from minivllm.teaching.capstone import grade_policy
 from minivllm.teaching.capstone_cheats import check_own_policy
-from minivllm.teaching.capstone_fair_share import check_fair_share, check_tenant_shares
-from minivllm.teaching.capstone_watch import RequestChangedError
+from minivllm.teaching.capstone_fair_share import (check_fair_share, check_late_tenant, check_sibling_shares,
+                                                    check_tenant_shares)
+from minivllm.teaching.capstone_watch import RequestChangedError, WatchedPolicy
 from minivllm.teaching.hands_on import AssignmentError
 from minivllm.teaching.policy_behaviour import (ARRIVAL_STEPS, MAX_WAIT_STEPS, Assignment, PolicyBehaviourError,
                                                 check_bounded_wait, check_open_load, check_policy_behaviour,
@@ -47,6 +49,10 @@ ORDER = "a more urgent request (lower `priority`) is admitted before a less urge
 PRUNED = "state kept per request is dropped once the request has finished"
 SHARES = "each gets about half of the admissions, whatever their arrival rates"
 TENANT_VICTIM = "the victim comes from the tenant holding the most running requests"
+VICTIM_AGED = "the victim is chosen by the same aged urgency as the admission order"
+SIBLINGS = "each sibling of an n > 1 request is an admission"
+LATE = "a tenant's share is counted from when both wait"
+EMPTY = "admission_order is asked every step that admits, also with an empty waiting queue"
 
 
 def test_the_reference_aging_policy_passes_the_whole_grade():
@@ -78,6 +84,7 @@ def test_a_policy_breaking_the_seam_fails_naming_the_rule(mistake, rule):
     ("shortest_first", PolicyBehaviourError, ORDER, "your policy admitted ['r0']"),
     ("never_pruned", PolicyBehaviourError, PRUNED, "entries in self.arrived"),
     ("forgets_age", PolicyBehaviourError, FINISHES, "was preempted 1 time(s) (steps [15]), finished at step 32"),
+    ("victim_by_raw_priority", PolicyBehaviourError, VICTIM_AGED, "your policy preempted r0, the old one"),
 ])
 def test_a_wrong_aging_policy_fails_naming_the_rule(mistake, error, rule, seen):
     with pytest.raises(error, match="broke a RULE") as err:
@@ -110,11 +117,45 @@ def test_a_request_changed_is_caught_in_the_state_machine_too():
     ("fair_victim_newest", TENANT_VICTIM, "your policy preempted r2 of tenant 1"),
     ("fair_victim_fewest", TENANT_VICTIM, "of tenant 1"),
     ("reference_aging", TENANT_VICTIM, "of tenant 1"),
+    ("fair_per_request", SIBLINGS, "tenant 0 got 18 (32%) and tenant 1 38 (68%)"),
+    ("fair_never_lifted", LATE, "tenant 0 got 0 (0%)"),
 ])
 def test_a_wrong_fair_share_policy_fails_naming_the_rule(mistake, rule, seen):
     with pytest.raises(PolicyBehaviourError, match="broke a RULE") as err:
         check_policy_behaviour(load(mistake), Assignment.FAIR_SHARE)
     assert rule in str(err.value) and seen in str(err.value), str(err.value)
+
+
+def test_the_victim_is_probed_among_requests_of_unequal_age():
+    """A victim by raw `priority` passes both equal-age orders (the least urgent IS the raw one there); only
+    the old-beside-fresh probe tells it from the aged urgency the assignment asks for."""
+    check_victim(load("victim_by_raw_priority"))
+    with pytest.raises(PolicyBehaviourError, match=VICTIM_AGED):
+        check_policy_behaviour(load("victim_by_raw_priority"))
+
+
+def test_an_empty_waiting_queue_is_a_named_rule_not_a_traceback():
+    """The scheduler asks admission_order with an empty queue (a step with nothing waiting, the drain): a
+    policy that raises there fails naming that rule, before the state machine runs, and in every scenario."""
+    policy = load("empty_queue_raises")
+    with pytest.raises(PolicyContractError, match=EMPTY) as err:
+        grade_policy(policy, max_examples=5, hf=False, shrink=False)
+    assert "it raised ValueError: min()" in str(err.value), str(err.value)
+    assert str(err.value).startswith("EmptyQueueRaises broke a RULE"), str(err.value)
+    with pytest.raises(PolicyContractError, match=EMPTY):
+        check_policy_behaviour(policy)
+    assert WatchedPolicy(load("reference_aging")()).admission_order([]) == []
+
+
+@pytest.mark.parametrize("mistake,check", [("fair_per_request", check_sibling_shares),
+                                           ("fair_never_lifted", check_late_tenant)])
+def test_each_fair_share_probe_catches_what_the_2_to_1_run_misses(mistake, check):
+    """Siblings counted as one request, and a count never lifted, both pass the 2 : 1 run (shares within the
+    band there); the sibling run and the late-tenant run each fail one of them."""
+    check_tenant_shares(load(mistake))
+    with pytest.raises(PolicyBehaviourError, match=SIBLINGS if check is check_sibling_shares else LATE):
+        check(load(mistake))
+    check(load("reference_fair_share"))
 
 
 def test_the_victims_of_a_whole_run_are_judged_by_tenant():

@@ -2,7 +2,8 @@
 
     python exercises/capstone/grade.py [exercises/capstone/my_policy.py] [--examples N] [--no-hf] [--fair-share]
 
-The file must define exactly one `SchedulingPolicy` subclass, your own: importing, calling or subclassing
+The file must define exactly one `SchedulingPolicy` subclass, your own (its `admission_order` is also
+asked with an empty queue, and must return [] then): importing, calling or subclassing
 the engine's policies (FCFSPolicy, PriorityPolicy) is refused, naming the rule. In every part the policy
 may read the requests it is given, never change them (a write into `seq.priority` or any other field, or
 into the queue, fails naming the field). Three parts, in order:
@@ -12,12 +13,14 @@ into the queue, fails naming the field). Three parts, in order:
   2. behaviour, with new requests arriving while others run (minivllm/teaching/policy_behaviour.py):
      a more urgent request is admitted first; the least urgent is preempted (whichever arrived first);
      a low-priority request beside a stream of urgent arrivals, under memory pressure, starts within
-     a bounded number of steps and then finishes within twice the steps it needs alone; state kept
+     a bounded number of steps and then finishes within twice the steps it needs alone; the victim is
+     chosen by the aged urgency (an old request is not preempted for a fresh one it aged past); state kept
      per request is dropped once the request finished; under random load every request starts in
      bounded time and finishes. `--fair-share` grades the fair-share assignment instead of the three
-     priority rules (there `priority` is a tenant): two tenants sending at 2 : 1 each get about half
-     of the admissions while both wait, and the victim comes from the tenant holding the most
-     running requests (minivllm/teaching/capstone_fair_share.py);
+     priority rules (there `priority` is a tenant): while two tenants both wait each gets about half
+     of the admissions, whether they send at 2 : 1, one of them only n = 2 requests (each sibling is
+     an admission), or one came after the other had been alone for 40 steps; and the victim comes
+     from the tenant holding the most running requests (minivllm/teaching/capstone_fair_share.py);
   3. an engine scheduling with the policy on a tiny random model, under memory pressure (so requests
      are preempted and recomputed) and with mixed priorities: its greedy output must equal HF
      transformers' (teacher-forced).

@@ -7,6 +7,9 @@ Write ONE of these (or another idea your teacher agrees to):
     no longer keep a low-priority one waiting forever;
   * fair share: treat `seq.priority` as a tenant id; admit the request of the tenant that has been
     served least so far first, and preempt from the tenant that holds the most running requests.
+    Count each sequence admitted (the n siblings of an n > 1 request are n admissions), and lift the
+    count of a tenant that comes (back) to the lowest count of those that had work waiting: what a
+    tenant got while it was alone is no debt.
 
 Your policy may READ the requests and the queue it is given, never change them: no `seq.priority -= 1`,
 no attribute of your own on a request, no `candidates.sort()`. Keep what you need in your own state.
@@ -15,7 +18,8 @@ Write both methods yourself: importing, calling or subclassing the engine's `FCF
 
 The seam (`SchedulingPolicy`, minivllm/seams.py) asks your policy two questions in each step:
 
-  admission_order(waiting)    every waiting request exactly once, most urgent first
+  admission_order(waiting)    every waiting request exactly once, most urgent first; asked in every
+                              step that admits, also when `waiting` is empty: then return []
   choose_victim(candidates)   one of `candidates`: whom to preempt when the KV pool runs out
 
 Everything else stays in the Scheduler and holds for any policy: the token budget, chunked
@@ -36,13 +40,17 @@ requests arriving while others run:
     request that aged its way in must not be chosen as the victim for the newcomers it overtook
     (choose the victim by the same aged urgency, and keep the age while it runs and across a
     preemption);
+  * the victim by age: a priority-1 request that has run for 60 steps and a fresh priority-0 one
+    beside it: when the pool runs out, the fresh one is preempted (the old one aged past it);
   * stale state: what you keep per request is dropped once the request has finished (your policy is
     never told: prune in `admission_order`, which is called every step, reading `seq.is_finished`);
   * open load: random arrivals, mixed priorities, memory pressure: each request starts within 50
     steps and finishes.
-For fair share, add `--fair-share`: instead of the three priority rules, two tenants send requests at
-2 : 1 (the quieter one as n = 2 requests); while both wait each must get 40-60 % of the admissions, and
-each victim must belong to the tenant holding the most of the candidates.
+For fair share, add `--fair-share`: instead of the four priority rules, while two tenants both wait
+each must get 40-60 % of the admissions (a sequence each, siblings too), in three runs: tenants sending
+at 2 : 1 (the quieter one as n = 2 requests), one tenant sending only n = 2 requests, and a tenant alone
+for 40 steps joined by a busier one; and each victim must belong to the tenant holding the most of the
+candidates (or of the running requests).
 
 What a `Sequence` (minivllm/engine/request/sequence.py) tells you: `request_id`, `priority`,
 `arrival_index` (0, 1, 2, ... in arrival order; the n sequences of an n > 1 request share it and their
@@ -72,7 +80,8 @@ class MyPolicy(SchedulingPolicy):
 
     def admission_order(self, waiting: SequenceABC[Sequence]) -> list[Sequence]:
         # TODO: every request of `waiting` exactly once, the one to try first at the front.
-        # (`waiting` is in arrival order, with preempted requests in front.)
+        # (`waiting` is in arrival order, with preempted requests in front. It may be empty: the
+        # scheduler asks every step, so return [] then, e.g. no min() over it.)
         raise NotImplementedError
 
     def choose_victim(self, candidates: SequenceABC[Sequence]) -> Sequence:

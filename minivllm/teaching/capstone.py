@@ -5,14 +5,16 @@
 First the submission rule (teaching/capstone_cheats.py): the policy may not import, call or subclass the
 engine's own policies; it holds while every part runs. Then three parts, in order, each printing ✓ or
 raising AssertionError that names the rule broken. In all three the policy runs inside `WatchedPolicy`
-(teaching/capstone_watch.py): the seam's contract on every call, and no write into a request or a queue.
+(teaching/capstone_watch.py): the seam's contract on every call (an empty waiting queue answered with
+[], not an exception), and no write into a request or a queue.
   1. the scheduler's hypothesis state machine (teaching/scheduler_machine.py) under the policy, with
      random priorities: the seam's contract on every call, the block manager's invariants after every
      action, every request finishing at the end;
   2. behaviour (teaching/policy_behaviour.py): scenarios with open-loop arrivals that a policy can pass
-     the contract and still fail — priority order, the victim (both arrival orders), bounded wait to the
-     finish under memory pressure, stale state, open load; for `Assignment.FAIR_SHARE` the tenant rules
-     (teaching/capstone_fair_share.py: each tenant's share of admissions, the victims' tenant) instead
+     the contract and still fail — priority order, the victim (both arrival orders, and an old request
+     beside a fresh one), bounded wait to the finish under memory pressure, stale state, open load; for
+     `Assignment.FAIR_SHARE` the tenant rules (teaching/capstone_fair_share.py: each tenant's share of
+     admissions, siblings counted, a late tenant, the victims' tenant) instead
      of the priority ones;
   3. a real engine scheduling with the policy on a tiny random model, under memory pressure (requests
      are preempted and recomputed) and mixed priorities: its greedy output must equal HF
@@ -77,6 +79,7 @@ def grade_policy(make_policy: Callable[[], SchedulingPolicy], *, max_examples: i
     check_own_policy(type(probe))
     a, b = Sequence("a", [10, 11, 12], SamplingParams()), Sequence("b", [20, 21], SamplingParams())
     probe.admission_order([a, b]), probe.choose_victim([a, b])  # NotImplementedError: not written yet
+    WatchedPolicy(make_policy()).admission_order([])  # asked every step, empty queue too (capstone_watch.py)
 
     def watched() -> SchedulingPolicy:
         return WatchedPolicy(make_policy())
@@ -89,8 +92,8 @@ def grade_policy(make_policy: Callable[[], SchedulingPolicy], *, max_examples: i
     print(f"✓ 1/3 {name}: the scheduler's state machine ({max_examples} random runs): contract, requests "
           "unchanged, invariants, drain")
     check_policy_behaviour(make_policy, assignment)
-    rules = ("priority order, victim (both orders), bounded wait to the finish, " if assignment is Assignment.AGING
-             else "admission shares and victims by tenant, ")
+    rules = ("priority order, victim (both orders, by age), bounded wait to the finish, "
+             if assignment is Assignment.AGING else "admission shares (siblings, late tenant), victims by tenant, ")
     print(f"✓ 2/3 {name}: behaviour under open-loop arrivals ({assignment.value}): {rules}state pruned, "
           "open load")
     if hf:

@@ -19,6 +19,9 @@ call into the engine's own policies, however it was reached, fails naming the ru
 watched IS one of them: the behaviour checks also run FCFS and priority, to show what they miss).
 It also keeps each `choose_victim` call's candidates and answer (`victim_calls`) for graders that
 judge WHOM a policy preempted over a whole run (fair share: teaching/capstone_fair_share.py).
+The scheduler asks `admission_order` in every step that admits, with the queue as it is, empty too (the
+step after the last admission, the drain): a policy that raises there (`min()` of an empty queue) fails
+with that rule named (`PolicyContractError`), not with its traceback.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import Any, NamedTuple
 
-from minivllm.engine.core.scheduling_policy import CheckedPolicy, SchedulingPolicy
+from minivllm.engine.core.scheduling_policy import CheckedPolicy, PolicyContractError, SchedulingPolicy
 from minivllm.engine.request.sequence import Sequence
 from minivllm.teaching.capstone_cheats import POLICY_RULES, is_engine_policy
 from minivllm.teaching.submission_rules import Watch
@@ -37,6 +40,8 @@ from minivllm.teaching.submission_rules import Watch
 _MISSING = "<not set>"
 RULE = ("a policy reads the requests and the queue it is given and never changes them "
         "(keep what you need in your own state)")
+EMPTY_RULE = ("admission_order is asked every step that admits, also with an empty waiting queue (then it "
+              "returns [], and may prune its state as on any call)")
 
 
 class RequestChangedError(AssertionError):
@@ -91,7 +96,15 @@ class WatchedPolicy(CheckedPolicy):
     def admission_order(self, waiting: SequenceABC[Sequence]) -> list[Sequence]:
         before = self._snapshot(waiting)
         with self._watch() as watch:
-            order = super().admission_order(waiting)
+            try:
+                order = super().admission_order(waiting)
+            except (AssertionError, NotImplementedError):
+                raise
+            except Exception as error:  # a policy that only ever saw a queue with requests in it
+                if len(waiting):
+                    raise
+                raise PolicyContractError(f"{type(self.inner).__name__} broke a RULE: {EMPTY_RULE}; it raised "
+                                          f"{type(error).__name__}: {error}") from error
         self._check(watch)
         self._compare("admission_order", waiting, before)
         return order

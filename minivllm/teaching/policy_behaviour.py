@@ -34,13 +34,18 @@ the RULE and what was seen:
      one to preempt. The scheduler's anti-starvation hold cannot help here: it stops admission
      BEHIND a starving request in the policy's order, it never moves it forward
      (docs/concepts/scheduling.md);
-  4. stale state: after the scenarios (hundreds of requests finished), the policy's own containers
+  4. the victim by age: a priority-1 request has run alone for `VICTIM_AGE_STEPS` steps when a fresh
+     priority-0 one arrives; when the pool runs out under both, the fresh one is preempted. By the aged
+     urgency the docstring asks for (priority - age / K, with any K that passes rule 3: K < 25) the old
+     request is the more urgent; a victim rule on the raw `priority`, or an age lost once the request
+     runs, preempts it and throws away 60 steps of work for a newcomer;
+  5. stale state: after the scenarios (hundreds of requests finished), the policy's own containers
      (dicts, lists, sets held as attributes) hold at most `MAX_STATE_ENTRIES` entries: state kept per
      request must be dropped once the request has finished (`seq.is_finished`);
-  5. open load: random arrivals every step with mixed priorities (some n > 1) under memory pressure
+  6. open load: random arrivals every step with mixed priorities (some n > 1) under memory pressure
      (preemptions), enough that a policy without aging keeps a request out for over 60 steps; every
      request starts within `MAX_WAIT_STEPS` of arriving and finishes, and every block comes back.
-For `Assignment.FAIR_SHARE`, rules 1-3 are replaced by the tenant rules (teaching/capstone_fair_share.py).
+For `Assignment.FAIR_SHARE`, rules 1-4 are replaced by the tenant rules (teaching/capstone_fair_share.py).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ FINISH_SLACK = 2        # bounded wait to the finish: once started, within 2 x t
 BOUNDED_POOL_BLOCKS = 12  # the bounded-wait scenario's pool: the long request's 48 tokens fill it
 ARRIVAL_STEPS = 300     # urgent arrivals in the bounded-wait scenario: far past the bound
 BOUNDED_WAIT_LEVELS = ((2, 0), (0, -2))  # (the long request's priority, the arrivals'): aging is not one level's
+VICTIM_AGE_STEPS = 60   # the victim-by-age probe: how long the old request has run when the fresh one comes
 MAX_STATE_ENTRIES = 16  # entries the policy may still hold once (nearly) every request has finished
 
 
@@ -127,8 +133,30 @@ def check_bounded_wait(policy: SchedulingPolicy, low: int = 2, urgent: int = 0) 
                     f"{run.history(rid)}")
 
 
+def check_victim_by_age(make_policy: Callable[[], SchedulingPolicy]) -> None:
+    """Rule 4: an old priority-1 request (running `VICTIM_AGE_STEPS` steps) and a fresh priority-0 one, the
+    pool out of blocks under both: the fresh one is preempted (its aged urgency is the lower)."""
+    run = ScenarioRun(make_policy(), max_num_seqs=2, num_blocks=17)  # the old one's 62 tokens hold 16 blocks
+    old = run.add(prompt_len=2, max_tokens=80, priority=1)
+    for _ in range(VICTIM_AGE_STEPS):
+        run.step()
+    fresh = run.add(prompt_len=1, max_tokens=8, priority=0)
+    while not any(len(call.candidates) == 2 for call in run.watched.victim_calls):
+        assert run.step_no < VICTIM_AGE_STEPS + 20, "the probe's pool runs out under both within a few steps"
+        run.step()
+    call, now = next(call for call in run.watched.victim_calls if len(call.candidates) == 2), run.step_no - 1
+    if call.victim is not fresh:
+        raise fail(run.name,
+                    "the victim is chosen by the same aged urgency as the admission order, so an old request that "
+                    "aged past a fresh one (priority - age / K, the age kept while it runs) is not preempted for it",
+                    f"at step {now} {old.request_id} (priority 1) had been running since step 0, {fresh.request_id} "
+                    f"(priority 0) arrived at step {VICTIM_AGE_STEPS}; the pool ran out under both: your policy "
+                    f"preempted {call.victim.request_id}, the old one (a victim by raw `priority`, or an age lost "
+                    "once the request runs)")
+
+
 def check_state_pruned(policy: SchedulingPolicy, num_finished: int) -> None:
-    """Rule 4: no container attribute of the policy (one level deep) outgrows `MAX_STATE_ENTRIES`."""
+    """Rule 5: no container attribute of the policy (one level deep) outgrows `MAX_STATE_ENTRIES`."""
     sizes = {k: len(v) for k, v in vars(policy).items() if isinstance(v, Sized) and not isinstance(v, (str, bytes))}
     big = {k: n for k, n in sizes.items() if n > MAX_STATE_ENTRIES}
     if big:
@@ -140,7 +168,7 @@ def check_state_pruned(policy: SchedulingPolicy, num_finished: int) -> None:
 
 
 def check_open_load(policy: SchedulingPolicy, seed: int = 0, steps: int = 200) -> int:
-    """Rule 5: one random arrival per step under memory pressure; returns the requests run."""
+    """Rule 6: one random arrival per step under memory pressure; returns the requests run."""
     rng = random.Random(seed)
     run = ScenarioRun(policy, max_num_seqs=4, num_blocks=12, budget=16)
     for _ in range(steps):
@@ -173,6 +201,7 @@ def check_policy_behaviour(make_policy: Callable[[], SchedulingPolicy],
         policy = make_policy()
         for low, urgent in BOUNDED_WAIT_LEVELS:
             check_bounded_wait(policy, low, urgent)
+        check_victim_by_age(make_policy)
         check_state_pruned(policy, len(BOUNDED_WAIT_LEVELS) * (ARRIVAL_STEPS + 3))
     policy = make_policy()
     check_state_pruned(policy, check_open_load(policy))
