@@ -71,7 +71,8 @@ class SchedulingPolicy(abc.ABC):
     across priorities is the policy's job), and the rule that a victim is never a request already
     scheduled in this step (the candidates are the request that needs the block and the ones scheduled
     after it). A policy object lives as long as its engine, so it may keep state between steps; it is
-    never told that a request finished (prune in `admission_order`, called every step)."""
+    never told that a request finished (prune in `admission_order`, called every step that admits, with an
+    empty waiting queue too: then it returns [])."""
 
     name = "custom"
 
