@@ -95,16 +95,16 @@ class FloorRow(NamedTuple):
     ms_per_token: float  # measured, single stream
 
 
-def plot_bandwidth_floor(rows: Sequence[FloorRow], copy_gb_s: float, ax: Any = None) -> Any:
+def plot_bandwidth_floor(rows: Sequence[FloorRow], read_gb_s: float, ax: Any = None) -> Any:
     """Per precision: the measured time of a token, and the least it could take (every weight byte
-    read once, at the measured copy bandwidth)."""
+    read once, at the measured read bandwidth)."""
     ax = _axes(ax, 1.4 + 0.7 * len(rows))
     ys = range(len(rows))
-    floor = [1e3 * r.weight_bytes / (copy_gb_s * 1e9) for r in rows]
+    floor = [1e3 * r.weight_bytes / (read_gb_s * 1e9) for r in rows]
     measured = [r.ms_per_token for r in rows]
     ax.barh([y - 0.2 for y in ys], measured, height=0.38, color=OTHER, label="measured, one token")
     ax.barh([y + 0.2 for y in ys], floor, height=0.38, color=MATMUL,
-            label=f"floor: weight bytes / {copy_gb_s:.0f} GB/s")
+            label=f"floor: weight bytes / {read_gb_s:.0f} GB/s (read)")
     for y, (m, f) in enumerate(zip(measured, floor)):
         ax.text(m, y - 0.2, f"  {m:.1f} ms", va="center", fontsize=9)
         ax.text(f, y + 0.2, f"  {f:.1f} ms", va="center", fontsize=9)
@@ -126,7 +126,7 @@ class RooflinePoint(NamedTuple):
     gflop_s: float  # step_cost.achieved
 
 
-def plot_roofline(points: Sequence[RooflinePoint], copy_gb_s: float, gemm_gflop_s: Mapping[str, float],
+def plot_roofline(points: Sequence[RooflinePoint], read_gb_s: float, gemm_gflop_s: Mapping[str, float],
                   ax: Any = None) -> Any:
     """Log-log: x = FLOPs per byte of weights, y = matmul FLOP/s achieved. A roof per dtype:
     min(bandwidth * x, that dtype's GEMM peak); a point on its roof is as fast as the machine allows.
@@ -138,12 +138,12 @@ def plot_roofline(points: Sequence[RooflinePoint], copy_gb_s: float, gemm_gflop_
     xs = np.geomspace(x_lo, x_hi, 200)
     for dtype, peak in gemm_gflop_s.items():
         color = DTYPE_COLORS[dtype]
-        ax.plot(xs, np.minimum(copy_gb_s * xs, peak), color=color, lw=1.5, alpha=0.6)
+        ax.plot(xs, np.minimum(read_gb_s * xs, peak), color=color, lw=1.5, alpha=0.6)
         ax.text(x_hi, peak * 1.08, f"{dtype} GEMM peak {peak:.0f} GFLOP/s", ha="right", va="bottom",
                 fontsize=9, color=color)
     # Along the slope: its angle on screen is known only when drawn (log axes, final layout).
-    ax.text(0.4, copy_gb_s * 0.4 * 1.2, f"memory: {copy_gb_s:.0f} GB/s (copy)", fontsize=9, color="0.3",
-            rotation=np.degrees(np.arctan2(copy_gb_s, 1)), transform_rotates_text=True,
+    ax.text(0.4, read_gb_s * 0.4 * 1.2, f"memory: {read_gb_s:.0f} GB/s (read)", fontsize=9, color="0.3",
+            rotation=np.degrees(np.arctan2(read_gb_s, 1)), transform_rotates_text=True,
             rotation_mode="anchor", ha="left", va="bottom")
     markers = dict(zip(sorted({p.batch for p in points}), "osD^v<>"))
     for p in points:

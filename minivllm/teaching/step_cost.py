@@ -97,7 +97,7 @@ class OpTime(NamedTuple):
 
 class OpProfile(NamedTuple):
     steps: int
-    wall_s: float  # the steps under the profiler (which slows every op down a little)
+    wall_s: float  # the steps under the profiler (which adds its own cost to every op call)
     ops: list[OpTime]  # slowest first
 
     def seconds(self, matmul: bool) -> float:
