@@ -7,16 +7,21 @@ k-th rank, a filter that applies the temperature again, an allocator whose iter(
 CHEATS: whole files in tests/hands_on_mistakes/ that import, call or subclass the engine's own
 implementation of the part (under an alias, through a star import, by names built at run time), or a
 "kernel" that launches no @triton.jit function; each is refused naming the rule, by the source check,
-the MRO check or the watch on the calls (teaching/submission_rules.py)."""
+the MRO check or the watch on the calls (teaching/submission_rules.py). WRONG: whole files from a
+student walkthrough that passed, or were blamed on another rule: attention computed in torch around a
+copy kernel, q scaled in place, bf16 scores, a dropped 1-key last block, rows counted from 0, a filter
+that edits its logits, min-p before top-p, top-p's boundary at exactly top_p, a restore to the head."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from minivllm.teaching.grade_hands_on import grade
 from minivllm.teaching.hands_on import Assignment, AssignmentError, load_student
+from minivllm.layers.sampler import TopKTopPMinP
 from minivllm.teaching.hands_on_sampling import PURE_RULE, check_filter_in_engine
 from minivllm.teaching.submission_rules import RULES, source_violations
 from test_hands_on import SOLUTIONS, planted
@@ -98,7 +103,47 @@ def test_a_cheat_is_refused_naming_the_rule(assignment, name, says):
 def test_every_cheat_file_is_graded_here():
     """A cheat file nobody grades proves nothing (the speed_* files belong to the performance track)."""
     mine = {p.name for p in CHEATS_DIR.glob("*.py") if p.name.split("_")[0] in {a.value for a in Assignment}}
-    assert mine == {name for _, name, _ in CHEATS}
+    assert mine == {name for _, name, _ in CHEATS + WRONG}
+
+
+WRONG = [
+    # (assignment, file, what the message must say)
+    (Assignment.KERNEL, "kernel_torch_then_copy.py", ("the attention is computed in your kernel",
+                                                      "torch ran aten.bmm on a float tensor outside the kernel's")),
+    (Assignment.KERNEL, "kernel_blocks_exclusive.py", ("probe 'last block'", "ceil(n / block_size) blocks")),
+    (Assignment.ATTENTION, "attention_mutates_q.py", ("forward changes none of q, k and v in place", "q differ from")),
+    (Assignment.ATTENTION, "attention_bf16_scores.py", ("computed in fp32 whatever q's dtype", "'fp32 softmax'")),
+    (Assignment.ATTENTION, "attention_last_key_dropped.py", ("probe 'last block'", "ceil(n / block_size) blocks")),
+    (Assignment.ATTENTION, "attention_rows_from_zero.py", ("a decode row is the LAST position of its context",)),
+    (Assignment.FILTER, "filter_in_place.py", (PURE_RULE, "your filter changed ['logits'] in place")),
+    (Assignment.FILTER, "filter_min_p_first.py", ("probe 'in order'", "the three run in order")),
+    (Assignment.FILTER, "filter_top_p_boundary.py", ("probe 'top-p boundary'", "kept 2 tokens, expected 1")),
+    (Assignment.ALLOCATOR, "allocator_restore_to_head.py", ("not to the end nor to the head",
+                                                            "are at places [0, 1, 2] of your free list")),
+]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("assignment,name,says", WRONG, ids=lambda x: x if isinstance(x, str) else "")
+def test_a_wrong_solution_from_the_walkthrough_fails_naming_its_rule(assignment, name, says):
+    with pytest.raises(AssignmentError) as error:
+        grade(assignment, load_student(CHEATS_DIR / name, assignment), engine=False)
+    for words in says:
+        assert words in str(error.value), str(error.value)
+    assert "RULE" in str(error.value)
+
+
+def test_the_temperature_probe_names_another_rule_when_the_output_is_not_twice_tempered():
+    """A row at temperature 0.7 that differs from the reference, but not as the temperature applied twice
+    does, is named by its parameters' rule (here two filters on: their order)."""
+    from minivllm.teaching.hands_on_sampling import TEMPERATURE_RULE, rule_of_row, tempered_twice, tensors_for
+
+    rows, temperatures = ((10, 0.9, 0.05),), (0.7,)
+    logits, t = torch.randn(1, 64, generator=torch.Generator().manual_seed(0)) * 2.5, tensors_for(rows, temperatures)
+    twice = TopKTopPMinP()(logits / 0.7, t)
+    assert tempered_twice(twice, logits, t, 0)
+    assert not tempered_twice(TopKTopPMinP()(logits.clone(), tensors_for(((3, 1.0, 0.0),), temperatures)), logits, t, 0)
+    assert "run in order" in rule_of_row(10, 0.9, 0.05) and TEMPERATURE_RULE != rule_of_row(10, 0.9, 0.05)
 
 
 CORRECT = {"attention": ["tests/hands_on_solutions/attention.py", "exercises/hands_on/1_attention/my_attention.py"],
@@ -154,7 +199,6 @@ def test_the_command_line_refuses_a_cheat_with_exit_1(capsys):
 
 def test_the_watch_sees_a_launch_of_the_engines_kernel_and_puts_triton_back():
     """A launch is recorded by the kernel launched (its inside is not traced): the engine's is refused."""
-    import torch
     from triton.runtime.interpreter import InterpretedFunction
 
     from kernels.kv_cache_write import _kv_cache_write_kernel

@@ -39,7 +39,7 @@ CALL_RULES = {
     "revive": "revive(block) removes exactly that block from the free ones: a prefix-cache hit owns it again, and "
               "a block left on the free list would be handed to another request while still referenced",
     "restore": "restore([(block, stamp), ...]) frees a rolled-back step's blocks with their OLD stamps: each goes "
-               "back to its place in the LRU order, not to the end",
+               "back to its place in the LRU order by its stamp, not to the end nor to the head",
     "__iter__": "iter() lists each free block once, in the order take() would hand them out (the next one taken "
                 "first): the block manager and the engine's checks read the eviction order from it",
 }
@@ -82,6 +82,10 @@ def check_allocator_trace(make_allocator: Callable[[], BlockAllocator], num_trac
                                       f"{'; '.join(log[-12:])}")
             if got != want or listed != list(lru):
                 shown = f"returned {got!r}, LRU returns {want!r}; " if name == "take" else ""
+                if name == "restore" and args[0]:  # where the restored blocks went, and where they belong
+                    blocks = [b for b, _ in args[0]]
+                    shown = (f"the restored blocks {blocks} are at places {_places(listed, blocks)} of your free "
+                             f"list (0 = taken next), LRU's at {_places(list(lru), blocks)} of {len(listed)}; ")
                 raise AssignmentError(f"{who} broke a RULE: {CALL_RULES[name]}.\n  after {log[-1]}: {shown}free "
                                       f"blocks, "
                                       f"next first: {list(student)[:12]}, LRU's: {list(lru)[:12]}\n  calls: "
@@ -130,6 +134,11 @@ def check_allocator_trace(make_allocator: Callable[[], BlockAllocator], num_trac
                 back = sorted(((b, s) for b, s in before.items() if b not in stamps), key=lambda item: item[1])
                 stamps.update(back)
                 call("restore", back)
+
+
+def _places(free: list[int], blocks: list[int]) -> list[int | None]:
+    """Each block's index in the free list (None: not there)."""
+    return [free.index(b) if b in free else None for b in blocks]
 
 
 def _take_order(allocator: BlockAllocator) -> list[int] | None:

@@ -4,9 +4,7 @@
     check_backend_in_engine(MyBackend)      # then the real engine runs it: HF-exact tokens and logprobs
     KernelBackend(paged_attention, ...)     # a kernel function behind the same seam (assignment 2)
 
-A student's backend is plugged in through the engine's own seam (`AttentionBackend`,
-layers/attention_interface.py): `LLM(model, attention_backend=MyBackend(num_heads, num_kv_heads, head_dim))`.
-
+A backend is plugged in through the engine's seam: `LLM(model, attention_backend=MyBackend(...))`.
 The probes come first because the engine's verdict ("token 3 differs from HF's") says nothing about
 WHY. Each probe is one batch that adds one idea to the ones before it, so the first probe that fails
 names the rule broken:
@@ -14,7 +12,7 @@ names the rule broken:
     1 basics         one decode row, one KV head per query head, a context of exactly one block
     2 GQA            query heads share KV heads: head h reads KV head h // (num_heads // num_kv_heads)
     3 online softmax three full blocks, read one at a time: a later block's larger score rescales the sums
-    4 last block     a context ending inside its last block: the slots after it are not the request's
+    4 last block     a context whose last block holds one key: read it, and not the slots after it
     5 block table    blocks scattered over the pool: position p lives in block_tables[i][p // block_size]
     6 decode batch   several requests, a row each: each reads its own row of q and of block_tables
     7 causal         a prefill of several rows: each sees the keys up to its own position only
@@ -22,32 +20,32 @@ names the rule broken:
     9 mixed batch    prefill chunks and decode rows in one flat batch, each request its own context
    10 block size     the mixed batch again in blocks of 8: the block size is the pool's, not a constant
    11 head size      and with heads of 32: head_dim and the scale are the model's, not constants
+   12 fp32 softmax   the mixed batch in bf16 with large scores: computed in fp32, rounded once at the end
 
-Probes 1-9 use blocks of 4 and heads of 16 (the sizes the notebooks draw), so a size written into the
-code as a constant passes them and is named by 10 or 11.
-
-Each probe first checks the K/V store: the step's new k/v at `slot_mapping`, nothing else touched
-(not asked of a kernel: its `KernelBackend` stores them). The expected output is
-`naive_paged_attention` (kernels/paged_attention.py), the reference the engine's own kernels are tested
-against. Slots no request owns hold junk (large values), as in a real pool, so reading one shows.
+Probes 1-9 use blocks of 4 and heads of 16 (the notebooks' sizes): a size written as a constant is
+named by 10 or 11. Each probe also checks what the backend writes: the new k/v at `slot_mapping` and
+nothing else in the pool (a kernel's `KernelBackend` stores them; the kernel writes only its output),
+q, k and v unchanged; a kernel's torch code outside its launch may not compute (teaching/host_ops.py).
+The expected: `naive_paged_attention` in fp32. Slots no request owns hold junk, so reading one shows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model, tiny_model
+from minivllm.teaching.host_ops import TorchOps
 from minivllm.teaching.submission_rules import RULES, SubmissionRules, Watch
 
 # fp32 attention over <= 64 keys of values |v| < 6: each output sums <= 64 products, so rounding stays
 # below 64 * 6 * 1.2e-7 ~ 5e-5 relative to the reference's own; 1e-4 leaves room and catches any real mistake.
 ATOL = 1e-4
-# Assignment 2's function: paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
-KernelFn = Callable[..., torch.Tensor]
+KernelFn = Callable[..., torch.Tensor]  # paged_attention(q, k_cache, v_cache, block_tables, cu, ctx_lens, scale)
 
 
 @dataclass(frozen=True)
@@ -61,11 +59,14 @@ class Probe:
     scattered: bool = True  # blocks taken from all over the pool (else request i's blocks are 0, 1, 2, ...)
     block_size: int = 4
     head_dim: int = 16
+    dtype: torch.dtype = torch.float32  # of q, k, v and the pool
+    scores_x: float = 1.0  # q and every key scaled by it: scores of ~36 where a bf16 score is off by ~0.1
 
 
 MIXED_LONG = ((0, 9), (17, 1), (12, 3))  # a mixed batch whose contexts span blocks of 8 too
 PROBES = (
-    Probe("basics", "attention is softmax(q · kᵀ × scale) · v over every key of the request's context",
+    Probe("basics", "attention is softmax(q · kᵀ × scale) · v over every key of the request's context: a decode "
+          "row is the LAST position of its context (context_len - 1), so it sees all context_len keys",
           ((3, 1),), heads=(2, 2), scattered=False),
     Probe("GQA", "query head h reads KV head h // (num_heads // num_kv_heads) (grouped-query attention)",
           ((3, 1),), scattered=False),
@@ -74,7 +75,7 @@ PROBES = (
           "the result does not depend on how the keys are split into blocks", ((11, 1),), scattered=False),
     Probe("last block", "a context of n keys spans ceil(n / block_size) blocks, the last one partly filled: read "
           "its first slots up to the context's end, never the slots after it (another request's, or junk)",
-          ((5, 1),), scattered=False),
+          ((4, 1),), scattered=False),  # 5 keys: the last block holds 1 (a decode at pos % block_size == 0)
     Probe("block table", "position p's K/V live in physical block block_tables[i][p // block_size], at offset "
           "p % block_size: the blocks of a request are anywhere in the pool, in its table's order",
           ((9, 1),)),
@@ -93,9 +94,15 @@ PROBES = (
           MIXED_LONG, block_size=8),
     Probe("head size", "the head size is the model's (self.head_dim, the cache's last dimension) and the scale "
           "self.scale = head_dim ** -0.5, never constants", MIXED_LONG, heads=(2, 1), head_dim=32),
+    Probe("fp32 softmax", "scores, softmax and the weighted sum are computed in fp32 whatever q's dtype (the engine "
+          "runs bf16): cast q, k and v up (.float()) and round the output to q's dtype once at the end; in bf16 a "
+          "score of 36 is rounded by up to 0.125, its weight by 13%", MIXED_LONG, dtype=torch.bfloat16, scores_x=6.0),
 )
+BF16_RTOL, BF16_ATOL = 2.0 ** -7, 1e-3  # bf16 keeps 8 bits: one cast of the output is off <= 2^-8 |out| (2^-7 cut)
 STORE_RULE = ("forward stores each new row's k and v at its slot, meta.slot_mapping (flat slot = block * "
               "block_size + offset), in kv_cache[0] and kv_cache[1], and writes nowhere else")
+KERNEL_STORE_RULE = "the kernel reads k_cache and v_cache and writes only its output: the pool is the engine's"
+INPUT_RULE = "forward changes none of q, k and v in place (q is a view of the model's projection: scale a copy)"
 SHAPE_RULE = "forward returns a (num_tokens, num_heads * head_dim) tensor, one row per query row"
 
 
@@ -141,8 +148,9 @@ def make_case(probe: Probe, seed: int = 0) -> Case:
                              block_tables, query_lens, ctx_lens, block_size)
     # As in the model, q, k and v are views into one projection's output: strided, not contiguous.
     qkv = torch.randn(rows, Hq + 2 * Hkv, head_dim, generator=g)  # (T, Hq + 2 Hkv, D)
-    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=1)
-    return Case(q, k, v, kv_cache, meta)
+    qkv[:, :Hq + Hkv], kv_cache[0] = qkv[:, :Hq + Hkv] * probe.scores_x, kv_cache[0] * probe.scores_x  # q and keys
+    q, k, v = qkv.to(probe.dtype).split([Hq, Hkv, Hkv], dim=1)
+    return Case(q, k, v, kv_cache.to(probe.dtype), meta)
 
 
 def expected(case: Case, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +161,8 @@ def expected(case: Case, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     Hkv, D = cache.shape[-2:]
     cache[0].view(-1, Hkv, D)[case.meta.slot_mapping] = case.k
     cache[1].view(-1, Hkv, D)[case.meta.slot_mapping] = case.v
-    out = naive_paged_attention(case.q, cache[0], cache[1], case.meta.block_tables, case.meta.cu_seqlens_q,
-                                case.meta.context_lens, scale)
+    out = naive_paged_attention(case.q.float(), cache[0].float(), cache[1].float(), case.meta.block_tables,
+                                case.meta.cu_seqlens_q, case.meta.context_lens, scale)  # fp32 whatever the dtype
     return cache, out.reshape(out.shape[0], -1)
 
 
@@ -177,10 +185,12 @@ def check_backend_probes(make_backend: Callable[[int, int, int], AttentionBacken
         kv_cache = case.kv_cache.clone()
         meta = make_case(probe).meta  # a fresh copy: a backend may keep its plan in it
         qkv = torch.cat([case.q, case.k, case.v], dim=1)  # a copy of the same strided views: yours to change
-        q, k, v = qkv.split([case.q.shape[1], case.k.shape[1], case.v.shape[1]], dim=1)
-        watch = Watch(rules or RULES["attention"])
+        sizes = [case.q.shape[1], case.k.shape[1], case.v.shape[1]]  # Hq, Hkv, Hkv
+        q, k, v = qkv.split(sizes, dim=1)
+        given = qkv.clone()
+        watch, ops = Watch(rules or RULES["attention"]), TorchOps() if kernel_module else None
         try:
-            with watch:
+            with watch, ops or nullcontext():
                 backend.prepare(meta)
                 got = backend.forward(q, k, v, kv_cache, meta)
         except NotImplementedError:
@@ -191,19 +201,28 @@ def check_backend_probes(make_backend: Callable[[int, int, int], AttentionBacken
         watch.check(who)
         if kernel_module is not None:
             watch.check_own_kernel(who, kernel_module)
-        if check_store and not torch.equal(kv_cache, want_cache):
+            ops.check(who)
+        if not torch.equal(kv_cache, want_cache):
             wrong = (kv_cache != want_cache).any(-1).any(-1).view(2, -1).nonzero().tolist()[:6]
-            raise _fail(who, probe, STORE_RULE, f"(keys=0/values=1, flat slot) differing: {wrong}, the step's slots "
-                        f"were {case.meta.slot_mapping.tolist()}")
+            raise _fail(who, probe, STORE_RULE if check_store else KERNEL_STORE_RULE, f"(keys=0/values=1, flat "
+                        f"slot) differing: {wrong}, the step's slots were {case.meta.slot_mapping.tolist()}")
+        if not torch.equal(qkv, given):
+            changed = [n for n, a, b in zip("qkv", qkv.split(sizes, 1), given.split(sizes, 1)) if not torch.equal(a, b)]
+            raise _fail(who, probe, INPUT_RULE, f"after forward, {' and '.join(changed)} differ from what was passed")
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise _fail(who, probe, SHAPE_RULE, f"expected {tuple(want.shape)}, got {shape}")
-        diff = (got.float() - want).abs().nan_to_num(float("inf"))
-        if float(diff.max()) > ATOL:
-            row, col = divmod(int(diff.argmax()), want.shape[1])
+        low = probe.dtype != torch.float32  # then measured against what one rounding of the output allows
+        tolerance = want.abs() * BF16_RTOL + BF16_ATOL if low else torch.full_like(want, ATOL)
+        diff = (got.float() - want).abs().nan_to_num(float("inf"))  # (T, Hq * D)
+        over = diff / tolerance  # > 1 fails
+        if float(over.max()) > 1:
+            worst = int(over.argmax())
+            row, col = divmod(worst, want.shape[1])
             nan = " (your output has NaN)" if bool(got.isnan().any()) else ""
-            raise _fail(who, probe, probe.rule, f"largest difference {float(diff.max()):.3g} at row {row}, query "
-                        f"head {col // probe.head_dim}{nan}")
+            raise _fail(who, probe, probe.rule, f"largest difference {float(diff.view(-1)[worst]):.3g} ("
+                        f"{float(over.max()):.3g}x the tolerance) at row {row}, query head "
+                        f"{col // probe.head_dim}{nan}")
 
 
 class KernelBackend(AttentionBackend):
@@ -258,14 +277,13 @@ def check_backend_in_engine(make_backend: Callable[[int, int, int], AttentionBac
         llm = LLM(model_dir, dtype="float32", attention_backend=backend, block_size=ENGINE_BLOCK_SIZE[family],
                   num_kv_blocks=64, max_num_batched_tokens=8, warmup=False)
         hf = hf_model(model_dir)
-        first, *rest = ENGINE_PROMPTS
-        outs = llm.generate([{"prompt_token_ids": p} for p in [SHARED]], params, use_tqdm=False)
-        outs += llm.generate([{"prompt_token_ids": p} for p in [first, *rest]], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": SHARED}], params, use_tqdm=False)
+        outs += llm.generate([{"prompt_token_ids": p} for p in ENGINE_PROMPTS], params, use_tqdm=False)
         check_finished(who, outs)
         if llm.get_stats().prefix_cache_hits == 0:
             raise AssignmentError(f"{who}: no prefix-cache hit happened, so chunks after a cached prefix were "
                                   "not tested (did the backend change block_tables?)")
-        for prompt, out in zip([SHARED, first, *rest], outs):
+        for prompt, out in zip([SHARED, *ENGINE_PROMPTS], outs):
             tokens = out.outputs[0].token_ids
             try:
                 assert_hf_greedy(hf, prompt, tokens)

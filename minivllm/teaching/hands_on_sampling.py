@@ -14,9 +14,12 @@ softmax of what the filter returned, so what is graded is the DISTRIBUTION a row
 
 Each probe turns on one parameter (or all, or a mix per row) so that the first probe that fails names
 the rule broken; the expected answer is the engine's own filter, `TopKTopPMinP`, asked for that probe's
-parameters. Two probes aim at edges random logits never hit: a tie AT the k-th rank (ranks k and k + 1
-equal: both stay), and rows at temperatures other than 1 (the sampler has already divided the logits
-by the temperature: a filter that divides again keeps other tokens, or other probabilities).
+parameters. Three probes aim at edges random logits never hit: a tie AT the k-th rank (ranks k and k + 1
+equal: both stay), top tokens whose mass is EXACTLY top_p (probabilities 0.5, 0.25, 0.25 at top_p 0.5:
+the second is removed), and rows at temperatures other than 1 (the sampler has already divided the
+logits by the temperature: a filter that divides again keeps other tokens, or other probabilities; a
+row there that differs in another way is named by its parameters' rule). Every probe also checks that
+the filter changed neither the logits nor `sampling` in place.
 
 Then the engine runs the filter: seeded sampling must give the tokens the default gives. There the
 filter is compared with `TopKTopPMinP` on every call, on the engine's own logits, so a difference is
@@ -58,6 +61,7 @@ class FilterProbe:
     rows: tuple[tuple[int, float, float], ...]
     temperatures: tuple[float, ...] | None = None  # per row; None: 1 for every row
     tie_at_k: bool = False  # each row's ranks k and k + 1 hold equal logits
+    exact: tuple[tuple[float, ...], ...] = ()  # per row its first probabilities, exact in float32 (the rest ~0)
     dist_rule: str = DIST_RULE  # the rule a difference in probabilities alone (the right tokens kept) names
 
 
@@ -72,11 +76,15 @@ FILTER_PROBES = (
     FilterProbe("top-p", "top-p keeps the most likely tokens until their probability mass reaches top_p, the "
                 "token that crosses it included (so the top token is always kept)",
                 ((0, 0.5, 0.0), (0, 0.9, 0.0), (0, 0.05, 0.0))),
+    FilterProbe("top-p boundary", "top-p stops AT the token where the mass before it reaches top_p: a token is kept "
+                "only while the mass of the tokens before it is < top_p, so when the top tokens sum to exactly top_p "
+                "the next one is removed", ((0, 0.5, 0.0), (0, 0.75, 0.0)), exact=((0.5, 0.25, 0.25),
+                                                                                (0.5, 0.25, 0.125, 0.125))),
     FilterProbe("min-p", "min-p keeps the tokens whose probability is at least min_p times the top token's",
                 ((0, 1.0, 0.1), (0, 1.0, 0.5), (0, 1.0, 0.01))),
     FilterProbe("in order", "the three run in order, each on what the one before kept: top-p measures the mass "
                 "of the tokens top-k kept, renormalised (and min-p compares with the top token of what is left)",
-                ((10, 0.8, 0.0), (20, 0.6, 0.1), (5, 0.95, 0.2))),
+                ((10, 0.8, 0.0), (20, 0.6, 0.1), (5, 0.95, 0.2), (0, 0.9, 0.1), (0, 0.8, 0.05), (30, 0.7, 0.02))),
     FilterProbe("per row", "each row uses its own parameters, whatever the other rows of the batch ask",
                 ((3, 1.0, 0.0), (0, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.2), (8, 0.9, 0.05), (1, 0.5, 0.5))),
     FilterProbe("temperature", TEMPERATURE_RULE, ((0, 0.8, 0.0), (0, 1.0, 0.1), (10, 0.9, 0.05), (0, 0.6, 0.0)),
@@ -122,12 +130,30 @@ def row_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
     return None
 
 
-def _compare(who: str, probe: FilterProbe, got: torch.Tensor, want: torch.Tensor) -> None:
+def rule_of_row(k: int, p: float, m: float, vocab: int = VOCAB) -> str:
+    """The rule a wrong row points to by its parameters: the one it turns on, or, several on, their order."""
+    on = [n for n, active in (("top-k", 0 < k < vocab), ("top-p", p < 1.0), ("min-p", m > 0.0)) if active]
+    return {probe.name: probe.rule for probe in FILTER_PROBES}["off" if not on else on[0] if len(on) == 1 else
+                                                                "in order"]
+
+
+def tempered_twice(got: torch.Tensor, logits: torch.Tensor, sampling: SamplingTensors, r: int) -> bool:
+    """Whether row r of `got` is exactly what the reference gives on logits divided by the temperature again."""
+    temps = torch.where(sampling.temperatures > 0, sampling.temperatures, 1.0)[:, None]  # (R, 1)
+    return float(sampling.temperatures[r]) not in (0.0, 1.0) and \
+        row_difference(got[r], TopKTopPMinP()(logits / temps, sampling)[r]) is None
+
+
+def _compare(who: str, probe: FilterProbe, got: torch.Tensor, want: torch.Tensor, logits: torch.Tensor,
+             sampling: SamplingTensors) -> None:
     for r, (k, p, m) in enumerate(probe.rows):
         t = probe.temperatures[r] if probe.temperatures else 1.0
         differs = row_difference(got[r], want[r])
         if differs:  # a probability-only difference is DIST_RULE, except where the probe is about exactly that
             rule = probe.dist_rule if differs.startswith("the right") else probe.rule
+            if probe.temperatures and not probe.name.startswith("random"):  # the temperature probe: twice, or?
+                rule = TEMPERATURE_RULE if tempered_twice(got, logits, sampling, r) else \
+                    DIST_RULE if differs.startswith("the right") else rule_of_row(k, p, m)
             raise AssignmentError(f"{who} broke a RULE: {rule}.\n  probe '{probe.name}', row {r} (top_k={k}, "
                                   f"top_p={p}, min_p={m}, temperature={t}): {differs}")
 
@@ -148,11 +174,15 @@ def check_filter_probes(make_filter: Callable[[], SamplingFilter], seed: int = 0
     for n, probe in enumerate(probes):
         tie_at = tuple(k for k, _, _ in probe.rows) if probe.tie_at_k else ()
         logits = random_logits(len(probe.rows), seed + n, tie=probe.name == "top-k", tie_at=tie_at)
+        for r, probs in enumerate(probe.exact):  # powers of two: softmax gives them back exactly in float32
+            logits[r] = -50.0  # exp(-50) ~ 2e-22: the rest of the vocabulary adds nothing to the mass
+            logits[r, :len(probs)] = torch.tensor(probs).log()
         t = tensors_for(probe.rows, probe.temperatures)
-        watch = Watch(RULES["filter"])
+        watch, given = Watch(RULES["filter"]), logits.clone()
+        params = [x.clone() for x in (t.temperatures, t.top_ks, t.top_ps, t.min_ps)]
         try:
             with watch:
-                got = checked(logits.clone(), t)
+                got = checked(given, t)
         except AssertionError as error:  # FilterContractError: the seam's own rules
             raise AssignmentError(f"{who} broke a RULE: {KEEP_RULE}.\n  probe '{probe.name}' {probe.rows}, which "
                                   f"checks that {probe.rule}: {error}") from None
@@ -163,7 +193,13 @@ def check_filter_probes(make_filter: Callable[[], SamplingFilter], seed: int = 0
             raise AssignmentError(f"{who} broke a RULE: {probe.rule}.\n  probe '{probe.name}' {probe.rows}: your code "
                                   f"raised {type(error).__name__}: {error}") from error
         watch.check(who)
-        _compare(who, probe, got.float(), reference(logits.clone(), t))
+        changed = [n for n, a, b in zip(("temperatures", "top_ks", "top_ps", "min_ps"), params,
+                                        (t.temperatures, t.top_ks, t.top_ps, t.min_ps)) if not torch.equal(a, b)]
+        what = [f"sampling.{n}" for n in changed] + ([] if torch.equal(given, logits) else ["logits"])
+        if what:
+            raise AssignmentError(f"{who} broke a RULE: {PURE_RULE}.\n  probe '{probe.name}': your filter changed "
+                                  f"{what} in place (return a new tensor: out = logits.clone(), then edit out)")
+        _compare(who, probe, got.float(), reference(logits.clone(), t), logits, t)
 
 
 class ComparedFilter(SamplingFilter):
@@ -192,22 +228,16 @@ class ComparedFilter(SamplingFilter):
 
     def _diagnose(self, logits: torch.Tensor, sampling: SamplingTensors, got: torch.Tensor) -> str | None:
         want = self.reference(logits.clone(), sampling)
-        rules = {p.name: p.rule for p in FILTER_PROBES}
         for r in range(got.shape[0]):
             t, k, p, m = (float(sampling.temperatures[r]), int(sampling.top_ks[r]), float(sampling.top_ps[r]),
                           float(sampling.min_ps[r]))
             differs = None if t <= 0 else row_difference(got[r], want[r])  # greedy: the argmax, whatever returned
             if differs is None:
                 continue
-            temps = torch.where(sampling.temperatures > 0, sampling.temperatures, 1.0)[:, None]
-            if t != 1.0 and row_difference(got[r], self.reference(logits / temps, sampling)[r]) is None:
+            if tempered_twice(got, logits, sampling, r):
                 rule = TEMPERATURE_RULE  # exactly what the temperature applied twice gives
-            elif differs.startswith("the right"):
-                rule = DIST_RULE
             else:
-                on = [n for n, active in (("top-k", 0 < k < logits.shape[1]), ("top-p", p < 1.0), ("min-p", m > 0.0))
-                      if active]
-                rule = rules["off" if not on else on[0] if len(on) == 1 else "in order"]
+                rule = DIST_RULE if differs.startswith("the right") else rule_of_row(k, p, m, logits.shape[1])
             return (f"{rule}.\n  call {self.calls} of your filter, row {r} (top_k={k}, top_p={p:g}, min_p={m:g}, "
                     f"temperature={t:g}), on the engine's own logits: {differs}")
         return None

@@ -4,28 +4,25 @@ The rubric (docs/hands-on.md) scores 0 a solution that calls or subclasses the e
 implementation: a backend that hands its batch to `TorchAttentionBackend` passes every probe and
 teaches nothing. The graders refuse it, naming the rule, by three checks that cover for each other:
 
-  1. the source, before it runs (`check_source`): an import of a refused module or name under any
-     alias (`import m as x`, `from m import Name as Other`, `from m import sub`), a star import from the
-     project (`from minivllm... import *` hides what it brings in), an attribute with a refused name
+  1. the source, before it runs (`check_source`): an import of a refused module or name under any alias,
+     a star import from the project (it hides what it brings in), an attribute with a refused name
      (`sampler.TopKTopPMinP`), or a string naming one (`import_module("...")`, `getattr(m, "...")`);
   2. the classes it defines (`check_classes`): no refused class anywhere in their MRO;
   3. the calls (`Watch`): while the grader runs the student's code, a trace hook sees every Python
      function called, so a refused implementation reached any other way (an alias made at run time, a
-     helper that calls it) is named too. The same watch records each Triton kernel launched: the
-     kernel assignment must launch a `@triton.jit` function of its own file (`check_own_kernel`).
+     helper that calls it) is named too. The watch also records each Triton launch: the kernel
+     assignment launches a `@triton.jit` function of its own file (`check_own_kernel`) and computes the
+     attention in it, not in torch around it (teaching/host_ops.py: the watch pauses it in a launch).
 
-    check_source(path, RULES["filter"])        # before exec (hands_on.load_student); then check_classes(module, ...)
     with Watch(RULES["filter"]) as watch:      # around each call into the student's code
         out = student(logits, sampling)
-    watch.check(who)                           # each raises AssignmentError naming the rule;
-    watch.check_own_kernel(who, module_name)   # this one for the kernel assignment only
+    watch.check(who)                           # raises AssignmentError naming the rule
 
-What is refused, per part (`RULES`): the modules that implement it (refused whole, their submodules
-too), named objects in the modules a student does import (the seam's base class sits beside the
-engine's default), every project subclass of the seam (found at check time, so a new backend is
-covered without editing this file), and the graders themselves (minivllm.teaching, tests/). The
-engine's checkers (`CheckedFilter`, ...) are refused in the source and the MRO but not in the watch:
-the grader runs them around the student's code.
+What is refused, per part (`RULES`): the modules that implement it (refused whole, submodules too),
+named objects in the modules a student does import (the seam's base class sits beside the engine's
+default), every project subclass of the seam (found at check time), and the graders themselves
+(minivllm.teaching, tests/). The engine's checkers (`CheckedFilter`, ...) are refused in the source and
+the MRO but not in the watch: the grader runs them around the student's code.
 """
 
 from __future__ import annotations
@@ -38,6 +35,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType
+
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 GRADER_MODULES = ("minivllm.teaching", "tests")  # the graders and the reference solutions
@@ -269,7 +268,8 @@ class Watch:
             tracer = sys.gettrace()
             sys.settrace(None)  # the launch itself is not traced (see the class docstring)
             try:
-                return run(kernel, *args, **kwargs)
+                with _disable_current_modes():  # nor are its torch ops recorded (host_ops.py): the kernel's
+                    return run(kernel, *args, **kwargs)
             finally:
                 sys.settrace(tracer)
         return launch

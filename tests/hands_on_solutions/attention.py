@@ -24,17 +24,17 @@ class PagedAttention(AttentionBackend):
         v_pool = kv_cache[1].view(-1, Hkv, D)
         k_pool[meta.slot_mapping] = k
         v_pool[meta.slot_mapping] = v
-        out = q.new_zeros(q.shape[0], self.num_heads * D)
+        out = q.new_zeros(q.shape[0], self.num_heads * D, dtype=torch.float32)  # fp32 until the end
         start = 0
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
             blocks = meta.block_tables[i, :(ctx + bs - 1) // bs].long()  # ceil: the last block may be partial
             slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:ctx]  # (ctx,) flat slot of each key
-            keys = k_pool[slots].repeat_interleave(G, dim=1)  # (ctx, Hq, D): head h reads KV head h // G
-            values = v_pool[slots].repeat_interleave(G, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q[start:start + n], keys) * self.scale  # (Hq, n, ctx)
+            keys = k_pool[slots].float().repeat_interleave(G, dim=1)  # (ctx, Hq, D): head h reads KV head h // G
+            values = v_pool[slots].float().repeat_interleave(G, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[start:start + n].float(), keys) * self.scale  # (Hq, n, ctx)
             positions = torch.arange(ctx - n, ctx)  # the rows are the context's last n positions
             future = torch.arange(ctx)[None, :] > positions[:, None]  # (n, ctx): keys after the row
             weights = scores.masked_fill(future, float("-inf")).softmax(-1)
             out[start:start + n] = torch.einsum("hqk,khd->qhd", weights, values).reshape(n, -1)
             start += n
-        return out
+        return out.to(q.dtype)  # rounded once

@@ -29,7 +29,7 @@ def _paged_attention_row(
     ctx = tl.load(context_lens_ptr + seq)
     pos = ctx - q_len + (row - q_start)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d)  # (D,)
+    q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d).to(tl.float32)  # (D,)
     # --- online softmax over the blocks holding keys 0 .. pos ---
     m = tl.full([1], float("-inf"), tl.float32)  # running max
     l = tl.zeros([1], tl.float32)  # running sum of exp(score - m)
@@ -40,8 +40,8 @@ def _paged_attention_row(
         k_pos = j * BLOCK_SIZE + slots
         visible = k_pos <= pos  # causal (and never past the context: pos < ctx)
         offs = ((phys * BLOCK_SIZE + slots)[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=visible[:, None], other=0.0)  # (BLOCK_SIZE, D)
-        v = tl.load(v_cache_ptr + offs, mask=visible[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + offs, mask=visible[:, None], other=0.0).to(tl.float32)  # (BLOCK_SIZE, D)
+        v = tl.load(v_cache_ptr + offs, mask=visible[:, None], other=0.0).to(tl.float32)
         s = tl.where(visible, tl.sum(k * q[None, :], 1) * scale, float("-inf"))  # (BLOCK_SIZE,)
         m_new = tl.maximum(m, tl.max(s, 0))
         alpha = tl.exp(m - m_new)  # rescales what was summed under the old max

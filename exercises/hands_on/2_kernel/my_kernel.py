@@ -10,7 +10,7 @@ kernel only reads the pool. Suggested plan, one program per (query row, query he
         pos  = context_lens[seq] - query_len(seq) + (row - cu_seqlens_q[seq])   # the row's position
         q    = Q[row, head]                                                      # (HEAD_DIM,)
         m = -inf, l = 0, acc = 0                                                 # online softmax, fp32
-        for j in 0 .. pos // BLOCK_SIZE:                                         # blocks holding keys 0..pos
+        for j in range(pos // BLOCK_SIZE + 1):                                   # + 1: pos's own block too (inclusive)
             phys = block_tables[seq, j]
             K, V = k_cache[phys, :, kv_head], v_cache[phys, :, kv_head]           # (BLOCK_SIZE, HEAD_DIM)
             s = (K @ q) * scale, -inf where key position > pos
