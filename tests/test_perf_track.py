@@ -1,23 +1,28 @@
 """The performance track (teaching/perf_track.py) and the speed assignment (teaching/perf_speed.py).
 
 What is checked: the speed grader passes its reference and refuses each planted mistake naming its rule;
-the track refuses a wrong solution before timing anything; it runs end to end on correct solutions (tiny
-shapes, one trial: it only has to work) and writes the roofline PNG; its trials alternate in order and
-its figures are medians. Nothing here asserts a timing: timings belong to the command's output."""
+the track refuses a wrong solution before timing anything, and after timing refuses wrong timed results (a
+cache the grader did not see) and figures above the roof; its table never runs columns together; it runs end
+to end on correct solutions (tiny shapes, one trial: it only has to work) and writes the roofline PNG beside
+the file; its trials alternate in order and its figures are medians. Nothing here asserts a timing: timings
+belong to the command's output."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from minivllm.kernels.skinny_gemm import naive_skinny_gemm
 from minivllm.teaching import perf_measure
 from minivllm.teaching.hands_on import AssignmentError
 from minivllm.teaching.perf_measure import CaseResult, PerfResult, alternate
 from minivllm.teaching.perf_roofline import intensity
-from minivllm.teaching.perf_speed import check_speed_probes, engine_name_used, load_speed_solution
-from minivllm.teaching.perf_track import main
+from minivllm.teaching.perf_speed import (ROUND_ONCE_ULP, check_speed_probes, engine_name_used, load_speed_solution,
+                                          make_operands)
+from minivllm.teaching.perf_track import QUICK_BANNER, main, table
 from minivllm.teaching.perf_workloads import PerfSettings
 
 TESTS = Path(__file__).resolve().parent
@@ -28,7 +33,8 @@ QUICK = ["--quick", "--trials", "1", "--rounds", "1", "--set-mib", "1"]
 # Each planted mistake (tests/hands_on_mistakes/) and the probe (its rule) that must refuse it.
 SPEED_MISTAKES = [("speed_no_transpose.py", "probe 'one row'"), ("speed_row_tiles.py", "probe 'rows 1-8'"),
                   ("speed_ragged_out.py", "probe 'ragged out'"), ("speed_bf16_sum.py", "probe 'bf16 sums'"),
-                  ("speed_engine_kernel.py", "rule 'own kernel'")]
+                  ("speed_bf16_blocks.py", "probe 'bf16 round once'"), ("speed_memo.py", "probe 'x refilled'"),
+                  ("speed_reused_out.py", "probe 'results kept'"), ("speed_engine_kernel.py", "rule 'own kernel'")]
 
 
 def test_speed_reference_passes_the_probes():
@@ -133,3 +139,67 @@ def test_track_runs_on_each_hands_on_reference(part, reference, capsys):
     assert main([part, str(SOLUTIONS / reference), "--no-engine", *QUICK]) == 0
     out = capsys.readouterr().out
     assert "yours/engine" in out and "alternating" in out
+
+
+def test_round_once_probe_sums_exactly_in_fp32_and_a_bf16_running_sum_breaks_it():
+    x, weight = make_operands(2, 48, 2048, torch.bfloat16, exact_sums=True)  # (2, 2048), (48, 2048)
+    exact = x.double() @ weight.double().t()  # (2, 48): the true sums, exact in fp32 by construction
+    assert torch.equal((x.float() @ weight.float().t()).double(), exact)
+    want = naive_skinny_gemm(x, weight)
+    assert bool(((want.double() - exact).abs() <= ROUND_ONCE_ULP * exact.abs()).all())  # rounded once: <= 1 ulp
+    running = torch.zeros(2, 48, dtype=torch.bfloat16)
+    for k0 in range(0, 2048, 64):
+        running += x[:, k0:k0 + 64] @ weight[:, k0:k0 + 64].t()  # a bf16 running sum over fp32 blocks
+    assert float((running.double() - exact).abs().max()) > 100 * ROUND_ONCE_ULP * float(exact.abs().max())
+
+
+def test_x_is_contiguous_as_the_starter_says_and_the_probes_keep_that_promise(tmp_path):
+    starter = (TESTS.parent / "exercises" / "hands_on" / "5_speed" / "my_speed.py").read_text()
+    assert "x is contiguous" in starter
+    strict = tmp_path / "strict.py"
+    strict.write_text((SOLUTIONS / "speed.py").read_text().replace(
+        "    return torch.mm(x, packed)", "    assert x.is_contiguous()\n    return torch.mm(x, packed)"))
+    check_speed_probes(load_speed_solution(strict))
+
+
+@pytest.mark.parametrize("cache", ["speed_memo.py", "speed_reused_out.py"])
+def test_track_refuses_timed_results_a_cache_made_wrong(cache, capsys, monkeypatch):
+    monkeypatch.setattr("minivllm.teaching.perf_track.grade_first", lambda *a, **k: 0)  # as if the probes missed it
+    assert main(["speed", str(MISTAKES / cache), *QUICK]) == 1
+    out = capsys.readouterr().out
+    assert "no speed credited: a timed call returned a wrong result" in out and "yours/engine" not in out
+
+
+def fake_result(student_s: float, engine_s: float = 1e-4) -> PerfResult:
+    cases = [CaseResult("float32 1 row x 64x64", student_s, engine_s, 64 * 64 * 4),
+             CaseResult("bfloat16 8 rows x 64x64", 2e-6, 1e-6, 64 * 64 * 2)]
+    return PerfResult("speed", "mine.py", "skinny_gemm", 1, cases, 30.0)
+
+
+def test_a_figure_above_the_roof_is_flagged_and_earns_nothing(capsys, monkeypatch):
+    monkeypatch.setattr("minivllm.teaching.perf_track.alternate", lambda *a, **k: fake_result(1e-8))  # 1638 GB/s
+    assert main(["speed", str(SPEED), *QUICK]) == 1
+    out = capsys.readouterr().out
+    assert "WARNING: above 100 % of the limit" in out and "5461%!" in out
+    assert "no speed credited" in out and "cached" in out
+
+
+def test_table_columns_never_run_together_and_quick_says_it_is_no_measurement(tmp_path, capsys, monkeypatch):
+    rows = table(fake_result(1e-7, 1.216e-4)).splitlines()  # 1216x the engine's speed
+    assert all(len(re.split(r"\s{2,}", line.strip())) == 8 for line in rows)
+    assert "1216x" in rows[1]
+    trials = []
+    monkeypatch.setattr("minivllm.teaching.perf_track.alternate",
+                        lambda part, path, settings, n: trials.append(n) or fake_result(2e-6))
+    assert main(["speed", str(SPEED), "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert trials == [1] and out.count(QUICK_BANNER) >= 2 and "roofline saved" not in out
+
+
+def test_roofline_is_saved_beside_the_students_file_by_default(tmp_path, capsys, monkeypatch):
+    mine = tmp_path / "my_speed.py"
+    mine.write_text((SOLUTIONS / "speed.py").read_text())
+    monkeypatch.setattr("minivllm.teaching.perf_track.alternate", lambda *a, **k: fake_result(2e-6))
+    assert main(["speed", str(mine), "--trials", "1"]) == 0
+    assert (tmp_path / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"roofline saved to {tmp_path / 'roofline.png'}" in capsys.readouterr().out

@@ -36,10 +36,30 @@ from pathlib import Path
 
 import torch
 
+from minivllm.teaching.perf_speed import SpeedSolution, load_speed_solution
 from minivllm.teaching.perf_workloads import PerfSettings, TimedCase
 
 PARTS = ("attention", "kernel", "filter", "allocator", "speed")
 SIDES = ("student", "engine")
+
+
+def engine_speed_solution() -> tuple[SpeedSolution, str]:
+    """The engine's own few-row matmul here, and what it is in words: its C++ kernel where built, else F.linear."""
+    from minivllm.kernels.cpu_build import isa_level, load_cpu_kernels
+
+    build = load_cpu_kernels()
+    if build.available:
+        from minivllm.kernels.skinny_gemm import pack_skinny_weight, skinny_gemm
+
+        def matmul(x: torch.Tensor, packed: object, out_features: int) -> torch.Tensor:
+            return skinny_gemm(x, packed, out_features, None)
+
+        return SpeedSolution("skinny_gemm", pack_skinny_weight, matmul), f"skinny_gemm ({isa_level()} build)"
+
+    def linear(x: torch.Tensor, weight: object, out_features: int) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight)
+
+    return SpeedSolution("F.linear", lambda weight: weight, linear), f"F.linear (no C++ kernels: {build.detail})"
 
 
 def build_cases(part: str, side: str, path: str, settings: PerfSettings) -> tuple[list[TimedCase], str]:
@@ -49,8 +69,6 @@ def build_cases(part: str, side: str, path: str, settings: PerfSettings) -> tupl
 
     device = torch.device("cuda" if part == "kernel" else "cpu")
     if part == "speed":
-        from minivllm.teaching.perf_speed import engine_speed_solution, load_speed_solution
-
         solution, name = engine_speed_solution() if side == "engine" else (load_speed_solution(path), Path(path).name)
         return w.speed_cases(solution, settings), name
     if part in ("attention", "kernel"):
@@ -74,19 +92,22 @@ def build_cases(part: str, side: str, path: str, settings: PerfSettings) -> tupl
     return w.allocator_cases(cls, settings), cls.__name__
 
 
-def time_case(case: TimedCase, rounds: int) -> float:
-    """The fastest of `rounds` timed rounds, in seconds per unit, after one untimed round."""
-    case.run_round()
-    if case.sync:
-        case.sync()
-    times = []
-    for _ in range(rounds):
+def time_case(case: TimedCase, rounds: int) -> tuple[float, str | None]:
+    """The fastest of `rounds` timed rounds, in seconds per unit, after one untimed round; and the first wrong
+    result the case's check found in any round (None: every round's results were right)."""
+    times, wrong = [], None
+    for timed in [False] + [True] * rounds:
+        if case.refresh:
+            case.refresh()  # new inputs, untimed
         start = time.perf_counter()
         case.run_round()
         if case.sync:
             case.sync()
-        times.append((time.perf_counter() - start) / case.units)
-    return min(times)
+        if timed:
+            times.append((time.perf_counter() - start) / case.units)
+        if case.check and wrong is None:
+            wrong = case.check()  # untimed
+    return min(times), wrong
 
 
 def trial(part: str, side: str, path: str, settings: PerfSettings) -> dict:
@@ -94,19 +115,24 @@ def trial(part: str, side: str, path: str, settings: PerfSettings) -> dict:
     from minivllm.entrypoints.roofline import measure_read_bandwidth
 
     cases, name = build_cases(part, side, path, settings)
-    timed = [{"label": c.label, "seconds": time_case(c, settings.rounds), "bytes": c.bytes_per_unit} for c in cases]
+    timed = []
+    for c in cases:
+        seconds, wrong = time_case(c, settings.rounds)
+        timed.append({"label": c.label, "seconds": seconds, "bytes": c.bytes_per_unit, "wrong": wrong})
     read_gb_s = measure_read_bandwidth(settings.set_bytes)
     return {"side": side, "name": name, "cases": timed, "read_gb_s": read_gb_s}
 
 
 @dataclass(frozen=True)
 class CaseResult:
-    """One case's medians over the trials: seconds per unit on each side, bytes a unit must read (or None)."""
+    """One case's medians over the trials: seconds per unit on each side, bytes a unit must read (or None);
+    `wrong`: what was wrong with the student's timed results in some trial (None: always right)."""
 
     label: str
     student_s: float
     engine_s: float
     bytes_per_unit: int | None
+    wrong: str | None = None
 
     @property
     def ratio(self) -> float:
@@ -155,7 +181,8 @@ def alternate(part: str, path: str, settings: PerfSettings, trials: int) -> Perf
     cases = []
     for i, first in enumerate(runs["student"][0]["cases"]):
         med = {side: statistics.median(r["cases"][i]["seconds"] for r in runs[side]) for side in SIDES}
-        cases.append(CaseResult(first["label"], med["student"], med["engine"], first["bytes"]))
+        wrong = next((r["cases"][i].get("wrong") for r in runs["student"] if r["cases"][i].get("wrong")), None)
+        cases.append(CaseResult(first["label"], med["student"], med["engine"], first["bytes"], wrong))
     read = statistics.median(r["read_gb_s"] for side in SIDES for r in runs[side])
     return PerfResult(part, runs["student"][0]["name"], runs["engine"][0]["name"], trials, cases, read)
 

@@ -10,13 +10,19 @@ defines two functions:
                                                optional: without it `packed` is the weight itself
     few_row_matmul(x, packed, out_features)    (rows, in) -> (rows, out_features), timed
 
+x is always contiguous (row-major, x[m][k] at m * in + k): the engine's Linear layers receive fresh
+activations (a norm's, an activation's, attention's output), and its own kernel calls x.contiguous() anyway,
+so the probes never pass a strided view: a kernel may read x through its data pointer.
+
 Credit for speed goes only to correct code, so the probes below run first, each adding one idea to the
-ones before it, so the first that fails names the rule (as the other hands-on graders do). The expected
-answer is `naive_skinny_gemm`, the reference the engine's kernel is tested against. A submission that
+ones before it, so the first that fails names the rule (as the other hands-on graders do). Two call twice, as
+the engine does: it refills one activation buffer with each step's x (a result cached by pointer is stale),
+and it still holds a result when it asks for the next (an output buffer reused across calls overwrites it).
+The expected answer is `naive_skinny_gemm`, which the engine's kernel is tested against. A submission that
 uses the engine's own kernel (`skinny_gemm`, `torch.ops.minivllm_cpu`) is refused: ratio 1.0 by copying.
 
     python -m minivllm.teaching.perf_speed exercises/hands_on/5_speed/my_speed.py     # the probes alone
-    python -m minivllm.teaching.perf_track speed exercises/hands_on/5_speed/my_speed.py --plot roofline.png
+    python -m minivllm.teaching.perf_track speed exercises/hands_on/5_speed/my_speed.py   # then the timing
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,6 +50,18 @@ REFUSED_PACKAGES = ("minivllm.kernels", "minivllm.teaching", "tests")
 # bf16: both sides sum in fp32 and round once, so they differ by at most an ulp of y (2 ** -7 at 1-2);
 # summing in bf16 instead drifts by ~sqrt(in) * 2 ** -9 ~ 0.08 over 1536 terms, five times the tolerance.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2}
+# 'bf16 round once', derived: x = +-1 and W in multiples of 1/16 in [1, 2], so every partial sum (< 2 ** 12) is
+# exact in fp32 in any order, and rounding it once is off by <= one ulp of y <= 2 ** -7 |y| (8 significant bits).
+# A bf16 running sum climbs to ~1500 (ulp 8) before the second half of k cancels it to |y| < 4: 64-wide blocks
+# summed in bf16 ended 18 off (a per-element bf16 sum 515), about a thousand ulps of y.
+ROUND_ONCE_ULP = 2 ** -7
+
+
+class Calls(Enum):
+    """How a probe calls the solution: once; twice on one x buffer refilled in place; twice on two x."""
+    ONCE = "once"
+    X_REFILLED = "x refilled"
+    TWO_RESULTS = "two results"
 
 
 class SpeedSolution(NamedTuple):
@@ -63,6 +82,8 @@ class SpeedProbe:
     out_features: int
     in_features: int
     dtype: torch.dtype = torch.float32
+    calls: Calls = Calls.ONCE
+    exact_sums: bool = False  # operands whose fp32 sums are exact (the round-once probe)
 
 
 SPEED_PROBES = (
@@ -78,6 +99,16 @@ SPEED_PROBES = (
     SpeedProbe("bf16 sums", "bf16 x and W are multiplied and SUMMED in fp32, and y is rounded to bf16 once at the "
                "end (a bf16 running sum keeps 8 bits: over 1536 terms it drifts by ~0.1)", 3, 64, 1536,
                torch.bfloat16),
+    SpeedProbe("bf16 round once", "the fp32 sum runs over ALL of k and is rounded to bf16 once, at the end: a "
+               "running sum kept in bf16 (even per block of k) loses the low bits of every addition once it is "
+               "large, and here the partial sums reach ~1500 (bf16 ulp 8) before cancelling to |y| < 4",
+               2, 48, 2048, torch.bfloat16, exact_sums=True),
+    SpeedProbe("x refilled", "every call computes from x as it is NOW: the engine refills the same activation "
+               "buffer with the next step's x, so a result cached by x's data_ptr, shape or id is the previous "
+               "step's answer", 3, 32, 64, calls=Calls.X_REFILLED),
+    SpeedProbe("results kept", "each call returns a NEW tensor: the engine still holds the previous result "
+               "(the residual, the next layer's input) when it calls again, so an output buffer reused across "
+               "calls overwrites it", 3, 32, 64, calls=Calls.TWO_RESULTS),
     SpeedProbe("SmolLM2 shapes", "the model's own shapes, at 1, 5 and 8 rows, in fp32 and bf16 (everything "
                "above at once)", 8, 576, 576, torch.bfloat16),
 )
@@ -133,65 +164,91 @@ def load_speed_solution(path: str | Path) -> SpeedSolution:
     return SpeedSolution(path.stem, pack if callable(pack) else (lambda weight: weight), matmul)
 
 
-def engine_speed_solution() -> tuple[SpeedSolution, str]:
-    """The engine's own few-row matmul here, and what it is in words: its C++ kernel where built, else F.linear."""
-    from minivllm.kernels.cpu_build import isa_level, load_cpu_kernels
-
-    build = load_cpu_kernels()
-    if build.available:
-        from minivllm.kernels.skinny_gemm import pack_skinny_weight, skinny_gemm
-
-        def matmul(x: torch.Tensor, packed: object, out_features: int) -> torch.Tensor:
-            return skinny_gemm(x, packed, out_features, None)
-
-        return SpeedSolution("skinny_gemm", pack_skinny_weight, matmul), f"skinny_gemm ({isa_level()} build)"
-
-    def linear(x: torch.Tensor, weight: object, out_features: int) -> torch.Tensor:
-        return torch.nn.functional.linear(x, weight)
-
-    return SpeedSolution("F.linear", lambda weight: weight, linear), f"F.linear (no C++ kernels: {build.detail})"
-
-
 def make_operands(rows: int, out_features: int, in_features: int, dtype: torch.dtype,
-                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (rows, in) ~ N(0, 1) and W (out, in) ~ N(0, 1 / in), so y ~ N(0, 1) whatever the shape."""
+                  seed: int = 0, exact_sums: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, in) ~ N(0, 1) and W (out, in) ~ N(0, 1 / in), so y ~ N(0, 1) whatever the shape; contiguous.
+    `exact_sums`: x = +1 over the first half of k and -1 over the second, W in {1, 1 + 1/16, ..., 2} with its
+    second half within 1/16 of its first, so the partial sums climb high and cancel (see ROUND_ONCE_ULP)."""
     g = torch.Generator().manual_seed(seed)
+    if exact_sums:
+        half = in_features // 2  # the probe's in_features is even
+        x = torch.cat([torch.ones(rows, half), -torch.ones(rows, half)], dim=1)  # (rows, in)
+        first = 1 + torch.randint(0, 16, (out_features, half), generator=g) / 16  # (out, half)
+        second = first + torch.randint(-1, 2, (out_features, half), generator=g) / 16
+        return x.to(dtype), torch.cat([first, second], dim=1).to(dtype)  # (out, in)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     weight = (torch.randn(out_features, in_features, generator=g) * in_features ** -0.5).to(dtype)
     return x, weight
 
 
-def check_product(solution: SpeedSolution, rows: int, out_features: int, in_features: int, dtype: torch.dtype,
-                  rule: str, name: str, seed: int = 0) -> None:
-    """One product against the reference; raise `AssignmentError` naming `rule` (or the shapes rule)."""
-    x, weight = make_operands(rows, out_features, in_features, dtype, seed)
-    x_before, weight_before = x.clone(), weight.clone()
-    where = (f"probe '{name}' ({rows} row{'s' * (rows > 1)}, W {out_features} x {in_features}, "
-             f"{str(dtype).removeprefix('torch.')})")
+def mismatch(y: torch.Tensor, want: torch.Tensor, exact_sums: bool = False) -> str | None:
+    """Where `y` is furthest outside the tolerance around `want` (both (rows, out)), in words; None if nowhere."""
+    diff = (y.float() - want.float()).abs()
+    if exact_sums:
+        tol, says = ROUND_ONCE_ULP * (want.float().abs() + 1 / 16), "one bf16 ulp of y"
+    else:
+        tol, says = TOLERANCE[want.dtype] * (1 + want.float().abs()), f"{TOLERANCE[want.dtype]:g} relative"
+    if bool((diff <= tol).all()):  # NaN fails here too
+        return None
+    row, col = divmod(int((diff - tol).nan_to_num(float("inf")).argmax()), want.shape[1])
+    return f"y[{row}][{col}] = {float(y[row, col]):.5g}, expected {float(want[row, col]):.5g} (tolerance {says})"
+
+
+def crash_named(where: str, rule: str, function: Callable, *args: object) -> object:
+    """`function(*args)`, a crash reported under the probe's rule with its message (not written yet: as is)."""
     try:
-        y = solution.matmul(x, solution.pack(weight), out_features)
+        return function(*args)
     except NotImplementedError:
         raise
-    except Exception as error:  # a crash is reported under the probe's rule, with its message
+    except Exception as error:
         raise AssignmentError(f"{where}: rule: {rule}\n  your code raised {type(error).__name__}: {error}") from error
-    if not isinstance(y, torch.Tensor) or y.shape != (rows, out_features) or y.dtype != dtype:
+
+
+def call_once(solution: SpeedSolution, x: torch.Tensor, packed: object, weight: torch.Tensor, where: str,
+              rule: str) -> torch.Tensor:
+    """One call, its crash reported under `rule`, its result's shape and dtype and its inputs checked."""
+    rows, out_features = x.shape[0], weight.shape[0]
+    x_before, weight_before = x.clone(), weight.clone()
+    y = crash_named(where, rule, solution.matmul, x, packed, out_features)
+    if not isinstance(y, torch.Tensor) or y.shape != (rows, out_features) or y.dtype != x.dtype:
         got = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
-        raise AssignmentError(f"{where}: rule: {SHAPES_RULE}\n  expected ({rows}, {out_features}) {dtype}, got {got}")
+        raise AssignmentError(f"{where}: rule: {SHAPES_RULE}\n  expected ({rows}, {out_features}) {x.dtype}, "
+                              f"got {got}")
     if not (torch.equal(x, x_before) and torch.equal(weight, weight_before)):
         raise AssignmentError(f"{where}: rule: {SHAPES_RULE}\n  x or W changed during the call")
-    want = naive_skinny_gemm(x, weight)  # (rows, out)
-    diff = (y.float() - want.float()).abs()
-    tol = TOLERANCE[dtype] * (1 + want.float().abs())
-    if not bool((diff <= tol).all()):  # NaN fails here too
-        row, col = divmod(int((diff - tol).nan_to_num(float("inf")).argmax()), out_features)
-        raise AssignmentError(f"{where}: rule: {rule}\n  y[{row}][{col}] = {float(y[row, col]):.5g}, expected "
-                              f"{float(want[row, col]):.5g} (tolerance {TOLERANCE[dtype]:g} relative)")
+    return y
+
+
+def check_product(solution: SpeedSolution, rows: int, out_features: int, in_features: int, dtype: torch.dtype,
+                  rule: str, name: str, seed: int = 0, calls: Calls = Calls.ONCE, exact_sums: bool = False) -> None:
+    """One probe against the reference; raise `AssignmentError` naming `rule` (or the shapes rule)."""
+    x, weight = make_operands(rows, out_features, in_features, dtype, seed, exact_sums)
+    where = (f"probe '{name}' ({rows} row{'s' * (rows > 1)}, W {out_features} x {in_features}, "
+             f"{str(dtype).removeprefix('torch.')})")
+    packed = crash_named(where, rule, solution.pack, weight)
+    y = call_once(solution, x, packed, weight, where, rule)
+    wrong = mismatch(y, naive_skinny_gemm(x, weight), exact_sums)
+    if wrong is None and calls is not Calls.ONCE:
+        x2 = make_operands(rows, out_features, in_features, dtype, seed + 100)[0]  # (rows, in): other values
+        if calls is Calls.X_REFILLED:
+            x.copy_(x2)  # the same buffer, the next step's values
+            again = call_once(solution, x, packed, weight, where, rule)
+            wrong = mismatch(again, naive_skinny_gemm(x, weight))
+            wrong = wrong and f"second call, after x was refilled in place with new values: {wrong}"
+        else:
+            want_first = naive_skinny_gemm(x, weight)
+            call_once(solution, x2, packed, weight, where, rule)
+            wrong = mismatch(y, want_first)
+            wrong = wrong and f"the FIRST call's result, read after a second call with another x: {wrong}"
+    if wrong:
+        raise AssignmentError(f"{where}: rule: {rule}\n  {wrong}")
 
 
 def check_speed_probes(solution: SpeedSolution) -> None:
     """Every probe in order, the last with its mixes; raise `AssignmentError` at the first rule broken."""
     for probe in SPEED_PROBES:
-        check_product(solution, probe.rows, probe.out_features, probe.in_features, probe.dtype, probe.rule, probe.name)
+        check_product(solution, probe.rows, probe.out_features, probe.in_features, probe.dtype, probe.rule, probe.name,
+                      calls=probe.calls, exact_sums=probe.exact_sums)
     last = SPEED_PROBES[-1]
     for seed, (rows, out_f, in_f, dtype) in enumerate(MIXES, start=1):
         check_product(solution, rows, out_f, in_f, dtype, last.rule, last.name, seed)

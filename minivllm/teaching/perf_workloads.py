@@ -45,13 +45,17 @@ class PerfSettings:
 
 class TimedCase(NamedTuple):
     """One shape of one part: `run_round()` does `units` units of work; a unit must read `bytes_per_unit`
-    bytes (None: no bandwidth limit applies). `sync` waits for queued GPU work (None on CPU)."""
+    bytes (None: no bandwidth limit applies). `sync` waits for queued GPU work (None on CPU). Untimed, around
+    each round: `refresh()` gives the round new input values, `check()` says what was wrong with the round's
+    results (None: all right), so speed is measured on fresh inputs and credited only to right answers."""
 
     label: str
     run_round: Callable[[], None]
     units: int
     bytes_per_unit: int | None
     sync: Callable[[], None] | None = None
+    refresh: Callable[[], None] | None = None
+    check: Callable[[], str | None] | None = None
 
 
 def copies_for(one_bytes: int, settings: PerfSettings) -> int:
@@ -221,24 +225,45 @@ SPEED_ROWS = (1, 4, 8)
 
 def speed_cases(solution: object, settings: PerfSettings) -> list[TimedCase]:
     """`solution.matmul(x, packed, out)` over a rotating set of weights packed by `solution.pack`, fp32 and
-    bf16, at 1, 4 and 8 rows (quick: a 64 x 64 weight, 1 and 8 rows)."""
+    bf16, at 1, 4 and 8 rows (quick: a 64 x 64 weight, 1 and 8 rows).
+
+    Each weight has its own x buffer, refilled with new values before every round, and every result of a
+    round is kept and checked against `naive_skinny_gemm` after it (untimed), as the engine refills its
+    activations every step and still holds each result: a cache of results (by pointer or by value) or an
+    output buffer reused across calls cannot make a round faster without making it wrong."""
+    from minivllm.kernels.skinny_gemm import naive_skinny_gemm
+    from minivllm.teaching.perf_speed import mismatch
+
     out_f, in_f = (64, 64) if settings.quick else SPEED_WEIGHT
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator().manual_seed(0)
         one = out_f * in_f * torch.finfo(dtype).bits // 8
         weights = [(torch.randn(out_f, in_f, generator=g) * in_f ** -0.5).to(dtype)
-                   for _ in range(copies_for(one, settings))]  # (out, in) each
+                   for _ in range(copies_for(one, settings))]  # (out, in) each, kept for the check
         packed = [solution.pack(w) for w in weights]
-        del weights
         for rows in (1, 8) if settings.quick else SPEED_ROWS:
-            x = torch.randn(rows, in_f, generator=g).to(dtype)  # (rows, in)
+            xs = [torch.empty(rows, in_f, dtype=dtype) for _ in weights]  # (rows, in) each, one per weight
+            results: list = [None] * len(weights)
 
-            def run_round(x=x, packed=packed) -> None:
-                for p in packed:
-                    solution.matmul(x, p, out_f)
+            def refresh(xs=xs, g=g) -> None:
+                for x in xs:
+                    x.copy_(torch.randn(x.shape, generator=g))  # the same buffers, new values
+
+            def run_round(xs=xs, packed=packed, results=results) -> None:
+                for i, (x, p) in enumerate(zip(xs, packed)):
+                    results[i] = solution.matmul(x, p, out_f)
+
+            def check(xs=xs, weights=weights, results=results) -> str | None:
+                for i, (x, w, y) in enumerate(zip(xs, weights, results)):
+                    want = naive_skinny_gemm(x, w)  # (rows, out)
+                    ok = isinstance(y, torch.Tensor) and y.shape == want.shape and y.dtype == want.dtype
+                    wrong = mismatch(y, want) if ok else f"returned {getattr(y, 'shape', type(y).__name__)}"
+                    if wrong:
+                        return f"call {i + 1} of {len(xs)} in a timed round: {wrong}"
+                return None
 
             name = str(dtype).removeprefix("torch.")
             cases.append(TimedCase(f"{name} {rows} row{'s' * (rows > 1)} x {out_f}x{in_f}", run_round, len(packed),
-                                   one))
+                                   one, refresh=refresh, check=check))
     return cases

@@ -1,5 +1,5 @@
 """Reference solution, hands-on 5: the few-row matmul y = x W^T in plain torch, weight read as one stream (graded
-by `python -m minivllm.teaching.perf_track speed tests/hands_on_solutions/speed.py`).
+by `python -m minivllm.teaching.perf_speed tests/hands_on_solutions/speed.py`, timed by `... perf_track speed`).
 
 Packing W once as W^T, (in, out) contiguous, turns the product into "for each k, add x[:, k] times row k of
 W^T": one front-to-back read of the weight, every row of x sharing it, no horizontal sums (the layout the

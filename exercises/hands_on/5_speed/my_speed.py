@@ -16,15 +16,20 @@ Write two functions:
     starter returns W unchanged.
   * few_row_matmul(x, packed, out_features) -> y: timed. x's dtype is float32 or bfloat16 (W's is the
     same); y is x's dtype, (rows, out_features). Sum in fp32 even for bf16, rounding once at the end.
+    x is contiguous (row-major: x[m][k] at m * in + k), as every Linear's input in the engine is, so C++ may
+    read it through x.data_ptr(). Compute every call from x as it is now (the engine refills the same x
+    buffer every step: no cached results) and return a new tensor each time (the engine still holds the
+    last result: no output buffer reused across calls).
 
 Plain torch is fine; so is C++ through torch.utils.cpp_extension.load_inline (AVX2 + FMA intrinsics run on
 every student's x86-64 laptop; README.md beside this file sketches one). The engine's own kernel
 (skinny_gemm, torch.ops.minivllm_cpu) is off limits: the grader refuses a file whose code names it.
 
 Grade:  python -m minivllm.teaching.perf_speed exercises/hands_on/5_speed/my_speed.py        (correctness)
-Speed:  python -m minivllm.teaching.perf_track speed exercises/hands_on/5_speed/my_speed.py --plot roofline.png
+Time:   python -m minivllm.teaching.perf_track speed exercises/hands_on/5_speed/my_speed.py
         (correctness first, then yours and the engine's in alternating fresh processes, medians: the ratio,
-        the fraction of the read bandwidth, and the roofline; docs/performance-track.md)
+        the fraction of the read bandwidth; the roofline saved as roofline.png beside this file;
+        docs/performance-track.md)
 """
 
 from __future__ import annotations
