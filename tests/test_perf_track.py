@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.skinny_gemm import naive_skinny_gemm
 from minivllm.teaching import perf_measure
 from minivllm.teaching.hands_on import AssignmentError
 from minivllm.teaching.perf_measure import CaseResult, PerfResult, alternate
 from minivllm.teaching.perf_roofline import intensity
-from minivllm.teaching.perf_speed import (ROUND_ONCE_ULP, check_speed_probes, engine_name_used, load_speed_solution,
-                                          make_operands)
+from minivllm.teaching.perf_speed import ROUND_ONCE_ULP, check_speed_probes, load_speed_solution, make_operands
 from minivllm.teaching.perf_track import QUICK_BANNER, main, refusal, table
 from minivllm.teaching.perf_workloads import PerfSettings
+from minivllm.teaching.submission_rules import RULES, source_violations
 
 TESTS = Path(__file__).resolve().parent
 SOLUTIONS, MISTAKES = TESTS / "hands_on_solutions", TESTS / "hands_on_mistakes"
@@ -34,7 +35,9 @@ QUICK = ["--quick", "--trials", "1", "--rounds", "1", "--set-mib", "1"]
 SPEED_MISTAKES = [("speed_no_transpose.py", "probe 'one row'"), ("speed_row_tiles.py", "probe 'rows 1-8'"),
                   ("speed_ragged_out.py", "probe 'ragged out'"), ("speed_bf16_sum.py", "probe 'bf16 sums'"),
                   ("speed_bf16_blocks.py", "probe 'bf16 round once'"), ("speed_memo.py", "probe 'x refilled'"),
-                  ("speed_reused_out.py", "probe 'results kept'"), ("speed_engine_kernel.py", "rule 'own kernel'")]
+                  ("speed_reused_out.py", "probe 'results kept'"), ("speed_engine_kernel.py", "RULE: the speed assignment is written by you"),
+                  ("speed_runtime_names.py", "called minivllm.kernels.")]
+OWN_KERNEL_RULE = "RULE: the speed assignment is written by you"
 
 
 def test_speed_reference_passes_the_probes():
@@ -54,15 +57,24 @@ def test_speed_probes_refuse_each_planted_mistake_by_its_rule(mistake, rule):
 
 
 def test_engine_names_are_found_in_code_not_in_comments():
-    assert engine_name_used("import torch\ny = torch.ops.minivllm_cpu.skinny_gemm(x, w, 4, None)") in (
-        "minivllm_cpu", "skinny_gemm")
-    assert engine_name_used("import torch\nop = getattr(torch.ops, 'minivllm_cpu')") == "minivllm_cpu"
-    found = engine_name_used("m = importlib.import_module('minivllm.kernels.skinny_gemm')")
-    assert found.startswith("minivllm.kernels")
-    assert engine_name_used("from minivllm.kernels import skinny_gemm as s") == "minivllm.kernels"
-    assert engine_name_used("from tests.hands_on_solutions.speed import few_row_matmul").startswith("tests.")
-    assert engine_name_used("import testsuite\nimport torch") is None
-    assert engine_name_used('"""Faster than skinny_gemm? Not yet."""\n# skinny_gemm packs 16 columns\nx = 1') is None
+    rules = RULES["speed"]
+    assert source_violations("import torch\ny = torch.ops.minivllm_cpu.skinny_gemm(x, w, 4, None)", rules)
+    assert source_violations("import torch\nop = getattr(torch.ops, 'minivllm_cpu')", rules)
+    assert source_violations("m = importlib.import_module('minivllm.kernels.skinny_gemm')", rules)
+    assert source_violations("from minivllm.kernels import skinny_gemm as s", rules)
+    assert source_violations("from tests.hands_on_solutions.speed import few_row_matmul", rules)
+    assert source_violations("import testsuite\nimport torch", rules) == []
+    assert source_violations('"""Faster than skinny_gemm? Not yet."""\n# skinny_gemm packs 16 columns\nx = 1', rules) == []
+
+
+def test_the_engine_op_reached_by_a_name_built_at_run_time_is_refused():
+    """No import, name or string in the file names the op, and no Python frame of the engine runs: the
+    dispatcher sees torch.ops.minivllm_cpu (loaded here, as the track loads it to time the engine)."""
+    if not load_cpu_kernels().available:
+        pytest.skip("the engine's CPU kernels are not built on this machine (no C++ compiler)")
+    with pytest.raises(AssignmentError, match=OWN_KERNEL_RULE) as error:
+        check_speed_probes(load_speed_solution(MISTAKES / "speed_compiled_op.py"))
+    assert "it ran torch.ops.minivllm_cpu.skinny_gemm" in str(error.value)
 
 
 @pytest.mark.parametrize("mistake, rule", SPEED_MISTAKES[:2] + SPEED_MISTAKES[-1:],

@@ -19,7 +19,10 @@ ones before it, so the first that fails names the rule (as the other hands-on gr
 the engine does: it refills one activation buffer with each step's x (a result cached by pointer is stale),
 and it still holds a result when it asks for the next (an output buffer reused across calls overwrites it).
 The expected answer is `naive_skinny_gemm`, which the engine's kernel is tested against. A submission that
-uses the engine's own kernel (`skinny_gemm`, `torch.ops.minivllm_cpu`) is refused: ratio 1.0 by copying.
+uses the engine's own kernel (`skinny_gemm`, `torch.ops.minivllm_cpu`) is refused: ratio 1.0 by copying. The
+rule is the hands-on graders' (teaching/submission_rules.py, `RULES["speed"]`): the source before it runs, its
+classes, and a watch on every call (Python frames, and the dispatcher for the compiled ops), so a name built at
+run time (`importlib.import_module("minivllm." + "kern" + ...)`) is caught when it is called.
 
     python -m minivllm.teaching.perf_speed exercises/hands_on/5_speed/my_speed.py     # the probes alone
     python -m minivllm.teaching.perf_track speed exercises/hands_on/5_speed/my_speed.py   # then the timing
@@ -27,7 +30,6 @@ uses the engine's own kernel (`skinny_gemm`, `torch.ops.minivllm_cpu`) is refuse
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -37,15 +39,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minivllm.kernels.skinny_gemm import naive_skinny_gemm
-from minivllm.teaching.hands_on import AssignmentError
+from minivllm.teaching.submission_rules import RULES, AssignmentError, Watch, check_classes, check_source
 
 MATMUL_FUNCTION, PACK_FUNCTION = "few_row_matmul", "pack_weight"
-# What a submission's code may not name (its comments and docstrings may): the engine's kernel, its packing,
-# its op library, the package they live in, and the graders with their reference solutions.
-ENGINE_NAMES = frozenset({"skinny_gemm", "pack_skinny_weight", "minivllm_cpu"})
-REFUSED_PACKAGES = ("minivllm.kernels", "minivllm.teaching", "tests")
+ENGINE_OPS = "minivllm_cpu"  # the namespace of the engine's compiled ops (torch.ops.minivllm_cpu)
 # y ~ N(0, 1) (W is scaled by in ** -0.5). fp32: another summation order moves y by ~in * 6e-8 < 1e-4.
 # bf16: both sides sum in fp32 and round once, so they differ by at most an ulp of y (2 ** -7 at 1-2);
 # summing in bf16 instead drifts by ~sqrt(in) * 2 ** -9 ~ 0.08 over 1536 terms, five times the tolerance.
@@ -118,27 +118,33 @@ MIXES = ((1, 192, 576, torch.float32), (5, 1536, 576, torch.float32), (8, 576, 1
          (1, 3072, 576, torch.bfloat16), (5, 576, 576, torch.float32))
 
 
-def engine_name_used(source: str) -> str | None:
-    """The first name of the engine's kernel that `source`'s code imports or uses (not its comments), or None:
-    an import of its package (or of the graders'), a name or attribute `skinny_gemm` / `minivllm_cpu`, or
-    such a string."""
-    def engine(word: object) -> bool:
-        return isinstance(word, str) and (word in ENGINE_NAMES or any(
-            word == package or word.startswith(package + ".") for package in REFUSED_PACKAGES))
+class EngineOps(TorchDispatchMode):
+    """Records the engine's compiled ops (torch.ops.minivllm_cpu) run while open. The watch on the calls sees only
+    Python frames; the dispatcher sees every op, so an op reached by a name built at run time is named too."""
 
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and engine(node.module):
-            return node.module
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            words = [a.name for a in node.names]
-        elif isinstance(node, ast.Name | ast.Attribute | ast.Constant):
-            words = [getattr(node, {ast.Name: "id", ast.Attribute: "attr", ast.Constant: "value"}[type(node)])]
-        else:
-            continue
-        found = [w for w in words if engine(w)]
-        if found:
-            return found[0]
-    return None
+    def __init__(self) -> None:
+        super().__init__()
+        self.used: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == ENGINE_OPS:
+            self.used.append(f"torch.ops.{func.namespace}.{func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+    def check(self, who: str) -> None:
+        if self.used:
+            raise AssignmentError(f"{who} broke a RULE: {RULES['speed'].rule}.\n  while the grader ran your code, "
+                                  f"it ran {self.used[0]}")
+
+
+def watched(who: str, function: Callable, *args: object) -> object:
+    """`function(*args)` under the speed rule's watch: a call into the engine's kernels (its Python, its compiled
+    ops) raises `AssignmentError` after it returns, however the name was reached."""
+    with Watch(RULES["speed"]) as watch, EngineOps() as ops:
+        result = function(*args)
+    watch.check(who)
+    ops.check(who)
+    return result
 
 
 def load_speed_solution(path: str | Path) -> SpeedSolution:
@@ -146,16 +152,13 @@ def load_speed_solution(path: str | Path) -> SpeedSolution:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (the starter is exercises/hands_on/5_speed/my_speed.py)")
-    named = engine_name_used(path.read_text())
-    if named:
-        raise AssignmentError(f"{path}: rule 'own kernel': the speed assignment is your own matmul; it may not "
-                              f"use the engine's or the graders' (your code names {named!r}): that would score "
-                              "their speed, not yours")
+    check_source(path, RULES["speed"])
     name = f"hands_on_speed_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    watched(str(path), spec.loader.exec_module, module)
+    check_classes(module, RULES["speed"])
     matmul = getattr(module, MATMUL_FUNCTION, None)
     if not callable(matmul):
         raise AssignmentError(f"{path}: define a function `{MATMUL_FUNCTION}(x, packed, out_features)` (the starter "
@@ -195,10 +198,11 @@ def mismatch(y: torch.Tensor, want: torch.Tensor, exact_sums: bool = False) -> s
 
 
 def crash_named(where: str, rule: str, function: Callable, *args: object) -> object:
-    """`function(*args)`, a crash reported under the probe's rule with its message (not written yet: as is)."""
+    """`function(*args)` watched, a crash reported under the probe's rule with its message (not written yet: as
+    is)."""
     try:
-        return function(*args)
-    except NotImplementedError:
+        return watched(where, function, *args)
+    except (NotImplementedError, AssignmentError):
         raise
     except Exception as error:
         raise AssignmentError(f"{where}: rule: {rule}\n  your code raised {type(error).__name__}: {error}") from error

@@ -54,7 +54,8 @@ class SubmissionRules:
 
     part: str  # the assignment, as `grade_hands_on` names it
     summary: str  # what is refused, as a student reads it in the rule
-    seam: str  # dotted path of the base class a submission subclasses (allowed); its project subclasses are not
+    seam: str | None  # dotted path of the base class a submission subclasses (allowed; its project subclasses are
+    # not), or None where the part is plain functions (the speed assignment)
     modules: tuple[str, ...]  # refused whole, submodules included
     names: tuple[str, ...] = ()  # dotted paths of refused objects inside modules a submission may import
     wrappers: tuple[str, ...] = ()  # the engine's checkers: refused in source and MRO, but they run around the student
@@ -88,6 +89,11 @@ RULES = {
         "minivllm.seams.BlockAllocator", ("kernels",),
         tuple(_BLOCKS + n for n in ("LRUAllocator", "JournaledAllocator", "get_allocator")),
         (_BLOCKS + "CheckedAllocator",)),
+    "speed": SubmissionRules(
+        "speed", "skinny_gemm, pack_skinny_weight, every kernel in kernels/ and torch.ops.minivllm_cpu: copying them "
+        "would score the engine's speed, not yours", None, ("minivllm.kernels", "kernels"),
+        ("minivllm.kernels.skinny_gemm.skinny_gemm", "minivllm.kernels.skinny_gemm.pack_skinny_weight",
+         "torch.ops.minivllm_cpu")),
     "policy": SubmissionRules(
         "policy", "PriorityPolicy, FCFSPolicy, CheckedPolicy, get_policy, kernels/", "minivllm.seams.SchedulingPolicy",
         ("kernels",), tuple(_POLICY + n for n in ("PriorityPolicy", "FCFSPolicy", "get_policy")),
@@ -127,7 +133,7 @@ class _Refused:
 def _refused(rules: SubmissionRules) -> _Refused:
     for module in rules.modules:  # imported so that their seam subclasses are found below
         _resolve(module)
-    seam = _resolve(rules.seam)
+    seam = _resolve(rules.seam) if rules.seam else None
     found, todo = set(), list(seam.__subclasses__()) if isinstance(seam, type) else []
     while todo:  # every subclass of the seam, at any depth
         cls = todo.pop()
