@@ -48,6 +48,20 @@ def max_padded_routes(num_routes: int, block_size: int, num_experts: int) -> int
     return -(-padded // block_size) * block_size
 
 
+def count_routes(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """expert_ids (N,) int64 -> (E,) int64 routes per expert, on the ids' device without a host sync: a
+    `scatter_add_` into zeros, not torch.bincount, which on CUDA reads the ids' min and max back to the host."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)  # (E,)
+    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+
+
+def sort_by_expert(expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_ids (N,) -> (sorted expert ids (N,), order (N,)): the routes grouped by expert, stably (within an
+    expert, in route order), so a token's k outputs are always summed in one order. Every MoE path sorts here."""
+    sorted_experts, order = torch.sort(expert_ids, stable=True)
+    return sorted_experts, order
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> MoeAlignment:
     """topk_ids (T, k) integer, each in [0, num_experts). Returns the sorted, block-padded routes."""
     if topk_ids.dim() != 2:
@@ -59,14 +73,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     num_routes = experts.numel()
     max_padded = max_padded_routes(num_routes, block_size, num_experts)
     # --- how many routes each expert has, and where its padded group starts ---
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))  # (E,), bincount without a sync
+    counts = count_routes(experts, num_experts)  # (E,)
     padded_counts = (counts + block_size - 1) // block_size * block_size  # (E,)
     starts = counts.cumsum(0) - counts  # (E,) first sorted position of each expert, unpadded
     padded_starts = padded_counts.cumsum(0) - padded_counts  # (E,) the same, padded
     # --- each route's row: its expert's padded start plus its rank among that expert's routes ---
-    order = torch.sort(experts, stable=True).indices  # (R,) route ids, grouped by expert, in route order
-    sorted_experts = experts[order]  # (R,)
+    sorted_experts, order = sort_by_expert(experts)  # (R,) each
     rank = torch.arange(num_routes, device=device) - starts[sorted_experts]  # (R,)
     sorted_token_ids = torch.full((max_padded,), num_routes, dtype=torch.int32, device=device)
     sorted_token_ids[padded_starts[sorted_experts] + rank] = order.to(torch.int32)

@@ -10,8 +10,9 @@ the experts it uses, not the layer's: with 64 experts and top-8, one token reads
         w13 (E, 2I/16, H, 16) fp32 or (E, 2I/16, H/2, 16, 2) bf16; w2 likewise over (H, I).
         expert e's blocks are w13[e]: one contiguous run, read front to back by its product.
 
-    cpu_fused_moe(x (T, H), packed, topk_weights (T, k), topk_ids (T, k)) -> (T, H), every step:
-        routes sorted by expert (route r = token r // k's j-th choice); for each ACTIVE expert e
+    cpu_fused_moe(x (T, H), packed, topk_weights (T, k), topk_ids (T, k), counts (E,)) -> (T, H), every step:
+        routes sorted by expert (route r = token r // k's j-th choice; the sort and the count are
+        kernels/moe_align.py's, the count the layer's own when it hands it in); for each ACTIVE expert e
         (the others are never touched) over its n_e gathered rows:
             rows <= SKINNY_MAX_ROWS:  h = skinny_gemm(x_e, w13[e])            (n_e, 2I)
                                       a = silu_and_mul(h)                      (n_e, I)   one C++ pass
@@ -40,6 +41,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .moe_align import count_routes, sort_by_expert
 from .silu_and_mul import silu_and_mul
 from .skinny_gemm import LANES, pack_skinny_weight, skinny_gemm
 
@@ -94,7 +96,8 @@ def _pack_each(w: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_expert(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """One expert's packed weight (blocks, in, 16) | (blocks, in / 2, 16, 2) -> its (out_features, in) matrix, a copy."""
+    """One expert's packed weight (blocks, in, 16) | (blocks, in / 2, 16, 2) -> its (out_features, in) matrix,
+    a copy."""
     blocks = packed.shape[0]
     if packed.dtype == torch.bfloat16:  # k pairs move as one int32, as pack_skinny_weight moved them
         pairs = packed.view(torch.int32).view(blocks, -1, LANES).transpose(1, 2).contiguous()  # (blocks, 16, in / 2)
@@ -111,19 +114,29 @@ class RoutesByExpert(NamedTuple):
     experts: list[tuple[int, int, int]]  # (expert, start, end), active experts only, ascending
 
 
-def sort_routes(topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> RoutesByExpert:
-    """Four small ops and two short lists whatever E is: per-step work follows the routes, not the experts."""
-    expert_of_route, order = torch.sort(topk_ids.reshape(-1), stable=True)  # (T * k,) route r: token r // k
-    active, counts = torch.unique_consecutive(expert_of_route, return_counts=True)  # (n_active,)
-    ends = torch.cumsum(counts, 0).tolist()
-    experts = [(e, end - n, end) for e, n, end in zip(active.tolist(), counts.tolist(), ends)]
+def sort_routes(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                counts: torch.Tensor | None = None) -> RoutesByExpert:
+    """A few small ops and three short lists whatever E is: per-step work follows the routes, not the experts.
+    `counts` (E,): the routes per expert as the layer counted them (`FusedMoE.last_load`); None: counted here,
+    after checking every id lies in [0, num_experts)."""
+    expert_of_route, order = sort_by_expert(topk_ids.reshape(-1))  # (T * k,) each; route r: token r // k
+    if counts is None:
+        if expert_of_route.numel():
+            lo, hi = expert_of_route[[0, -1]].tolist()  # sorted: the smallest and the largest id
+            if not 0 <= lo <= hi < num_experts:
+                raise ValueError(f"cpu_fused_moe: topk_ids must lie in [0, {num_experts}); got {lo} .. {hi}")
+        counts = count_routes(expert_of_route, num_experts)  # (E,)
+    active = counts.nonzero().flatten()  # (n_active,) ascending
+    n, ends = counts[active], counts.cumsum(0)[active]  # (n_active,) each
+    experts = list(zip(active.tolist(), (ends - n).tolist(), ends.tolist()))
     return RoutesByExpert(order // topk_ids.shape[1], topk_weights.reshape(-1)[order].float(), experts)
 
 
 def cpu_fused_moe(hidden: torch.Tensor, packed: PackedExperts, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """hidden (T, H) through the experts `topk_ids` (T, k) chose, weighted by `topk_weights` (T, k) -> (T, H) in
-    hidden's dtype. Call `load_cpu_kernels()` (kernels/cpu_build.py) first; it must say available."""
+    hidden's dtype; `counts` (E,) the routes per expert if already counted. Call `load_cpu_kernels()`
+    (kernels/cpu_build.py) first; it must say available."""
     T, H = hidden.shape
     if H != packed.hidden_size or hidden.dtype != packed.w13.dtype:
         raise ValueError(f"cpu_fused_moe: hidden is {tuple(hidden.shape)} {hidden.dtype}; the experts take "
@@ -133,10 +146,7 @@ def cpu_fused_moe(hidden: torch.Tensor, packed: PackedExperts, topk_weights: tor
                          f"{tuple(topk_weights.shape)} must both be (T, k) with T = {T}")
     if T == 0:  # no tokens, no routes: nothing to read
         return torch.zeros_like(hidden)
-    routes = sort_routes(topk_weights, topk_ids)
-    if routes.experts and not 0 <= routes.experts[0][0] <= routes.experts[-1][0] < packed.num_experts:
-        raise ValueError(f"cpu_fused_moe: topk_ids must lie in [0, {packed.num_experts}); got "
-                         f"{routes.experts[0][0]} .. {routes.experts[-1][0]}")
+    routes = sort_routes(topk_weights, topk_ids, packed.num_experts, counts)
     x = hidden.contiguous()[routes.token_ids]  # (T * k, H): each route's token, grouped by expert
     I = packed.intermediate_size
     outs = []  # per active expert (n_e, H), in sorted-route order; the inactive experts are never read

@@ -4,9 +4,10 @@
     path = tiny_moe_checkpoint(tmp_path, layout="fused", config_keys="transformers4", norm_topk_prob=False)
     hf = hf_moe_model(path)                                            # HF's model, fp32, eval
 
-Built by minivllm.teaching.tiny_moe (the notebook's checkpoints), saved by HF's own `save_pretrained` (config.json, model.safetensors with per-expert keys, which is what
-transformers 5 writes), beside the byte-level tokenizer of minivllm.teaching.checkpoints, so the engine
-loads it exactly as a downloaded model. Two rewrites give the other forms a checkpoint may take:
+Built by minivllm.teaching.tiny_moe (the notebook's checkpoints), saved by HF's own `save_pretrained`
+(config.json, model.safetensors with per-expert keys, which is what transformers 5 writes), beside the
+byte-level tokenizer of minivllm.teaching.checkpoints, so the engine loads it exactly as a downloaded model.
+Two rewrites give the other forms a checkpoint may take:
   layout="fused"                    the experts as transformers 5 holds them in memory: one
                                     `experts.gate_up_proj` (E, 2I, H) and one `experts.down_proj` (E, H, I)
   config_keys="transformers4"       "torch_dtype", "rope_theta", "num_experts" (not "dtype",

@@ -32,7 +32,7 @@ from minivllm.cpu.moe_method import attach_moe_method
 from minivllm.cpu.norm_rope_kernels import NormRopeKernels
 from minivllm.cpu.planned_linear import PlannedLinearMethod
 from minivllm.cpu.tuner import Tuning
-from minivllm.layers.fused_moe import FusedMoE
+from minivllm.layers.fused_moe import fused_moe_layers
 from minivllm.layers.linear import Linear, UnquantizedLinearMethod
 
 
@@ -91,5 +91,5 @@ def describe(model: nn.Module, lm_head: nn.Module) -> list[str]:
     kernels = next((m.kernels for m in model.modules() if isinstance(getattr(m, "kernels", None), NormRopeKernels)),
                    None)
     said += [str(kernels)] if kernels is not None else []
-    moe = [m.moe_method for m in model.modules() if isinstance(m, FusedMoE)]
+    moe = [m.moe_method for m in fused_moe_layers(model)]
     return said + ([f"MoE experts: {moe[0]!r} on {len(moe)} layers"] if moe else [])

@@ -29,7 +29,7 @@ from torch import nn
 
 from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.moe_cpu import PackedExperts, can_pack_moe, cpu_fused_moe, pack_moe_experts
-from minivllm.layers.fused_moe import FusedMoE, MoeMethodBase
+from minivllm.layers.fused_moe import FusedMoE, MoeMethodBase, fused_moe_layers
 
 
 class CpuMoeMethod(MoeMethodBase):
@@ -52,10 +52,10 @@ class CpuMoeMethod(MoeMethodBase):
         layer.w13_weight = nn.Parameter(packed.w13, requires_grad=False)
         layer.w2_weight = nn.Parameter(packed.w2, requires_grad=False)
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:  # x (T, H), topk_* (T, k) -> (T, H)
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              expert_counts: torch.Tensor | None = None) -> torch.Tensor:  # x (T, H), topk_* (T, k) -> (T, H)
         packed = PackedExperts(layer.w13_weight, layer.w2_weight, layer.hidden_size, layer.intermediate_size)
-        return cpu_fused_moe(x, packed, topk_weights, topk_ids)
+        return cpu_fused_moe(x, packed, topk_weights, topk_ids, expert_counts)
 
     def __repr__(self) -> str:
         return "CpuMoeMethod()"
@@ -64,7 +64,7 @@ class CpuMoeMethod(MoeMethodBase):
 def attach_moe_method(model: nn.Module) -> str | None:
     """Give every FusedMoE of `model` a CpuMoeMethod, packing its experts (once: a layer that has one keeps it);
     one line saying what was done, or None for a model without experts."""
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    layers = fused_moe_layers(model)
     if not layers:
         return None
     method = CpuMoeMethod()  # holds nothing: the packed weights live on each layer

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.fused_moe import FusedMoE, TorchMoeMethod
+from minivllm.layers.fused_moe import FusedMoE, TorchMoeMethod, fused_moe_layers
 from minivllm.layers.linear import LinearMethodBase, set_linear_method
 
 TILE_ROWS = 16
@@ -101,9 +101,9 @@ class TiledMoeMethod(TorchMoeMethod):
 
     tile_rows: int = TILE_ROWS
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:  # x (T, H), topk_* (T, k) -> (T, H)
-        return self.experts_one_by_one(layer, x, topk_weights, topk_ids)
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              expert_counts: torch.Tensor | None = None) -> torch.Tensor:  # x (T, H), topk_* (T, k) -> (T, H)
+        return self.experts_one_by_one(layer, x, topk_weights, topk_ids, expert_counts)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # (n, in), (out, in) -> (n, out)
         return tiled_linear(x, weight, None, self.tile_rows)
@@ -113,6 +113,5 @@ def set_batch_invariant_methods(model: nn.Module, tile_rows: int = TILE_ROWS) ->
     """The mode's methods on `model`: `TiledLinearMethod` on every `Linear` (and a tied LM head), `TiledMoeMethod`
     on every `FusedMoE`."""
     set_linear_method(model, TiledLinearMethod(tile_rows))
-    for layer in model.modules():
-        if isinstance(layer, FusedMoE):
-            layer.moe_method = TiledMoeMethod(tile_rows)
+    for layer in fused_moe_layers(model):
+        layer.moe_method = TiledMoeMethod(tile_rows)

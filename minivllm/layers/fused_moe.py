@@ -21,8 +21,12 @@ How the sum is computed is the layer's `moe_method` (vLLM's name), set from outs
 Every method computes the contract of `naive_fused_moe` (kernels/fused_moe.py): float32 sums, the output
 in x's dtype. Under tensor parallelism I is this rank's share of every expert and the output a partial
 sum: the MoE block all-reduces it once (models/qwen3_moe.py). `last_load` keeps the routes per expert of
-the last forward, the step's expert load (the engine's stats read it), counted on the device without a host
-sync (`count_routes`).
+the last forward, the step's expert load (the engine's stats read it), counted once a forward
+(`count_routes`) and handed to the method as `expert_counts`, so no path counts them again. The count adds no
+host sync; the default method syncs once per layer (its offsets, to know the active experts) and the
+engine once per step (engine/worker/expert_load.py).
+
+`fused_moe_layers(model)` finds a model's sparse layers, for every reader that walks them.
 
 `count_experts(model)` counts a model's experts once for every reader: all of them are stored, but one token
 reads only k of each layer's E, so a decode step of one token reads top_k/E of the experts' bytes
@@ -33,25 +37,29 @@ teaching/moe_viz.py).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.moe_router import count_routes, select_experts, sort_tokens_by_expert
+from minivllm.kernels.moe_align import count_routes
+from minivllm.layers.moe_router import select_experts, sort_tokens_by_expert
 
 
 class MoeMethodBase(Protocol):
     """How a `FusedMoE` computes its routes: `apply(layer, x (T, H), topk_weights (T, k), topk_ids (T, k))`
-    -> (T, H), reading `layer.w13_weight` and `layer.w2_weight`."""
+    -> (T, H), reading `layer.w13_weight` and `layer.w2_weight`. `expert_counts` (E,): the routes per expert,
+    as the layer counted them (None: the method counts them itself)."""
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor: ...
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              expert_counts: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @functools.cache
-def _triton_fused_moe():  # the CUDA kernel, where Triton (and kernels/fused_moe.py) import; else None
+def _triton_fused_moe() -> Callable[..., torch.Tensor] | None:
+    """The CUDA kernel, where Triton (and kernels/fused_moe.py) import; else None."""
     try:
         from minivllm.kernels.fused_moe import fused_moe
     except ImportError:
@@ -62,19 +70,19 @@ def _triton_fused_moe():  # the CUDA kernel, where Triton (and kernels/fused_moe
 class TorchMoeMethod(MoeMethodBase):
     """Active experts only, one F.linear pair each (the Triton kernel on CUDA)."""
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              expert_counts: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and (fused_moe := _triton_fused_moe()) is not None:
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        return self.experts_one_by_one(layer, x, topk_weights, topk_ids)
+        return self.experts_one_by_one(layer, x, topk_weights, topk_ids, expert_counts)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # (n, in), (out, in) -> (n, out)
         """One expert's product over the rows routed to it (the batch-invariant method tiles it)."""
         return F.linear(x, weight)
 
-    def experts_one_by_one(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
-                           topk_ids: torch.Tensor) -> torch.Tensor:  # x (T, H), topk_* (T, k) -> (T, H)
-        routes = sort_tokens_by_expert(topk_ids, layer.num_experts)
+    def experts_one_by_one(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                           expert_counts: torch.Tensor | None = None) -> torch.Tensor:  # x (T, H), topk_* (T, k)
+        routes = sort_tokens_by_expert(topk_ids, layer.num_experts, expert_counts)
         weights = topk_weights.flatten()[routes.route_ids]  # (T*k,) each sorted route's weight, float32
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, H)
         I = layer.intermediate_size
@@ -109,7 +117,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:  # (T, H), (T, E) -> (T, H)
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)  # (T, k) each
         self.last_load = count_routes(topk_ids.flatten(), self.num_experts)  # (E,)
-        return self.moe_method.apply(self, x, topk_weights, topk_ids)
+        return self.moe_method.apply(self, x, topk_weights, topk_ids, self.last_load)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
@@ -139,9 +147,14 @@ class ExpertWeights(NamedTuple):
         return self.sparse_layers * self.top_k * self.expert_bytes
 
 
+def fused_moe_layers(model: nn.Module) -> list[FusedMoE]:
+    """Every `FusedMoE` of `model`, in module order (layer order for a decoder); [] for a dense model."""
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
 def count_experts(model: nn.Module) -> ExpertWeights | None:
     """The `FusedMoE` layers of `model` counted (None: a dense model). Works on the meta device (shapes only)."""
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    layers = fused_moe_layers(model)
     if not layers:
         return None
     first = layers[0]

@@ -23,6 +23,9 @@ bf16 / fp16 they agree within that dtype's rounding, not bit for bit.
 
 The load per expert is counted with `scatter_add_` into zeros (`count_routes`), not `torch.bincount`: on
 CUDA bincount reads the ids' min and max back to the host, two syncs in every sparse layer of every step.
+The count and the stable sort live in kernels/moe_align.py, one of each for every MoE path (this one, the
+Triton kernel's alignment, the CPU kernel's), and a layer counts its routes once a forward: `FusedMoE`
+keeps the count as `last_load` and hands it here as `counts`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from minivllm.kernels.moe_align import count_routes, sort_by_expert
 
 
 class RoutingResult(NamedTuple):
@@ -56,19 +61,16 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return RoutingResult(topk_weights, topk_ids)
 
 
-def sort_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int) -> SortedRoutes:
-    """topk_ids (T, k) -> the T*k routes grouped by expert (stable: within an expert, token order)."""
+def sort_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int,
+                          counts: torch.Tensor | None = None) -> SortedRoutes:
+    """topk_ids (T, k) -> the T*k routes grouped by expert (stable: within an expert, token order).
+    `counts` (E,): the routes per expert if already counted (`FusedMoE.last_load`), else counted here."""
     k = topk_ids.shape[1]
     flat = topk_ids.flatten()  # (T*k,)
-    route_ids = torch.argsort(flat, stable=True)  # (T*k,)
-    counts = count_routes(flat, num_experts)  # (E,)
+    expert_ids, route_ids = sort_by_expert(flat)  # (T*k,) each
+    if counts is None:
+        counts = count_routes(flat, num_experts)  # (E,)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_ids.device)
     torch.cumsum(counts, dim=0, out=offsets[1:])
-    return SortedRoutes(route_ids // k, flat[route_ids], counts, offsets, route_ids)
+    return SortedRoutes(route_ids // k, expert_ids, counts, offsets, route_ids)
 
-
-def count_routes(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """expert_ids (N,) int64 -> (E,) int64 routes per expert, on the ids' device without a host sync
-    (torch.bincount reads the ids' min and max back to the host on CUDA)."""
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)  # (E,)
-    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 
 from minivllm.layers.custom_op import direct_register_custom_op
-from minivllm.layers.fused_moe import FusedMoE
+from minivllm.layers.fused_moe import FusedMoE, fused_moe_layers
 from minivllm.layers.linear import Linear, LinearMethodBase, UnquantizedLinearMethod
 
 QUANTIZATIONS = ("int8",)
@@ -189,5 +189,5 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, reduce_r
     for layer in targets:
         layer.quant_method = int8
         int8.process_weights_after_loading(layer)
-    experts = sum(isinstance(m, FusedMoE) for m in model.modules())
+    experts = len(fused_moe_layers(model))
     return QuantizedModel(len(targets), routers, experts)

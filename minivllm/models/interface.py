@@ -69,7 +69,7 @@ class CausalLM(nn.Module):
     def lm_head_layer(self) -> nn.Module:  # its `weight` (V, hidden) and `quant_method` compute the logits
         raise NotImplementedError
 
-    def expert_layers(self) -> list[FusedMoE]:  # their `last_load` is a step's expert load (engine/worker/expert_load.py)
+    def expert_layers(self) -> list[FusedMoE]:  # their `last_load`: a step's expert load (engine/worker/expert_load.py)
         return []
 
     def compile_forward(self, sizes: tuple[int, ...]) -> None:

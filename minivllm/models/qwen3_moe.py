@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from minivllm.distributed.parallel_state import ParallelContext
-from minivllm.layers.fused_moe import FusedMoE
+from minivllm.layers.fused_moe import FusedMoE, fused_moe_layers
 from minivllm.layers.linear import Linear
 from minivllm.models.hf_config import ModelSpec
 from minivllm.models.interface import CausalLM
@@ -90,4 +90,4 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     def expert_layers(self) -> list[FusedMoE]:
         """Every sparse layer's experts, in layer order (their `last_load` is the step's expert load)."""
-        return [m for m in self.modules() if isinstance(m, FusedMoE)]
+        return fused_moe_layers(self)

@@ -105,8 +105,10 @@ def test_packing_is_each_expert_packed_alone_and_unpacks_to_it(dtype):
 def test_routes_are_sorted_by_expert_with_their_tokens_and_weights():
     topk_ids = torch.tensor([[3, 0], [0, 7], [3, 1]])  # (T=3, k=2)
     topk_weights = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5]])
-    routes = sort_routes(topk_weights, topk_ids)
+    routes = sort_routes(topk_weights, topk_ids, num_experts=8)
     assert routes.experts == [(0, 0, 2), (1, 2, 3), (3, 3, 5), (7, 5, 6)]  # inactive experts 2, 4, 5, 6 absent
+    counted = sort_routes(topk_weights, topk_ids, 8, counts=torch.tensor([2, 1, 0, 2, 0, 0, 0, 1]))
+    assert counted.experts == routes.experts  # the layer's own count (FusedMoE.last_load) gives the same groups
     assert routes.token_ids.tolist() == [0, 1, 2, 0, 2, 1]
     assert routes.weights.tolist() == pytest.approx([0.4, 0.9, 0.5, 0.6, 0.5, 0.1])
 
