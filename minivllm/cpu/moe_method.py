@@ -18,8 +18,8 @@ does for its weights (cpu/matmul_forms.py `weight.skinny`), would double the mod
 reading `w13_weight` afterwards sees the packed shape (and F.linear refuses it): only this method reads it.
 Prefill-sized experts lay their weight back out for F.linear, one expert at a time (kernels/moe_cpu.py).
 
-Eager only: MoE models are never compiled (Qwen3MoeForCausalLM.supports_compile is False), because the
-routes' sizes are data (which experts, how many rows), which a graph of fixed shapes cannot hold.
+Eager only: the engine does not compile or graph-capture MoE models yet (Qwen3MoeForCausalLM.supports_compile
+is False), and this method's loop follows the routes' sizes, which are data (which experts, how many rows).
 """
 
 from __future__ import annotations

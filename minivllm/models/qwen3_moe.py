@@ -22,8 +22,9 @@ row-parallel down_proj's is; the shared expert's partial sum is added to it and 
 block. The router and the shared expert's gate are replicated: every rank routes every token the same way.
 
 No real MoE checkpoint is reachable offline: the tests run tiny random configs against HF transformers.
-Eager only (`supports_compile` False: the loop over active experts depends on the routing, a graph break
-per layer); the attention, norms, RoPE and dense MLPs take minivllm's C++ kernels on the CPU as Llama's do.
+Eager only (`supports_compile` False): the engine does not compile or graph-capture MoE models yet, and on
+CPU the methods loop over the active experts the routing chose. The attention, norms, RoPE and dense MLPs
+take minivllm's C++ kernels on the CPU as Llama's do.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Also serves Qwen2MoeForCausalLM (its switches live in `spec`)."""
 
     supports_compile = False
-    eager_reason = "the routing decides which experts run: a data-dependent loop, a graph break per layer"
+    eager_reason = ("the engine does not compile or graph-capture MoE models yet; the CPU methods loop over the "
+                    "experts the routing chose (a data-dependent loop)")
     compile_forward = CausalLM.compile_forward  # refuses: Llama's would compile a graph broken at every layer
 
     def __init__(self, spec: ModelSpec, tp: ParallelContext | None = None) -> None:
