@@ -21,10 +21,10 @@ no block; `num_tokens_post_padded` is the padded total, a multiple of BLOCK_M.
 
 Nothing here waits for the device: the buffers have a size known before the routes are read, the worst
 case T*k + min(E, T*k) * (BLOCK_M - 1) (at most min(E, T*k) experts are used, each wasting under one
-block), and the kernel stops at `num_tokens_post_padded`, read on the device. So the same launch could sit in
-a CUDA graph, whatever the routes (the engine does not graph-capture MoE models yet). At decode (T*k routes over E >> T*k experts) that bound keeps the grid
-small: one block a used expert, not one an expert. vLLM does this in a CUDA kernel (csrc/moe); here torch
-ops do it, a handful of small launches.
+block), and the kernel stops at `num_tokens_post_padded`, read on the device. So the same launch could
+sit in a CUDA graph, whatever the routes (the engine does not graph-capture MoE models yet). At decode
+(T*k routes over E >> T*k experts) that bound keeps the grid small: one block a used expert, not one an
+expert. vLLM does this in a CUDA kernel (csrc/moe); here torch ops do it, a handful of small launches.
 """
 
 from __future__ import annotations
