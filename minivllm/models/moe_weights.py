@@ -11,8 +11,9 @@ Checkpoints store the experts in one of two layouts; both are read:
         model.layers.L.mlp.experts.down_proj           (E, H, I)  -> w2_weight
 
 Under tensor parallelism a rank holds rows [r I/N, (r+1) I/N) of every expert's gate and of its up
-(w13's two halves) and the same columns of its down (models/sharding.py), read as slices straight from
-the memory-mapped file. `expert_copies` says which slice of the file goes to which slice of which
+(w13's two halves) and the same columns of its down, read as slices straight from the memory-mapped file
+(a per-expert tensor's slice is models/sharding.py's `checkpoint_slice`, as any matrix's; a fused one holds
+every expert and is sliced here). `expert_copies` says which slice of the file goes to which slice of which
 parameter; the loader checks the shapes, copies, and marks what it filled (models/loader.py): a place written
 twice (a fused and a per-expert tensor for one layer, a key in two shards) is refused, and a place left
 unwritten is named by `describe_unfilled` as expert e's gate_proj / up_proj / down_proj.
@@ -61,14 +62,16 @@ def expert_copies(f: safe_open, ckpt_name: str, name: str, params: dict[str, tor
                              f"0..{num_experts - 1}); is config.json from the same checkpoint?")
         param = params[target].data[expert]  # (2I, H) or (H, I): this rank's sizes
         sliced = f.get_slice(ckpt_name)
+        I = param.shape[1] if proj == "down" else param.shape[0] // 2
+        # this rank's rows of gate / up, columns of down: the layout's answer, as for every other matrix
+        piece = layout.checkpoint_slice(name) if layout is not None else None
+        start, stop = (piece.start, piece.stop) if piece is not None else (0, I)
         if proj == "down":
-            I = param.shape[1]
             _check_shape(name, sliced.get_shape(), (param.shape[0], I * n))
-            return [ExpertCopy(target, (expert,), sliced[:, rank * I:(rank + 1) * I])]
-        I = param.shape[0] // 2
+            return [ExpertCopy(target, (expert,), sliced[:, start:stop])]
         _check_shape(name, sliced.get_shape(), (I * n, param.shape[1]))
         half = slice(0, I) if proj == "gate" else slice(I, 2 * I)
-        return [ExpertCopy(target, (expert, half), sliced[rank * I:(rank + 1) * I])]
+        return [ExpertCopy(target, (expert, half), sliced[start:stop])]
     m = _FUSED.fullmatch(name)
     target = f"{m[1]}.{'w13_weight' if m[2] == 'gate_up' else 'w2_weight'}"
     if target not in params:

@@ -129,7 +129,7 @@ class ShardLayout:
         r, mlp = self.rank, self.intermediate_size
         if "shared_expert" in parts:  # Qwen2-MoE's always-on expert: an MLP of its own width
             mlp = self.shared_expert_size
-        elif "experts" in parts:  # one expert's gate/up/down_proj (the fused 3-D form: models/moe_weights.py)
+        elif "experts" in parts:  # one expert's gate/up/down_proj (asked by models/moe_weights.py `expert_copies`)
             mlp = self.moe_intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim  # this rank's rows of q, of k (v)
         if module in ("embed_tokens", "lm_head"):
