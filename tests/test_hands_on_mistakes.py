@@ -150,7 +150,8 @@ CORRECT = {"attention": ["tests/hands_on_solutions/attention.py", "exercises/han
            "kernel": ["tests/hands_on_solutions/kernel.py", "exercises/hands_on/2_kernel/my_kernel.py"],
            "filter": ["tests/hands_on_solutions/sampling_filter.py", "exercises/hands_on/3_filter/my_filter.py"],
            "allocator": ["tests/hands_on_solutions/allocator.py", "exercises/hands_on/4_allocator/my_allocator.py"],
-           "policy": ["exercises/capstone/my_policy.py"]}
+           "policy": ["exercises/capstone/my_policy.py"],
+           "speed": ["tests/hands_on_solutions/speed.py", "exercises/hands_on/5_speed/my_speed.py"]}
 
 
 @pytest.mark.parametrize("assignment", list(RULES), ids=str)
@@ -202,7 +203,7 @@ def test_the_watch_sees_a_launch_of_the_engines_kernel_and_puts_triton_back():
     from triton.runtime.interpreter import InterpretedFunction
 
     from kernels.kv_cache_write import _kv_cache_write_kernel
-    from minivllm.teaching.submission_rules import Watch
+    from minivllm.teaching.submission_watch import Watch
 
     if not isinstance(_kv_cache_write_kernel, InterpretedFunction):
         pytest.skip("the kernel is compiled here (a GPU): this test launches it on CPU tensors, interpreted")

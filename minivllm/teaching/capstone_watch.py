@@ -14,7 +14,7 @@ it passes (lists and token arrays copied, other objects by identity) and the ord
 after the call it compares, and raises `RequestChangedError` naming the field, the request, the old and
 the new value. It is a `CheckedPolicy` (engine/core/scheduling_policy.py), so the seam's contract is
 checked too, naming the student's class, and the engine does not wrap it a second time. Each call also
-runs under the submission rule's `Watch` (teaching/submission_rules.py, teaching/capstone_cheats.py): a
+runs under the submission rule's `Watch` (teaching/submission_watch.py, teaching/capstone_cheats.py): a
 call into the engine's own policies, however it was reached, fails naming the rule (unless the policy
 watched IS one of them: the behaviour checks also run FCFS and priority, to show what they miss).
 It also keeps each `choose_victim` call's candidates and answer (`victim_calls`) for graders that
@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 from minivllm.engine.core.scheduling_policy import CheckedPolicy, PolicyContractError, SchedulingPolicy
 from minivllm.engine.request.sequence import Sequence
 from minivllm.teaching.capstone_cheats import POLICY_RULES, is_engine_policy
-from minivllm.teaching.submission_rules import Watch
+from minivllm.teaching.submission_watch import Watch
 
 _MISSING = "<not set>"
 RULE = ("a policy reads the requests and the queue it is given and never changes them "

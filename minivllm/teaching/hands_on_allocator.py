@@ -30,7 +30,8 @@ from copy import deepcopy
 
 from minivllm.engine.core.block_allocator import BlockAllocator, CheckedAllocator, LRUAllocator
 from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model, tiny_model
-from minivllm.teaching.submission_rules import RULES, Watch
+from minivllm.teaching.submission_rules import RULES
+from minivllm.teaching.submission_watch import Watch
 
 CALL_RULES = {
     "reset": "reset(n) makes blocks 0 .. n-1 free, block b freed at time b (so block 0 is taken first)",

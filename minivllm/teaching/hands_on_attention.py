@@ -40,7 +40,8 @@ import torch
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
 from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model, tiny_model
 from minivllm.teaching.host_ops import TorchOps
-from minivllm.teaching.submission_rules import RULES, SubmissionRules, Watch
+from minivllm.teaching.submission_rules import RULES, SubmissionRules
+from minivllm.teaching.submission_watch import Watch
 
 # fp32 attention over <= 64 keys of values |v| < 6: each output sums <= 64 products, so rounding stays
 # below 64 * 6 * 1.2e-7 ~ 5e-5 relative to the reference's own; 1e-4 leaves room and catches any real mistake.

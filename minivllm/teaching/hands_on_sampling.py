@@ -37,7 +37,8 @@ import torch
 
 from minivllm.layers.sampler import CheckedFilter, SamplingFilter, SamplingRow, SamplingTensors, TopKTopPMinP
 from minivllm.teaching.hands_on import AssignmentError, check_finished, tiny_model
-from minivllm.teaching.submission_rules import RULES, Watch
+from minivllm.teaching.submission_rules import RULES
+from minivllm.teaching.submission_watch import Watch
 
 # Probabilities of a float32 softmax over V = 64 logits: rounding stays < 64 * 1.2e-7 relative; 1e-5 is far
 # above that and far below any mistake (a token wrongly kept or dropped moves others by >= 1e-3 here).

@@ -1,6 +1,6 @@
 """The kernel assignment's rule that the attention is computed IN the kernel: what the host code may do.
 
-A kernel submission must launch a @triton.jit function of its own (submission_rules.Watch sees the
+A kernel submission must launch a @triton.jit function of its own (submission_watch.Watch sees the
 launch), but a launch alone proves little: the attention could be computed in torch and a trivial
 kernel launched to copy the answer out. So while the grader runs `paged_attention`, a
 `TorchDispatchMode` sees every torch op at the dispatcher (below Python: an alias or a helper cannot hide

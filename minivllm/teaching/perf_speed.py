@@ -42,7 +42,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minivllm.kernels.skinny_gemm import naive_skinny_gemm
-from minivllm.teaching.submission_rules import RULES, AssignmentError, Watch, check_classes, check_source
+from minivllm.teaching.submission_rules import RULES, AssignmentError, check_classes, check_source
+from minivllm.teaching.submission_watch import Watch
 
 MATMUL_FUNCTION, PACK_FUNCTION = "few_row_matmul", "pack_weight"
 ENGINE_OPS = "minivllm_cpu"  # the namespace of the engine's compiled ops (torch.ops.minivllm_cpu)

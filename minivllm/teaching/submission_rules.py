@@ -8,15 +8,10 @@ teaches nothing. The graders refuse it, naming the rule, by three checks that co
      a star import from the project (it hides what it brings in), an attribute with a refused name
      (`sampler.TopKTopPMinP`), or a string naming one (`import_module("...")`, `getattr(m, "...")`);
   2. the classes it defines (`check_classes`): no refused class anywhere in their MRO;
-  3. the calls (`Watch`): while the grader runs the student's code, a trace hook sees every Python
-     function called, so a refused implementation reached any other way (an alias made at run time, a
-     helper that calls it) is named too. The watch also records each Triton launch: the kernel
-     assignment launches a `@triton.jit` function of its own file (`check_own_kernel`) and computes the
-     attention in it, not in torch around it (teaching/host_ops.py: the watch pauses it in a launch).
-
-    with Watch(RULES["filter"]) as watch:      # around each call into the student's code
-        out = student(logits, sampling)
-    watch.check(who)                           # raises AssignmentError naming the rule
+  3. the calls (`Watch`, in teaching/submission_watch.py): while the grader runs the student's code, a
+     trace hook sees every Python function called, so a refused implementation reached any other way (an
+     alias or a name built at run time, a helper that calls it) is named too; it also records each Triton
+     launch, for the kernel assignment's rule that it launches a kernel of its own.
 
 What is refused, per part (`RULES`): the modules that implement it (refused whole, submodules too),
 named objects in the modules a student does import (the seam's base class sits beside the engine's
@@ -31,18 +26,18 @@ import ast
 import functools
 import importlib
 import inspect
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType
 
-from torch.utils._python_dispatch import _disable_current_modes
-
 
 GRADER_MODULES = ("minivllm.teaching", "tests")  # the graders and the reference solutions
+
+
 class AssignmentError(AssertionError):
     """A student's part broke a rule of its seam or gave the engine a wrong answer (the rule is in the message).
-    Defined here, the bottom of the graders, so every grader (teaching/hands_on.py and the capstone's) raises one type."""
+    Defined here, the bottom of the graders, so every grader (teaching/hands_on.py and the capstone's) raises
+    one type."""
 
 
 PROJECT = ("minivllm", "kernels", "tests")  # a star import from these hides what it brings in
@@ -120,7 +115,7 @@ def _in(module: str, modules: tuple[str, ...]) -> bool:
 
 
 @dataclass(frozen=True)
-class _Refused:
+class Refused:
     """The rules resolved to objects: the classes refused in an MRO, names refused in source, the code
     objects refused at run time."""
 
@@ -130,7 +125,7 @@ class _Refused:
 
 
 @functools.cache
-def _refused(rules: SubmissionRules) -> _Refused:
+def refused(rules: SubmissionRules) -> Refused:
     for module in rules.modules:  # imported so that their seam subclasses are found below
         _resolve(module)
     seam = _resolve(rules.seam) if rules.seam else None
@@ -151,7 +146,7 @@ def _refused(rules: SubmissionRules) -> _Refused:
             if code is not None:
                 codes[code] = f"{getattr(obj, '__module__', '?')}.{code.co_qualname}"
     short = {n.rsplit(".", 1)[-1] for n in rules.names + rules.wrappers} | {c.__name__ for c in classes}
-    return _Refused(frozenset(classes), frozenset(short), codes)
+    return Refused(frozenset(classes), frozenset(short), codes)
 
 
 def _code_of(fn: object) -> CodeType | None:
@@ -186,7 +181,7 @@ def _dotted(node: ast.AST) -> str | None:
 
 def source_violations(source: str, rules: SubmissionRules) -> list[str]:
     """What in `source` uses a refused module or name: one line each, with its line number."""
-    short, modules = _refused(rules).short_names, rules.modules + GRADER_MODULES
+    short, modules = refused(rules).short_names, rules.modules + GRADER_MODULES
     tree = ast.parse(source)
     docs = _docstrings(tree)
     found: list[tuple[int, str]] = []
@@ -218,93 +213,10 @@ def check_source(path: str | Path, rules: SubmissionRules) -> None:
 
 def check_classes(module: object, rules: SubmissionRules) -> None:
     """Raise `AssignmentError` if a class `module` defines has a refused class (or a refused module's) in its MRO."""
-    refused, modules = _refused(rules), rules.modules + GRADER_MODULES
+    refused_classes, modules = refused(rules).classes, rules.modules + GRADER_MODULES
     for cls in [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__]:
         for base in cls.__mro__[1:]:
-            if base in refused.classes or _in(base.__module__, modules):
+            if base in refused_classes or _in(base.__module__, modules):
                 raise AssignmentError(f"{cls.__name__} broke a RULE: {rules.rule}.\n  it subclasses "
                                       f"{base.__module__}.{base.__qualname__} (its MRO: "
                                       f"{[b.__name__ for b in cls.__mro__]})")
-
-
-def _launchers() -> tuple[type, ...]:  # Triton's kernel classes: `kernel[grid](...)` ends in their `run`
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return ()
-    return JITFunction, InterpretedFunction
-
-
-class Watch:
-    """While open, every new Python frame is checked against the refused code objects and modules, and
-    every Triton launch is recorded (`run` of Triton's kernel classes is wrapped; a launch's inside is not
-    traced: the interpreter makes thousands of calls a program, and the function launched says whose
-    kernel it is). Open it around the student's code only: the grader calls the references itself. A
-    trace function already set (a debugger, coverage) is put back on exit. C functions are not seen: the
-    engine's compiled ops are refused by name in the source."""
-
-    def __init__(self, rules: SubmissionRules) -> None:
-        self.rules = rules
-        self._codes = _refused(rules).codes
-        self._prefixes = tuple(m + "." for m in rules.modules)
-        self._modules = frozenset(rules.modules)
-        self.calls: list[str] = []  # refused functions called, in order
-        self.launched: list[object] = []  # the JIT functions launched
-
-    def _refused_module(self, module: str) -> bool:
-        return module in self._modules or module.startswith(self._prefixes)
-
-    def _trace(self, frame, event, arg) -> None:  # sys.settrace's global hook: called for each new Python frame
-        code = frame.f_code
-        if code in self._codes:
-            self.calls.append(self._codes[code])
-        else:
-            module = frame.f_globals.get("__name__") or ""
-            if self._refused_module(module):  # a module's own code runs when it is first imported
-                self.calls.append(f"{module} (imported)" if code.co_name == "<module>" else
-                                  f"{module}.{code.co_qualname}")
-
-    def _launch(self, run):
-        def launch(kernel, *args, **kwargs):
-            self.launched.append(kernel)
-            module = getattr(getattr(kernel, "fn", None), "__module__", "") or ""
-            if self._refused_module(module):
-                self.calls.append(f"{module}.{kernel.fn.__qualname__} (a kernel launch)")
-            tracer = sys.gettrace()
-            sys.settrace(None)  # the launch itself is not traced (see the class docstring)
-            try:
-                with _disable_current_modes():  # nor are its torch ops recorded (host_ops.py): the kernel's
-                    return run(kernel, *args, **kwargs)
-            finally:
-                sys.settrace(tracer)
-        return launch
-
-    def __enter__(self) -> Watch:
-        self._runs = {cls: cls.__dict__["run"] for cls in _launchers()}
-        for cls, run in self._runs.items():
-            cls.run = self._launch(run)
-        self._before = sys.gettrace()
-        sys.settrace(self._trace)  # returns None: no line events, so a watched call costs one hook per frame
-        return self
-
-    def __exit__(self, *exc) -> None:
-        sys.settrace(self._before)
-        for cls, run in self._runs.items():
-            cls.run = run
-
-    def check(self, who: str) -> None:
-        """Raise `AssignmentError` naming the rule if the student's code called a refused implementation."""
-        if self.calls:
-            raise AssignmentError(f"{who} broke a RULE: {self.rules.rule}.\n  while the grader ran your code, it "
-                                  f"called {self.calls[0]}")
-
-    def check_own_kernel(self, who: str, module_name: str) -> None:
-        """Raise `AssignmentError` unless a @triton.jit function defined in `module_name` was launched."""
-        names = [getattr(getattr(f, "fn", None), "__module__", None) for f in self.launched]
-        if module_name not in names:
-            shown = sorted({f"{getattr(f.fn, '__module__', '?')}.{getattr(f.fn, '__name__', '?')}"
-                            for f in self.launched if hasattr(f, "fn")}) or "none"
-            raise AssignmentError(f"{who} broke a RULE: the kernel assignment is a Triton kernel: paged_attention "
-                                  f"launches a @triton.jit function defined in your file (kernel[grid](...)); "
-                                  f"the kernels it launched: {shown}")
