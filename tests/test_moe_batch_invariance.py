@@ -26,6 +26,9 @@ def moe_layer(dtype: torch.dtype) -> FusedMoE:
     return layer
 
 
+# bf16 is checked against the reference only, not for equal bits: on the CPU this was written on (oneDNN's
+# bf16 GEMM, one thread) F.linear's bits did not depend on the row count at any shape tried (H up to 1024, up to
+# 2048 rows), so the untiled TorchMoeMethod passed the bit check too: it could not tell. In fp32 it fails.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_token_has_the_same_bits_in_any_batch_and_matches_the_reference(dtype):
     layer = moe_layer(dtype)
@@ -40,7 +43,8 @@ def test_a_token_has_the_same_bits_in_any_batch_and_matches_the_reference(dtype)
                 batch[at] = token[0]
                 logits = batch.float() @ router  # (rows, E)
                 out = layer(batch, logits)
-                assert torch.equal(out[at], alone[0]), f"row {at} of {rows}"
+                if dtype == torch.float32:
+                    assert torch.equal(out[at], alone[0]), f"row {at} of {rows}"
                 weights, ids = select_experts(logits, K, renormalize=True)
                 ref = naive_fused_moe(batch, layer.w13_weight, layer.w2_weight, weights, ids)  # (rows, H)
                 tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
