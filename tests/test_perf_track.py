@@ -31,13 +31,13 @@ SOLUTIONS, MISTAKES = TESTS / "hands_on_solutions", TESTS / "hands_on_mistakes"
 SPEED = SOLUTIONS / "speed.py"
 QUICK = ["--quick", "--trials", "1", "--rounds", "1", "--set-mib", "1"]
 
+OWN_KERNEL_RULE = "RULE: the speed assignment is written by you"
 # Each planted mistake (tests/hands_on_mistakes/) and the probe (its rule) that must refuse it.
 SPEED_MISTAKES = [("speed_no_transpose.py", "probe 'one row'"), ("speed_row_tiles.py", "probe 'rows 1-8'"),
                   ("speed_ragged_out.py", "probe 'ragged out'"), ("speed_bf16_sum.py", "probe 'bf16 sums'"),
                   ("speed_bf16_blocks.py", "probe 'bf16 round once'"), ("speed_memo.py", "probe 'x refilled'"),
-                  ("speed_reused_out.py", "probe 'results kept'"), ("speed_engine_kernel.py", "RULE: the speed assignment is written by you"),
+                  ("speed_reused_out.py", "probe 'results kept'"), ("speed_engine_kernel.py", OWN_KERNEL_RULE),
                   ("speed_runtime_names.py", "called minivllm.kernels.")]
-OWN_KERNEL_RULE = "RULE: the speed assignment is written by you"
 
 
 def test_speed_reference_passes_the_probes():
@@ -64,7 +64,8 @@ def test_engine_names_are_found_in_code_not_in_comments():
     assert source_violations("from minivllm.kernels import skinny_gemm as s", rules)
     assert source_violations("from tests.hands_on_solutions.speed import few_row_matmul", rules)
     assert source_violations("import testsuite\nimport torch", rules) == []
-    assert source_violations('"""Faster than skinny_gemm? Not yet."""\n# skinny_gemm packs 16 columns\nx = 1', rules) == []
+    prose = '"""Faster than skinny_gemm? Not yet."""\n# skinny_gemm packs 16 columns\nx = 1'
+    assert source_violations(prose, rules) == []
 
 
 def test_the_engine_op_reached_by_a_name_built_at_run_time_is_refused():

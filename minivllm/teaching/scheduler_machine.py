@@ -5,12 +5,12 @@
     scheduler_machine(make_allocator=MyAllocator)   # a block allocator of your own under the same rules
 
 hypothesis drives a `Scheduler` on a tiny pool through random actions — add a request (n > 1: its n
-sequences, sharing the prompt through the prefix cache; with a priority), step (`schedule` then `update_from_output`; speculative drafts attached after
-the commit, as the engine's proposer does, some accepted), abort, and a failed step
-that is rolled back — and after every action checks the block manager's invariants: every block is
-owned or free, ref counts match the block tables, a rolled-back step leaves no trace. At the end
-every request must finish and every block come back. When an action breaks a rule, hypothesis
-shrinks the run to the shortest one that still breaks it.
+sequences, sharing the prompt through the prefix cache; with a priority), step (`schedule` then
+`update_from_output`; speculative drafts attached after the commit, as the engine's proposer does, some
+accepted), abort, and a failed step that is rolled back — and after every action checks the block
+manager's invariants: every block is owned or free, ref counts match the block tables, a rolled-back
+step leaves no trace. At the end every request must finish and every block come back. When an action
+breaks a rule, hypothesis shrinks the run to the shortest one that still breaks it.
 
 The project's own tests run this machine on the built-in policies (tests/engine/test_scheduler.py),
 and the capstone's grader runs the very same one on a student's policy (teaching/capstone.py), wrapped
@@ -49,8 +49,8 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
     step against a tiny pool (speculative drafts and n > 1 requests included), the block manager's
     invariants after every action, and a full drain at the end. `priorities`: also add requests with
     random priorities in -2..2. Run it with `run_state_machine_as_test(machine)` or as
-    `machine.TestCase` under pytest. The policy is wrapped in `CheckedPolicy` (unless it is one). `make_allocator`: the block
-    manager's allocator (None: the default LRU), wrapped in `CheckedAllocator`."""
+    `machine.TestCase` under pytest. The policy is wrapped in `CheckedPolicy` (unless it is one).
+    `make_allocator`: the block manager's allocator (None: the default LRU), wrapped in `CheckedAllocator`."""
     import hypothesis.strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -144,7 +144,8 @@ def scheduler_machine(make_policy: Callable[[], SchedulingPolicy] = FCFSPolicy, 
                 bm.check_invariants(self.sched.live_sequences)
                 assert all(s.status is SequenceStatus.RUNNING for s in self.sched.running)
                 assert len(self.sched.running) <= self.sched.max_num_seqs, "more sequences than max_num_seqs"
-                for s in self.sched.live_sequences:  # drafts wait on decoding sequences only; rejected ones leave no trace
+                # drafts wait on decoding sequences only; rejected ones leave no trace
+                for s in self.sched.live_sequences:
                     assert len(s.spec_token_ids) <= self.sched.draft_room(s)
                     assert len(s.block_table) <= bm.blocks_needed(s.num_tokens)
                     assert s.num_computed_tokens < s.num_tokens
