@@ -2,6 +2,7 @@
 benchmarks run the engine on.
 
     model_dir = make_tiny_model(tempfile.mkdtemp(), "qwen3")      # then LLM(str(model_dir))
+    hf = load_hf_model(model_dir)                                  # HF transformers' model of it, fp32, eval
 
 A seeded `Qwen3Config` / `Qwen2Config` / `LlamaConfig` / `Qwen3_5TextConfig` (hybrid) / `Gemma3TextConfig`
 (sliding-window layers) model is saved
@@ -14,6 +15,8 @@ work in a second, for checking it against HF transformers, and for timing it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -107,17 +110,31 @@ def make_tiny_model(path: str | Path, family: str = "qwen3", *, vocab_size: int 
     return save_quietly(model, tokenizer, path)
 
 
-def save_quietly(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
-    """`save_pretrained` of a model and its tokenizer into `path`, without transformers' progress bars (no
-    "Writing model shards" noise in notebooks and tests); returns `path`."""
+@contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off inside, as they were after: "Writing model shards" and "Loading weights"
+    would print bars into notebooks, tests and graders' output."""
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+        yield
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def save_quietly(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
+    """`save_pretrained` of a model and its tokenizer into `path`, without progress bars; returns `path`."""
+    with quiet_progress_bars():
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
     return path
+
+
+def load_hf_model(path: str | Path) -> PreTrainedModel:
+    """HF transformers' model of a checkpoint folder (dense or MoE), fp32, eval mode, without progress bars:
+    the reference the notebooks, graders and tests check the engine's tokens against."""
+    with quiet_progress_bars():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -59,21 +59,6 @@ def tiny_model(family: str) -> str:
     return str(make_tiny_model(tempfile.mkdtemp(prefix=f"hands_on_{family}_"), family))
 
 
-def hf_model(model_dir: str):
-    """HF transformers' model for a tiny checkpoint, fp32, without its loading bar in a grader's output."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 KERNEL_FUNCTION = "paged_attention"  # what the kernel assignment's file defines
 
 

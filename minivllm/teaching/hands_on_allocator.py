@@ -29,7 +29,7 @@ from collections.abc import Callable
 from copy import deepcopy
 
 from minivllm.engine.core.block_allocator import BlockAllocator, CheckedAllocator, LRUAllocator
-from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model, tiny_model
+from minivllm.teaching.hands_on import AssignmentError, check_finished, tiny_model
 from minivllm.teaching.submission_rules import RULES
 from minivllm.teaching.submission_watch import Watch
 
@@ -174,10 +174,11 @@ def check_allocator_in_engine(make_allocator: Callable[[], BlockAllocator], max_
     """A small pool (16 blocks of 4), prompts that share prefixes, one at a time so that eviction decides
     which prefixes are still cached: the tokens equal HF's and the cache hits equal the engine's LRU's."""
     from minivllm import LLM, SamplingParams
+    from minivllm.teaching.checkpoints import load_hf_model
     from minivllm.teaching.hf_check import assert_hf_greedy
 
     model_dir = tiny_model("qwen3")
-    hf = hf_model(model_dir)
+    hf = load_hf_model(model_dir)
     rng = random.Random(0)
     stems = [[rng.randrange(3, 300) for _ in range(12)] for _ in range(3)]
     prompts = [stems[i % 3] + [rng.randrange(3, 300) for _ in range(1 + i % 4)] for i in (0, 1, 2, 0, 2, 1)]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.layers.attention_interface import AttentionBackend, AttentionMetadata
-from minivllm.teaching.hands_on import AssignmentError, check_finished, hf_model, tiny_model
+from minivllm.teaching.hands_on import AssignmentError, check_finished, tiny_model
 from minivllm.teaching.host_ops import TorchOps
 from minivllm.teaching.submission_rules import RULES, SubmissionRules
 from minivllm.teaching.submission_watch import Watch
@@ -267,6 +267,7 @@ def check_backend_in_engine(make_backend: Callable[[int, int, int], AttentionBac
     transformers' argmax (teacher-forced) and every returned logprob equals HF's log-softmax."""
     from minivllm import LLM, SamplingParams
     from minivllm.models.hf_config import load_model_spec
+    from minivllm.teaching.checkpoints import load_hf_model
     from minivllm.teaching.hf_check import assert_hf_greedy
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
@@ -277,7 +278,7 @@ def check_backend_in_engine(make_backend: Callable[[int, int, int], AttentionBac
         who = f"{type(backend).__name__} (in the engine, tiny random {family})"
         llm = LLM(model_dir, dtype="float32", attention_backend=backend, block_size=ENGINE_BLOCK_SIZE[family],
                   num_kv_blocks=64, max_num_batched_tokens=8, warmup=False)
-        hf = hf_model(model_dir)
+        hf = load_hf_model(model_dir)
         outs = llm.generate([{"prompt_token_ids": SHARED}], params, use_tqdm=False)
         outs += llm.generate([{"prompt_token_ids": p} for p in ENGINE_PROMPTS], params, use_tqdm=False)
         check_finished(who, outs)

@@ -2,7 +2,7 @@
 
     model_dir = make_tiny_moe_model(tempfile.mkdtemp())               # then LLM(str(model_dir))
     model_dir = make_tiny_moe_model(d, "qwen2_moe", num_experts=4)    # Qwen2-MoE: with a shared expert
-    hf = load_hf_model(model_dir)                                     # HF transformers' model of it, fp32, eval
+    hf = load_hf_model(model_dir)       # HF transformers' model of it, fp32, eval (teaching/checkpoints.py's)
     spec = qwen3_30b_a3b_spec()                                       # Qwen3-30B-A3B's ModelSpec, no weights
 
 No real MoE checkpoint is reachable offline (Qwen3-30B-A3B, the smallest Qwen3-MoE, is 61 GB in bf16), so the
@@ -30,7 +30,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
 from minivllm.models.hf_config import ModelSpec, parse_model_spec
-from minivllm.teaching.checkpoints import make_tokenizer, save_quietly
+from minivllm.teaching.checkpoints import load_hf_model, make_tokenizer, save_quietly
+
+__all__ = ["FAMILIES", "QWEN3_30B_A3B", "load_hf_model", "make_tiny_moe_model", "qwen3_30b_a3b_spec"]
 
 FAMILIES = {  # family: (config class, architecture, what differs from the shared defaults)
     "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", dict(head_dim=16, norm_topk_prob=True)),
@@ -75,19 +77,6 @@ def make_tiny_moe_model(path: str | Path, family: str = "qwen3_moe", *, vocab_si
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
     return save_quietly(model, tokenizer, path)
-
-
-def load_hf_model(path: str | Path) -> Any:
-    """HF transformers' model of a checkpoint folder, fp32, eval mode, loaded without a progress bar."""
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # "Loading weights" would print a bar into the notebook
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def qwen3_30b_a3b_spec() -> ModelSpec:
