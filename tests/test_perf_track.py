@@ -19,7 +19,7 @@ from minivllm.kernels.cpu_build import load_cpu_kernels
 from minivllm.kernels.skinny_gemm import naive_skinny_gemm
 from minivllm.teaching import perf_measure
 from minivllm.teaching.hands_on import AssignmentError
-from minivllm.teaching.perf_measure import CaseResult, PerfResult, alternate
+from minivllm.teaching.perf_measure import CaseResult, PerfResult, TimedCaseResult, TrialResult, alternate
 from minivllm.teaching.perf_roofline import intensity
 from minivllm.teaching.perf_speed import ROUND_ONCE_ULP, check_speed_probes, load_speed_solution, make_operands
 from minivllm.teaching.perf_track import QUICK_BANNER, main, refusal, table
@@ -107,8 +107,8 @@ def test_trials_alternate_in_fresh_processes_and_report_medians(monkeypatch):
 
     def fake_trial(part, side, path, settings):
         order.append(side)
-        return {"side": side, "name": side, "read_gb_s": 10.0 if side == "student" else 30.0,
-                "cases": [{"label": "float32 1 row x 4x4", "seconds": next(times[side]), "bytes": 2000}]}
+        case = TimedCaseResult("float32 1 row x 4x4", next(times[side]), 2000)
+        return TrialResult.from_json(TrialResult(side, side, [case], 10.0 if side == "student" else 30.0).to_json())
 
     monkeypatch.setattr(perf_measure, "run_trial", fake_trial)
     result = alternate("speed", "any.py", PerfSettings(quick=True), trials=3)

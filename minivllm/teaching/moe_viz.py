@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from minivllm import LLM
+from minivllm.kernels.moe_align import MoeAlignment
 from minivllm.layers.fused_moe import FusedMoE, count_experts
 from minivllm.models.hf_config import ModelSpec
 from minivllm.teaching.viz import WIDTH, _axes, _legend_below, _patch
@@ -41,7 +43,7 @@ class RouterCapture(NamedTuple):
     router_logits: torch.Tensor  # (T, E): gate(hidden)
 
 
-def capture_routing(llm: Any, prompt_token_ids: Sequence[int]) -> list[RouterCapture]:
+def capture_routing(llm: LLM, prompt_token_ids: Sequence[int]) -> list[RouterCapture]:
     """Prefill `prompt_token_ids` through `llm` (one token generated) with a forward hook on every sparse
     layer's router; each sparse layer's inputs and router logits for the prompt, in layer order.
     The prompt must not be in the prefix cache: its cached tokens would skip the forward."""
@@ -110,7 +112,7 @@ def plot_expert_load(loads: Sequence[torch.Tensor], top_k: int, ax: Any = None, 
     return ax
 
 
-def plot_sorted_routes(alignment: Any, top_k: int, ax: Any = None) -> Any:
+def plot_sorted_routes(alignment: MoeAlignment, top_k: int, ax: Any = None) -> Any:
     """moe_align_block_size's MoeAlignment drawn as the kernel reads it: one row of cells a block of
     BLOCK_M sorted routes, all of one expert (left label); a cell is its route's token, t = r // k;
     grey cells are the sentinel (padding: masked rows, never loaded or stored)."""

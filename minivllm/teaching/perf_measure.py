@@ -31,7 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -110,7 +110,36 @@ def time_case(case: TimedCase, rounds: int) -> tuple[float, str | None]:
     return min(times), wrong
 
 
-def trial(part: str, side: str, path: str, settings: PerfSettings) -> dict:
+@dataclass(frozen=True)
+class TimedCaseResult:
+    """One case in one trial: seconds per unit in the fastest round, bytes a unit must read (None: no
+    limit), the first wrong result the case's check found (None: all right)."""
+
+    label: str
+    seconds: float
+    bytes_per_unit: int | None
+    wrong: str | None = None
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """One fresh process's measurement of one side; it crosses the process boundary as one JSON line."""
+
+    side: str
+    name: str  # the side's implementation, in words
+    cases: list[TimedCaseResult]
+    read_gb_s: float  # the read bandwidth measured after the timing, in the same process
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> TrialResult:
+        fields = json.loads(line)
+        return cls(**{**fields, "cases": [TimedCaseResult(**c) for c in fields["cases"]]})
+
+
+def trial(part: str, side: str, path: str, settings: PerfSettings) -> TrialResult:
     """One fresh process's measurement (what `main` prints as JSON)."""
     from minivllm.entrypoints.roofline import measure_read_bandwidth
 
@@ -118,9 +147,8 @@ def trial(part: str, side: str, path: str, settings: PerfSettings) -> dict:
     timed = []
     for c in cases:
         seconds, wrong = time_case(c, settings.rounds)
-        timed.append({"label": c.label, "seconds": seconds, "bytes": c.bytes_per_unit, "wrong": wrong})
-    read_gb_s = measure_read_bandwidth(settings.set_bytes)
-    return {"side": side, "name": name, "cases": timed, "read_gb_s": read_gb_s}
+        timed.append(TimedCaseResult(c.label, seconds, c.bytes_per_unit, wrong))
+    return TrialResult(side, name, timed, measure_read_bandwidth(settings.set_bytes))
 
 
 @dataclass(frozen=True)
@@ -160,31 +188,31 @@ class PerfResult:
         return None if gb_s is None else gb_s / self.read_gb_s
 
 
-def run_trial(part: str, side: str, path: str, settings: PerfSettings) -> dict:
+def run_trial(part: str, side: str, path: str, settings: PerfSettings) -> TrialResult:
     """One trial in a fresh Python process (the environment is inherited: thread counts, ISA caps)."""
     command = [sys.executable, "-m", "minivllm.teaching.perf_measure", part, side, str(path), "--set-mib",
                str(settings.set_mib), "--rounds", str(settings.rounds)] + (["--quick"] if settings.quick else [])
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the {side} trial of {part} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return TrialResult.from_json(done.stdout.strip().splitlines()[-1])
 
 
 def alternate(part: str, path: str, settings: PerfSettings, trials: int) -> PerfResult:
     """`trials` fresh processes a side, student first in even trials and engine first in odd ones; medians."""
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
-    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    runs: dict[str, list[TrialResult]] = {side: [] for side in SIDES}
     for t in range(trials):
         for side in SIDES if t % 2 == 0 else SIDES[::-1]:
             runs[side].append(run_trial(part, side, path, settings))
     cases = []
-    for i, first in enumerate(runs["student"][0]["cases"]):
-        med = {side: statistics.median(r["cases"][i]["seconds"] for r in runs[side]) for side in SIDES}
-        wrong = next((r["cases"][i].get("wrong") for r in runs["student"] if r["cases"][i].get("wrong")), None)
-        cases.append(CaseResult(first["label"], med["student"], med["engine"], first["bytes"], wrong))
-    read = statistics.median(r["read_gb_s"] for side in SIDES for r in runs[side])
-    return PerfResult(part, runs["student"][0]["name"], runs["engine"][0]["name"], trials, cases, read)
+    for i, first in enumerate(runs["student"][0].cases):
+        med = {side: statistics.median(r.cases[i].seconds for r in runs[side]) for side in SIDES}
+        wrong = next((r.cases[i].wrong for r in runs["student"] if r.cases[i].wrong), None)
+        cases.append(CaseResult(first.label, med["student"], med["engine"], first.bytes_per_unit, wrong))
+    read = statistics.median(r.read_gb_s for side in SIDES for r in runs[side])
+    return PerfResult(part, runs["student"][0].name, runs["engine"][0].name, trials, cases, read)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=PerfSettings.rounds)
     args = p.parse_args(argv)
     settings = PerfSettings(args.quick, args.set_mib, args.rounds)
-    print(json.dumps(trial(args.part, args.side, args.path, settings)))
+    print(trial(args.part, args.side, args.path, settings).to_json())
     return 0
 
 
