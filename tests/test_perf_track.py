@@ -78,6 +78,17 @@ def test_the_engine_op_reached_by_a_name_built_at_run_time_is_refused():
     assert "it ran torch.ops.minivllm_cpu.skinny_gemm" in str(error.value)
 
 
+def test_code_honest_only_while_watched_is_refused_after_its_timing(capsys):
+    """The timed rounds run without the watch: a file that reaches the engine's kernel only when no trace hook is
+    set passes the probes, and is refused because its timed process loaded the engine's compiled ops."""
+    if not load_cpu_kernels().available:
+        pytest.skip("the engine's CPU kernels are not built on this machine (no C++ compiler)")
+    assert main(["speed", str(MISTAKES / "speed_untraced_engine.py"), *QUICK]) == 1
+    out = capsys.readouterr().out
+    assert "passed the speed assignment's probes" in out and OWN_KERNEL_RULE in out
+    assert "was loaded in your timed process" in out and "yours/engine" not in out
+
+
 @pytest.mark.parametrize("mistake, rule", SPEED_MISTAKES[:2] + SPEED_MISTAKES[-1:],
                          ids=[m for m, _ in SPEED_MISTAKES[:2] + SPEED_MISTAKES[-1:]])
 def test_track_refuses_a_wrong_solution_before_timing(mistake, rule, capsys, monkeypatch):

@@ -36,11 +36,13 @@ from pathlib import Path
 
 import torch
 
-from minivllm.teaching.perf_speed import SpeedSolution, load_speed_solution
+from minivllm.teaching.perf_speed import SpeedSolution, check_engine_ops_unloaded, load_speed_solution
+from minivllm.teaching.submission_rules import AssignmentError
 from minivllm.teaching.perf_workloads import PerfSettings, TimedCase
 
 PARTS = ("attention", "kernel", "filter", "allocator", "speed")
 SIDES = ("student", "engine")
+RULE_BROKEN = 3  # a trial's exit status when the student's code broke a rule while it was timed
 
 
 def engine_speed_solution() -> tuple[SpeedSolution, str]:
@@ -148,6 +150,8 @@ def trial(part: str, side: str, path: str, settings: PerfSettings) -> TrialResul
     for c in cases:
         seconds, wrong = time_case(c, settings.rounds)
         timed.append(TimedCaseResult(c.label, seconds, c.bytes_per_unit, wrong))
+    if part == "speed" and side == "student":
+        check_engine_ops_unloaded(Path(path).name)
     return TrialResult(side, name, timed, measure_read_bandwidth(settings.set_bytes))
 
 
@@ -193,6 +197,8 @@ def run_trial(part: str, side: str, path: str, settings: PerfSettings) -> TrialR
     command = [sys.executable, "-m", "minivllm.teaching.perf_measure", part, side, str(path), "--set-mib",
                str(settings.set_mib), "--rounds", str(settings.rounds)] + (["--quick"] if settings.quick else [])
     done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode == RULE_BROKEN:
+        raise AssignmentError(done.stderr.strip())
     if done.returncode != 0:
         raise RuntimeError(f"the {side} trial of {part} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return TrialResult.from_json(done.stdout.strip().splitlines()[-1])
@@ -225,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=PerfSettings.rounds)
     args = p.parse_args(argv)
     settings = PerfSettings(args.quick, args.set_mib, args.rounds)
-    print(trial(args.part, args.side, args.path, settings).to_json())
+    try:
+        print(trial(args.part, args.side, args.path, settings).to_json())
+    except AssignmentError as error:
+        print(error, file=sys.stderr)
+        return RULE_BROKEN
     return 0
 
 

@@ -19,10 +19,9 @@ ones before it, so the first that fails names the rule (as the other hands-on gr
 the engine does: it refills one activation buffer with each step's x (a result cached by pointer is stale),
 and it still holds a result when it asks for the next (an output buffer reused across calls overwrites it).
 The expected answer is `naive_skinny_gemm`, which the engine's kernel is tested against. A submission that
-uses the engine's own kernel (`skinny_gemm`, `torch.ops.minivllm_cpu`) is refused: ratio 1.0 by copying. The
-rule is the hands-on graders' (teaching/submission_rules.py, `RULES["speed"]`): the source before it runs, its
-classes, and a watch on every call (Python frames, and the dispatcher for the compiled ops), so a name built at
-run time (`importlib.import_module("minivllm." + "kern" + ...)`) is caught when it is called.
+uses the engine's own kernel (`skinny_gemm`, `torch.ops.minivllm_cpu`) is refused: ratio 1.0 by copying. The rule
+is the hands-on graders' (submission_rules.py, `RULES["speed"]`): the source, its classes, and a watch on every
+call (Python frames; the dispatcher for compiled ops), so a name built at run time is caught when it is called.
 
     python -m minivllm.teaching.perf_speed exercises/hands_on/5_speed/my_speed.py     # the probes alone
     python -m minivllm.teaching.perf_track speed exercises/hands_on/5_speed/my_speed.py   # then the timing
@@ -120,8 +119,8 @@ MIXES = ((1, 192, 576, torch.float32), (5, 1536, 576, torch.float32), (8, 576, 1
 
 
 class EngineOps(TorchDispatchMode):
-    """Records the engine's compiled ops (torch.ops.minivllm_cpu) run while open. The watch on the calls sees only
-    Python frames; the dispatcher sees every op, so an op reached by a name built at run time is named too."""
+    """Records the engine's compiled ops run while open: the watch sees only Python frames, the dispatcher every op
+    (one reached by a name built at run time too)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -136,6 +135,15 @@ class EngineOps(TorchDispatchMode):
         if self.used:
             raise AssignmentError(f"{who} broke a RULE: {RULES['speed'].rule}.\n  while the grader ran your code, "
                                   f"it ran {self.used[0]}")
+
+
+def check_engine_ops_unloaded(who: str) -> None:
+    """Raise `AssignmentError` if the engine's compiled kernel is loaded in this process: the timed rounds run
+    unwatched (a hook would slow them), and the student's trial never loads the ops itself, so code honest only
+    while a trace hook is set (`sys.gettrace()`) is caught after its timing."""
+    if hasattr(getattr(torch.ops, ENGINE_OPS), "skinny_gemm"):
+        raise AssignmentError(f"{who} broke a RULE: {RULES['speed'].rule}.\n  the engine's compiled kernel "
+                              f"(torch.ops.{ENGINE_OPS}) was loaded in your timed process")
 
 
 def watched(who: str, function: Callable, *args: object) -> object:

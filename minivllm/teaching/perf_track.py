@@ -37,6 +37,7 @@ import torch
 
 from minivllm.teaching.perf_measure import PARTS, PerfResult, alternate
 from minivllm.teaching.perf_workloads import PerfSettings
+from minivllm.teaching.submission_rules import AssignmentError
 
 QUICK_BANNER = ("QUICK RUN (--quick): tiny shapes, one trial a side. NOT A SPEED MEASUREMENT: it only shows that "
                 "the track runs on your file; time it without --quick")
@@ -184,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
               "to correct code")
         return status
     settings = PerfSettings(args.quick, args.set_mib, args.rounds)
-    result = alternate(args.part, args.path, settings, args.trials)
+    try:
+        result = alternate(args.part, args.path, settings, args.trials)
+    except AssignmentError as error:  # a rule broken while timed (perf_speed.check_engine_ops_unloaded)
+        print(f"✗ {error}\nno speed credited: the rules hold while your code is timed too")
+        return 1
     refused = refusal(result)
     if refused:  # wrong results: no table (its figures are not yours); impossible ones: the table, then why
         print(refused if any(c.wrong for c in result.cases) else f"{report(result, args.quick)}\n{refused}")

@@ -1,4 +1,5 @@
-"""Planted cheat (speed, rule 'own kernel'): the engine's own kernel called, which would score its own speed."""
+"""Planted cheat (speed, the rule on the engine's kernel): the engine's own kernel imported and called, which would
+score its speed, not the student's."""
 
 from __future__ import annotations
 
