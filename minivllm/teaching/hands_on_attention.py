@@ -22,12 +22,11 @@ names the rule broken:
    11 head size      and with heads of 32: head_dim and the scale are the model's, not constants
    12 fp32 softmax   the mixed batch in bf16 with large scores: computed in fp32, rounded once at the end
 
-Probes 1-9 use blocks of 4 and heads of 16 (the notebooks' sizes): a size written as a constant is
-named by 10 or 11. Each probe also checks what the backend writes: the new k/v at `slot_mapping` and
-nothing else in the pool (a kernel's `KernelBackend` stores them; the kernel writes only its output),
-q, k and v unchanged; a kernel's torch code outside its launch may not compute (teaching/host_ops.py).
-The expected: `naive_paged_attention` in fp32. Slots no request owns hold junk, so reading one shows.
-"""
+Probes 1-9 use blocks of 4 and heads of 16 (the notebooks' sizes): a size written as a constant is named by 10 or
+11. Each probe also checks what the backend writes: the new k/v at `slot_mapping` and nothing else in the pool (a
+kernel's `KernelBackend` stores them; the kernel writes only its output), q, k and v unchanged; a kernel's torch
+code outside its launch may not compute (teaching/host_ops.py). The expected: `naive_paged_attention` in fp32. Slots
+no request owns hold junk, so reading one shows."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ from minivllm.teaching.host_ops import TorchOps
 from minivllm.teaching.submission_rules import RULES, SubmissionRules
 from minivllm.teaching.submission_watch import Watch
 
-# fp32 attention over <= 64 keys of values |v| < 6: each output sums <= 64 products, so rounding stays
-# below 64 * 6 * 1.2e-7 ~ 5e-5 relative to the reference's own; 1e-4 leaves room and catches any real mistake.
+# fp32 over <= 64 keys, |v| < 6: rounding < 64 * 6 * 1.2e-7 ~ 5e-5 of the reference's; 1e-4 catches real mistakes
 ATOL = 1e-4
 KernelFn = Callable[..., torch.Tensor]  # paged_attention(q, k_cache, v_cache, block_tables, cu, ctx_lens, scale)
 
